@@ -1,0 +1,89 @@
+"""attach(): start observing this process as one rank of a distributed job."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from . import config as config_module
+from . import file_sd, identity, process_group
+from .collectors.collectives import CollectivesCollector
+from .collectors.exporter import ExporterCollector
+from .collectors.identity import IdentityCollector
+from .collectors.progress import ProgressCollector
+from .exposition import FlareCollector, MetricsServer, serve
+from .groups import WORLD
+from .state import FlareState
+
+log = logging.getLogger("flare_exporter")
+
+
+@dataclass
+class Attachment:
+    """A rank's running exporter: its state, registry, endpoint (None if not served) and target file."""
+
+    state: FlareState
+    registry: CollectorRegistry
+    server: MetricsServer | None
+    target_file: str | None
+
+    def close(self) -> None:
+        """Stop the timing manager and the endpoint, and withdraw the target file (clean exit only)."""
+        self.state.steps.remove()
+        self.state.manager.stop()
+        if self.server is not None:
+            self.server.close()
+        if self.target_file:
+            file_sd.remove_target(self.target_file)
+
+
+_attachment: Attachment | None = None
+
+
+def attach(config: config_module.Config | None = None) -> Attachment:
+    """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
+
+    Call it before `torch.distributed.init_process_group` so that every group is seen. Without `config`,
+    the configuration comes from FLARE_CONFIG and the FLARE_* environment.
+    """
+    global _attachment
+    if _attachment is not None:
+        return _attachment
+    config = config or config_module.load()
+    state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
+    registry = CollectorRegistry()
+    collectors = [
+        IdentityCollector(state),
+        CollectivesCollector(state),
+        ProgressCollector(state),
+        ExporterCollector(state),
+    ]
+    registry.register(
+        FlareCollector(collectors, lambda: (str(state.identity.rank), state.identity.run), state.health)
+    )
+
+    def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
+        if tracker_name == WORLD:  # the launcher may not have said who we are; the world group does
+            state.identity = dataclasses.replace(state.identity, rank=rank, world_size=size, backend=backend)
+
+    process_group.install(
+        process_group.Wrapping(state.groups, state.manager, state.health, config.max_groups, on_group)
+    )
+    state.steps.install()
+    state.manager.start()
+
+    server = None
+    target_file = None
+    if config.port:
+        port = config.port + state.identity.local_rank
+        server = serve(registry, config.addr, port, state.identity.rank)
+        if server is not None and config.file_sd_dir:
+            target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
+    _attachment = Attachment(state, registry, server, target_file)
+    atexit.register(_attachment.close)
+    return _attachment

@@ -1,0 +1,30 @@
+"""Steps, step duration and the heartbeat of the training thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import Metric
+
+from ..state import FlareState
+from . import Families
+
+
+class ProgressCollector:
+    name = "progress"
+    metrics = ("flare_steps_total", "flare_step_duration_seconds", "flare_heartbeat_timestamp_seconds")
+
+    def __init__(self, state: FlareState) -> None:
+        self.state = state
+
+    def collect(self, families: Families) -> Iterable[Metric]:
+        steps = self.state.steps
+        total = families.new("flare_steps_total")
+        total.add_metric(families.labels(), steps.steps)
+        durations = families.new("flare_step_duration_seconds")
+        families.add_histogram(durations, (), steps.durations)
+        heartbeat = families.new("flare_heartbeat_timestamp_seconds")
+        last_progress = max([steps.last_step_at] + [g.last_progress_at for g in list(self.state.groups.values())])
+        if last_progress:
+            heartbeat.add_metric(families.labels(), last_progress)
+        return [total, durations, heartbeat]

@@ -1,0 +1,190 @@
+"""Configuration: one typed, frozen Config, from a YAML file, then `FLARE_*` environment, then flags.
+
+Later sources override earlier ones. Every key has the same name in all three places: YAML `file_sd_dir`,
+environment `FLARE_FILE_SD_DIR`, flag `--file-sd-dir`. Unknown keys and bad values raise ConfigError,
+whose message names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "FLARE_"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and its source."""
+
+
+def _setting(default: Any, help: str, check: Callable[[Any], bool] = lambda _: True, rule: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "check": check, "rule": rule})
+
+
+def _label_safe(value: str) -> bool:
+    return len(value) <= 128 and "\n" not in value
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a rank's exporter can be told; see the README's configuration table."""
+
+    config: str = _setting("", "YAML config file to read first (also FLARE_CONFIG).")
+    port: int = _setting(
+        9400,
+        "Base port; a rank serves /metrics on port + local_rank. 0 serves nothing.",
+        lambda v: 0 <= v <= 65535,
+        "between 0 and 65535",
+    )
+    addr: str = _setting(
+        "0.0.0.0",
+        "Bind address of the metrics endpoint (0.0.0.0: every interface, so a remote Prometheus can scrape).",
+        lambda v: bool(v),
+        "non-empty",
+    )
+    run: str = _setting(
+        "",
+        "Run id carried by every series as label run (default: torchrun's run id, Slurm's job id, or 'default').",
+        _label_safe,
+        "at most 128 characters on one line",
+    )
+    host: str = _setting(
+        "",
+        "Host identity in flare_rank_info (default: this machine's hostname).",
+        _label_safe,
+        "at most 128 characters on one line",
+    )
+    file_sd_dir: str = _setting("", "Directory in which each rank writes a Prometheus file_sd target file.")
+    queue_size: int = _setting(
+        65536,
+        "Collective events buffered between the training thread and the timing manager; beyond it, dropped.",
+        lambda v: 16 <= v <= 10_000_000,
+        "between 16 and 10000000",
+    )
+    timing_interval_seconds: float = _setting(
+        0.02,
+        "How often the timing manager resolves completed collectives.",
+        lambda v: 0.001 <= v <= 10,
+        "between 0.001 and 10",
+    )
+    max_groups: int = _setting(
+        64,
+        "Most process groups tracked per rank; collectives of further groups are counted as dropped.",
+        lambda v: 1 <= v <= 4096,
+        "between 1 and 4096",
+    )
+
+    def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Config:
+        """This config with `overrides` (already typed) applied, each checked; errors name `source`."""
+        checked = {name: _check(name, value, source) for name, value in overrides.items()}
+        return dataclasses.replace(self, **checked)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _type_of(name: str) -> type:
+    return {"int": int, "float": float, "str": str, "bool": bool}[str(FIELDS[name].type)]
+
+
+def _check(name: str, value: Any, source: str) -> Any:
+    if name not in FIELDS:
+        raise ConfigError(f"unknown key {name!r} in {source}; known keys: {', '.join(FIELDS)}")
+    expected = _type_of(name)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+        raise ConfigError(
+            f"key {name!r} in {source}: expected {expected.__name__}, got {type(value).__name__} {value!r}"
+        )
+    metadata = FIELDS[name].metadata
+    if not metadata["check"](value):
+        raise ConfigError(f"key {name!r} in {source}: {value!r} is out of range ({metadata['rule']})")
+    return value
+
+
+def _parse_text(name: str, text: str, source: str) -> Any:
+    """Turn an environment or flag string into the key's type."""
+    expected = _type_of(name)
+    try:
+        if expected is bool:
+            lowered = text.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return lowered in ("1", "true", "yes", "on")
+        return expected(text.strip()) if expected is not str else text
+    except ValueError:
+        raise ConfigError(f"key {name!r} in {source}: {text!r} is not a valid {expected.__name__}") from None
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The mapping in a YAML config file, unchecked; errors name the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as error:
+        raise ConfigError(f"config file {path}: cannot read it ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        first_line = str(error).splitlines()[0] if str(error) else "invalid YAML"
+        raise ConfigError(f"config file {path}: not valid YAML ({first_line})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys to values, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str) or key not in FIELDS or key == "config":
+            raise ConfigError(f"unknown key {key!r} in config file {path}; known keys: {', '.join(FIELDS)}")
+    return data
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Typed values of the FLARE_* variables that name config keys."""
+    values = {}
+    for name in FIELDS:
+        variable = ENV_PREFIX + name.upper()
+        if variable in environ:
+            values[name] = _parse_text(name, environ[variable], _env_source(name))
+    return values
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one --flag per config key; their defaults are None so unset flags override nothing."""
+    for name, spec in FIELDS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=spec.metadata["help"])
+
+
+def load(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """The config from file (flag --config, else FLARE_CONFIG), then the environment, then `flags`."""
+    environ = os.environ if environ is None else environ
+    env_values = from_environment(environ)
+    flag_values = {
+        name: _parse_text(name, str(text), _flag_source(name))
+        for name, text in (flags or {}).items()
+        if text is not None
+    }
+    config = Config()
+    path = flag_values.get("config") or env_values.get("config") or ""
+    if path:
+        config = config.with_overrides(read_file(path), f"config file {path}")
+    for name, value in env_values.items():
+        config = config.with_overrides({name: value}, _env_source(name))
+    for name, value in flag_values.items():
+        config = config.with_overrides({name: value}, _flag_source(name))
+    return config
+
+
+def _env_source(name: str) -> str:
+    return f"environment variable {ENV_PREFIX}{name.upper()}"
+
+
+def _flag_source(name: str) -> str:
+    return "flag --" + name.replace("_", "-")

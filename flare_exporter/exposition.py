@@ -1,0 +1,115 @@
+"""The scrape path: run every collector safely, add per-collector meta-metrics, serve /metrics."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import Metric
+
+from .collectors import Collector, Families
+from .health import ExporterHealth
+
+log = logging.getLogger("flare_exporter")
+
+
+class FlareCollector:
+    """Runs each collector on every scrape; a failing collector is reported, never fails the scrape."""
+
+    def __init__(self, collectors: Sequence[Collector], common_values: Any, health: ExporterHealth) -> None:
+        seen: dict[str, str] = {}
+        for collector in collectors:
+            for name in collector.metrics:
+                if name in seen:
+                    raise ValueError(f"metric {name} is exported by both {seen[name]} and {collector.name}")
+                seen[name] = collector.name
+        self.collectors = list(collectors)
+        self.common_values = common_values  # callable returning (rank, run): the identity can change
+        self.health = health
+
+    def describe(self) -> Iterable[Metric]:
+        families = Families(("", ""))
+        names = [name for collector in self.collectors for name in collector.metrics]
+        names += ["flare_exporter_collector_success", "flare_exporter_collector_duration_seconds"]
+        return [families.new(name) for name in names]
+
+    def collect(self) -> Iterable[Metric]:
+        families = Families(self.common_values())
+        success = families.new("flare_exporter_collector_success")
+        duration = families.new("flare_exporter_collector_duration_seconds")
+        output: list[Metric] = []
+        for collector in self.collectors:
+            started = time.perf_counter()
+            try:
+                output.extend(collector.collect(families))
+                ok = 1
+            except Exception as error:
+                self.health.error(f"collector_{collector.name}", error)
+                ok = 0
+            success.add_metric(families.labels(collector.name), ok)
+            duration.add_metric(families.labels(collector.name), time.perf_counter() - started)
+        return output + [success, duration]
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes must not flood the job's log
+        pass
+
+
+def make_app(registry: CollectorRegistry) -> Any:
+    """WSGI app serving only /metrics and /healthz; nothing on a rank can be triggered over HTTP."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Any) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics_app(environ, start_response)
+        if path == "/healthz":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"flare-exporter serves /metrics and /healthz only\n"]
+
+    return app
+
+
+class MetricsServer:
+    """The rank's HTTP endpoint, on a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int) -> None:
+        self.addr = addr
+        self.port = port
+        self._server = make_server(addr, port, make_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="flare-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve(registry: CollectorRegistry, addr: str, port: int, rank: int) -> MetricsServer | None:
+    """Start the endpoint; if the port is taken or the address unusable, warn and return None."""
+    try:
+        return MetricsServer(registry, addr, port)
+    except OSError as error:
+        reason = "is already in use" if error.errno == errno.EADDRINUSE else f"cannot be bound ({error.strerror})"
+        log.warning(
+            "flare-exporter: port %d on %s %s; rank %d serves no metrics, training continues "
+            "(set FLARE_PORT to another base port)",
+            port, addr, reason, rank,
+        )
+        return None

@@ -1,0 +1,51 @@
+"""Prometheus file_sd target files: one per rank, so a Prometheus watching the directory finds every rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+
+from .identity import RankIdentity
+
+log = logging.getLogger("flare_exporter")
+
+_ANY_ADDRESS = ("", "0.0.0.0", "::")
+
+
+def target_path(directory: str, identity: RankIdentity) -> str:
+    safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity.run)
+    return os.path.join(directory, f"flare-{safe_run}-rank{identity.rank}.json")
+
+
+def target_document(identity: RankIdentity, addr: str, port: int) -> list[dict]:
+    """The file_sd document; `rank` and `run` label the target so that `up` says which rank is down."""
+    host = socket.gethostname() if addr in _ANY_ADDRESS else addr
+    if ":" in host:
+        host = f"[{host}]"
+    return [{"targets": [f"{host}:{port}"], "labels": {"rank": str(identity.rank), "run": identity.run}}]
+
+
+def write_target(directory: str, identity: RankIdentity, addr: str, port: int) -> str | None:
+    """Write this rank's target file atomically; on failure warn, return None, and let training go on."""
+    path = target_path(directory, identity)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".flare-", suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump(target_document(identity, addr, port), out)
+        os.replace(temporary, path)
+        return path
+    except OSError as error:
+        log.warning("flare-exporter: cannot write file_sd target file in %s (%s); Prometheus will not "
+                    "discover rank %d, training continues", directory, error.strerror or error, identity.rank)
+        return None
+
+
+def remove_target(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

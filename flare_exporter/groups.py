@@ -1,0 +1,102 @@
+"""Process groups as flare sees them: a stable name every member computes alike, a role, sequence numbers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .health import ExporterHealth
+from .timing import CollectiveRecord, TimingBackend
+
+WORLD = "world"
+POINT_TO_POINT_OPS = frozenset({"send", "recv", "recv_anysource"})
+
+_ROLE_WORDS = {
+    "dp": "dp", "data": "dp", "fsdp": "dp", "replicate": "dp", "shard": "dp",
+    "tp": "tp", "tensor": "tp",
+    "pp": "pp", "pipeline": "pp",
+    "ep": "ep", "expert": "ep", "moe": "ep",
+    "cp": "cp", "context": "cp",
+}  # fmt: skip
+
+
+def group_name(description: str, global_ranks: Sequence[int]) -> str:
+    """`world` for the default group, else the description plus a hash of the sorted member ranks.
+
+    Every member computes the same name from facts they share, and the hash keeps it short whatever
+    the group's size, so the label stays bounded.
+    """
+    if description == "default_pg" or not global_ranks:
+        return WORLD
+    digest = hashlib.sha1(",".join(map(str, sorted(global_ranks))).encode()).hexdigest()[:8]
+    words = re.sub(r"[^a-z0-9]+", "_", description.lower()).strip("_")[:32]
+    if not words or words == "undefined":
+        words = "group"
+    return f"{words}-{digest}"
+
+
+def group_role(name: str) -> str:
+    """dp/tp/pp/ep/cp when the group's description says so, `world` for the world, else `other`."""
+    if name == WORLD:
+        return WORLD
+    for word in re.split(r"[^a-z]+", name.split("-")[0]):
+        if word in _ROLE_WORDS:
+            return _ROLE_WORDS[word]
+    return "other"
+
+
+def payload_bytes(tensors: Any) -> int:
+    """Bytes of a tensor or of nested lists of tensors."""
+    if isinstance(tensors, (list, tuple)):
+        return sum(payload_bytes(item) for item in tensors)
+    return tensors.numel() * tensors.element_size()
+
+
+class GroupTracker:
+    """One process group on this rank: issues sequence numbers and hands works to the timing backend."""
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        backend_name: str,
+        timing: TimingBackend,
+        health: ExporterHealth,
+    ) -> None:
+        self.name = name
+        self.role = group_role(name)
+        self.size = size
+        self.backend_name = backend_name
+        self.timing = timing
+        self.health = health
+        self._next_seq = itertools.count(1)  # next() is atomic in CPython: safe from any thread
+        self.last_issued_seq = 0
+        self.last_completed_seq = 0  # written by the timing manager only
+        self.last_progress_at = 0.0  # wall time of the last issue, for the heartbeat
+
+    def issue(self, op: str, tensors: Any) -> CollectiveRecord | None:
+        """Record a collective about to be issued; never raises into training code."""
+        try:
+            seq = 0
+            if op not in POINT_TO_POINT_OPS:
+                seq = next(self._next_seq)
+                self.last_issued_seq = seq
+            nbytes = payload_bytes(tensors) if tensors is not None else 0
+            self.last_progress_at = time.time()
+            return CollectiveRecord(self, op, nbytes, seq, time.perf_counter())
+        except Exception as error:
+            self.health.error("collective_hook", error)
+            return None
+
+    def track(self, record: CollectiveRecord | None, work: Any) -> None:
+        """Hand the issued work to the timing backend; never raises into training code."""
+        if record is None:
+            return
+        try:
+            self.timing.track(record, work)
+        except Exception as error:
+            self.health.error("collective_timing", error)

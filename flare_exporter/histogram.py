@@ -1,0 +1,40 @@
+"""A histogram with one writer thread and lock-free readers.
+
+The training thread and the timing manager each own the histograms they write, so observing never
+takes a lock that a scrape could hold. A scrape copies the bucket list (one C-level copy under the GIL)
+and derives the count from that copy, so the buckets it exposes are always cumulative and consistent.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+
+class Histogram:
+    """Bucket counts for `bounds` (upper bounds, `le`), plus +Inf; written by one thread only."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative (le, count) pairs ending with +Inf, and the sum."""
+        counts = self.counts.copy()
+        total = self.sum
+        cumulative = []
+        running = 0
+        for bound, count in zip(self.bounds + (float("inf"),), counts):
+            running += count
+            cumulative.append((_format_bound(bound), running))
+        return cumulative, total
+
+
+def _format_bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))

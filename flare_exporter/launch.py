@@ -1,0 +1,65 @@
+"""Run an unmodified training script as an observed rank.
+
+    python -m flare_exporter.launch [flags] script.py [script args]
+    flare-run [flags] -m package.module [module args]
+    torchrun --nproc-per-node 8 -m flare_exporter.launch [flags] train.py [args]
+
+Works under any launcher that tells the rank its identity (torchrun, Slurm's srun, mpirun, or plain
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import runpy
+import sys
+
+from . import config as config_module
+from .attach import attach
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flare-run",
+        description="Run a PyTorch training script with a flare-exporter on every rank.",
+    )
+    config_module.add_flags(parser)
+    parser.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
+    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args], or the module's args with -m")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags = {name: getattr(args, name) for name in config_module.FIELDS}
+    try:
+        config = config_module.load(flags)
+    except config_module.ConfigError as error:
+        print(f"flare-run: {error}", file=sys.stderr)
+        return 2
+    if args.module is None and not args.target:
+        parser.print_usage(sys.stderr)
+        print("flare-run: error: give a script to run (or -m module)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    attach(config)
+    if args.module is not None:
+        sys.argv = [args.module, *args.target]
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args.target)
+        sys.path.insert(0, _script_dir(args.target[0]))
+        runpy.run_path(args.target[0], run_name="__main__")
+    return 0
+
+
+def _script_dir(script: str) -> str:
+    import os
+
+    return os.path.dirname(os.path.abspath(script))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

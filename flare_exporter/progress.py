@@ -1,0 +1,50 @@
+"""Training progress: optimizer steps, step duration and the heartbeat, from a global optimizer hook."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import spec
+from .health import ExporterHealth
+from .histogram import Histogram
+
+
+class StepTracker:
+    """Counts the steps of the first optimizer that steps; written by the training thread only."""
+
+    def __init__(self, health: ExporterHealth) -> None:
+        self.health = health
+        self.steps = 0
+        self.durations = Histogram(spec.STEP_DURATION_BUCKETS)
+        self.last_step_at = 0.0  # wall time, for the heartbeat
+        self._last_step_perf = 0.0
+        self._optimizer: weakref.ref[Any] | None = None
+        self._handle: Any = None
+
+    def install(self) -> None:
+        """Hook every optimizer's step(), present and future, without touching user code."""
+        self._handle = register_optimizer_step_post_hook(self.on_step)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if self._optimizer is None or self._optimizer() is None:
+                self._optimizer = weakref.ref(optimizer)
+            elif self._optimizer() is not optimizer:
+                return  # a second optimizer in the same iteration: one step is counted once
+            now = time.perf_counter()
+            if self._last_step_perf:
+                self.durations.observe(now - self._last_step_perf)
+            self._last_step_perf = now
+            self.steps += 1
+            self.last_step_at = time.time()
+        except Exception as error:
+            self.health.error("step_hook", error)

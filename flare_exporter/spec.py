@@ -1,0 +1,204 @@
+"""The metric spec: every metric flare-exporter exports, declared once.
+
+Collectors, the README's metric table, rules and dashboards all read this module; a test fails when
+anything names a `flare_` metric that is not declared here. Every series also carries the constant
+labels `rank` and `run` (`COMMON_LABELS`), which are not repeated per metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMON_LABELS = ("rank", "run")
+
+COUNTER, GAUGE, HISTOGRAM, INFO = "counter", "gauge", "histogram", "info"
+UNITS = ("seconds", "bytes", "")
+
+
+def log_buckets(lowest: float, highest: float, per_decade: int) -> tuple[float, ...]:
+    """Log-spaced bucket bounds from `lowest` to `highest`, `per_decade` bounds per factor of ten."""
+    bounds = []
+    exponent = 0
+    while True:
+        bound = float(f"{lowest * 10 ** (exponent / per_decade):.3g}")
+        if bound > highest * 1.0001:
+            return tuple(bounds)
+        bounds.append(bound)
+        exponent += 1
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its exposed name, type, unit, help text, labels beyond rank/run, and buckets."""
+
+    name: str
+    type: str
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.name.startswith("flare_"):
+            problems.append("name must start with flare_")
+        if self.type not in (COUNTER, GAUGE, HISTOGRAM, INFO):
+            problems.append(f"unknown type {self.type!r}")
+        if self.unit not in UNITS:
+            problems.append(f"unknown unit {self.unit!r}")
+        base = self.name.removesuffix("_total")
+        if self.unit and not base.endswith("_" + self.unit):
+            problems.append(f"name must end in _{self.unit} (its unit)")
+        if (self.type == COUNTER) != self.name.endswith("_total"):
+            problems.append("counters, and only counters, end in _total")
+        if (self.type == INFO) != self.name.endswith("_info"):
+            problems.append("info metrics, and only they, end in _info")
+        if (self.type == HISTOGRAM) != bool(self.buckets):
+            problems.append("histograms, and only they, declare buckets")
+        if list(self.buckets) != sorted(set(self.buckets)):
+            problems.append("buckets must be strictly increasing")
+        if set(self.labels) & set(COMMON_LABELS):
+            problems.append("rank and run are common labels; do not declare them")
+        if problems:
+            raise ValueError(f"metric {self.name}: " + "; ".join(problems))
+
+
+COLLECTIVE_OPS = (
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "allgather_base",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "send",
+    "recv",
+    "recv_anysource",
+    "barrier",
+)
+
+GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
+
+COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
+STEP_DURATION_BUCKETS = log_buckets(1e-3, 1000.0, 2)  # 1 ms .. 1000 s, 13 bounds
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "flare_rank_info",
+        INFO,
+        "",
+        "Identity of this rank; join other series on rank with group_left to get these labels.",
+        ("host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"),
+    ),
+    MetricSpec(
+        "flare_process_group_info",
+        INFO,
+        "",
+        "A process group this rank belongs to: its stable name, its role and its size.",
+        ("group", "role", "size"),
+    ),
+    MetricSpec(
+        "flare_collective_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Time from issuing a collective to its completion (device time from CUDA events on GPUs, "
+        "completion of the work on CPU/gloo).",
+        ("group", "op"),
+        COLLECTIVE_DURATION_BUCKETS,
+    ),
+    MetricSpec(
+        "flare_collective_bytes_total",
+        COUNTER,
+        "bytes",
+        "Bytes of input tensors this rank contributed to completed collectives.",
+        ("group", "op"),
+    ),
+    MetricSpec(
+        "flare_collective_last_issued_seq",
+        GAUGE,
+        "",
+        "Sequence number of the last collective this rank issued in the group (starts at 1).",
+        ("group",),
+    ),
+    MetricSpec(
+        "flare_collective_last_completed_seq",
+        GAUGE,
+        "",
+        "Highest sequence number of a collective that completed on this rank in the group.",
+        ("group",),
+    ),
+    MetricSpec(
+        "flare_steps_total",
+        COUNTER,
+        "",
+        "Optimizer steps taken by this rank (the first optimizer that steps counts).",
+    ),
+    MetricSpec(
+        "flare_step_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Time between consecutive optimizer steps on this rank.",
+        (),
+        STEP_DURATION_BUCKETS,
+    ),
+    MetricSpec(
+        "flare_heartbeat_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time of the training thread's last progress (an optimizer step or a collective issued).",
+    ),
+    MetricSpec(
+        "flare_exporter_errors_total",
+        COUNTER,
+        "",
+        "Errors the exporter caught and counted instead of raising, by component.",
+        ("component",),
+    ),
+    MetricSpec(
+        "flare_exporter_dropped_events_total",
+        COUNTER,
+        "",
+        "Events dropped because a bounded queue or table was full, by queue.",
+        ("queue",),
+    ),
+    MetricSpec(
+        "flare_exporter_collector_success",
+        GAUGE,
+        "",
+        "1 if the collector succeeded on this scrape, 0 if it failed.",
+        ("collector",),
+    ),
+    MetricSpec(
+        "flare_exporter_collector_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Time the collector took on this scrape.",
+        ("collector",),
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {}
+for _metric in METRICS:
+    if _metric.name in BY_NAME:
+        raise ValueError(f"metric {_metric.name} is declared twice")
+    BY_NAME[_metric.name] = _metric
+
+
+def exposed_series_names(metric: MetricSpec) -> tuple[str, ...]:
+    """The sample names Prometheus stores for a metric (histograms expose three)."""
+    if metric.type == HISTOGRAM:
+        return (metric.name + "_bucket", metric.name + "_sum", metric.name + "_count")
+    return (metric.name,)
+
+
+def all_series_names() -> frozenset[str]:
+    """Every sample name the exporter may expose; rules and dashboards may only name these."""
+    return frozenset(name for metric in METRICS for name in exposed_series_names(metric))
