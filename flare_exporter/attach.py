@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from . import config as config_module
 from . import file_sd, identity, process_group
+from .collectors import Collector
 from .collectors.collectives import CollectivesCollector
 from .collectors.exporter import ExporterCollector
 from .collectors.identity import IdentityCollector
@@ -57,7 +58,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     config = config or config_module.load()
     state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
     registry = CollectorRegistry()
-    collectors = [
+    collectors: list[Collector] = [
         IdentityCollector(state),
         CollectivesCollector(state),
         ProgressCollector(state),

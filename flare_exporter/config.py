@@ -50,7 +50,7 @@ class Config:
     )
     run: str = _setting(
         "",
-        "Run id carried by every series as label run (default: torchrun's run id, Slurm's job id, or 'default').",
+        "Run id, label run of every series (default: torchrun's run id, Slurm's job id, or 'default').",
         _label_safe,
         "at most 128 characters on one line",
     )
@@ -130,13 +130,17 @@ def read_file(path: str) -> dict[str, Any]:
             data = yaml.safe_load(handle)
     except OSError as error:
         raise ConfigError(f"config file {path}: cannot read it ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path}: not UTF-8 text ({error.reason})") from None
     except yaml.YAMLError as error:
         first_line = str(error).splitlines()[0] if str(error) else "invalid YAML"
         raise ConfigError(f"config file {path}: not valid YAML ({first_line})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of keys to values, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path}: expected a mapping of keys to values, got {type(data).__name__}"
+        )
     for key in data:
         if not isinstance(key, str) or key not in FIELDS or key == "config":
             raise ConfigError(f"unknown key {key!r} in config file {path}; known keys: {', '.join(FIELDS)}")
@@ -156,7 +160,9 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per config key; their defaults are None so unset flags override nothing."""
     for name, spec in FIELDS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=spec.metadata["help"])
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, help=spec.metadata["help"]
+        )
 
 
 def load(

@@ -48,7 +48,7 @@ class FlareCollector:
         for collector in self.collectors:
             started = time.perf_counter()
             try:
-                output.extend(collector.collect(families))
+                output.extend(list(collector.collect(families)))  # all of it, or nothing
                 ok = 1
             except Exception as error:
                 self.health.error(f"collector_{collector.name}", error)
@@ -91,7 +91,9 @@ class MetricsServer:
     def __init__(self, registry: CollectorRegistry, addr: str, port: int) -> None:
         self.addr = addr
         self.port = port
-        self._server = make_server(addr, port, make_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+        self._server = make_server(
+            addr, port, make_app(registry), _ThreadingServer, handler_class=_QuietHandler
+        )
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="flare-http", daemon=True)
         self._thread.start()
@@ -106,10 +108,15 @@ def serve(registry: CollectorRegistry, addr: str, port: int, rank: int) -> Metri
     try:
         return MetricsServer(registry, addr, port)
     except OSError as error:
-        reason = "is already in use" if error.errno == errno.EADDRINUSE else f"cannot be bound ({error.strerror})"
+        reason = (
+            "is already in use" if error.errno == errno.EADDRINUSE else f"cannot be bound ({error.strerror})"
+        )
         log.warning(
             "flare-exporter: port %d on %s %s; rank %d serves no metrics, training continues "
             "(set FLARE_PORT to another base port)",
-            port, addr, reason, rank,
+            port,
+            addr,
+            reason,
+            rank,
         )
         return None

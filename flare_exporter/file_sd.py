@@ -31,6 +31,7 @@ def target_document(identity: RankIdentity, addr: str, port: int) -> list[dict]:
 def write_target(directory: str, identity: RankIdentity, addr: str, port: int) -> str | None:
     """Write this rank's target file atomically; on failure warn, return None, and let training go on."""
     path = target_path(directory, identity)
+    temporary = ""
     try:
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".flare-", suffix=".tmp")
@@ -39,8 +40,15 @@ def write_target(directory: str, identity: RankIdentity, addr: str, port: int) -
         os.replace(temporary, path)
         return path
     except OSError as error:
-        log.warning("flare-exporter: cannot write file_sd target file in %s (%s); Prometheus will not "
-                    "discover rank %d, training continues", directory, error.strerror or error, identity.rank)
+        if temporary:
+            remove_target(temporary)
+        log.warning(
+            "flare-exporter: cannot write file_sd target file in %s (%s); Prometheus will not "
+            "discover rank %d, training continues",
+            directory,
+            error.strerror or error,
+            identity.rank,
+        )
         return None
 
 

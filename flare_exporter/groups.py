@@ -43,7 +43,7 @@ def group_role(name: str) -> str:
     """dp/tp/pp/ep/cp when the group's description says so, `world` for the world, else `other`."""
     if name == WORLD:
         return WORLD
-    for word in re.split(r"[^a-z]+", name.split("-")[0]):
+    for word in re.split(r"[^a-z]+", name.split("-")[0].lower()):
         if word in _ROLE_WORDS:
             return _ROLE_WORDS[word]
     return "other"

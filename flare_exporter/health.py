@@ -22,7 +22,9 @@ class ExporterHealth:
 
     def error(self, component: str, error: BaseException | None = None) -> None:
         if self.errors[component] == 0:
-            log.warning("flare-exporter: %s failed (%r); counting further failures silently", component, error)
+            log.warning(
+                "flare-exporter: %s failed (%r); counting further failures silently", component, error
+            )
         self.errors[component] += 1
 
     def drop(self, queue: str, count: int = 1) -> None:

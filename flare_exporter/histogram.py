@@ -30,7 +30,7 @@ class Histogram:
         total = self.sum
         cumulative = []
         running = 0
-        for bound, count in zip(self.bounds + (float("inf"),), counts):
+        for bound, count in zip(self.bounds + (float("inf"),), counts, strict=True):
             running += count
             cumulative.append((_format_bound(bound), running))
         return cumulative, total

@@ -25,8 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a PyTorch training script with a flare-exporter on every rank.",
     )
     config_module.add_flags(parser)
-    parser.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
-    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args], or the module's args with -m")
+    parser.add_argument(
+        "-m", dest="module", default=None, help="run a module (like python -m) instead of a script"
+    )
+    parser.add_argument(
+        "target", nargs=argparse.REMAINDER, help="script.py [args], or the module's args with -m"
+    )
     return parser
 
 

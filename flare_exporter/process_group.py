@@ -59,7 +59,7 @@ class FlareProcessGroup(dist.ProcessGroup):
     """A process group that records each collective, then delegates it to the real backend."""
 
     def __init__(self, inner: Any, rank: int, size: int, tracker: GroupTracker) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload stubs omit
         self._inner = inner
         self._tracker = tracker
 
@@ -91,8 +91,14 @@ for _method, _payload_index in WRAPPED_METHODS.items():
 class Wrapping:
     """What install() needs to build groups: the shared state, and the group being created now."""
 
-    def __init__(self, groups: dict[str, GroupTracker], manager: TimingManager, health: ExporterHealth,
-                 max_groups: int, on_group: Callable[[str, int, int, str], None]) -> None:
+    def __init__(
+        self,
+        groups: dict[str, GroupTracker],
+        manager: TimingManager,
+        health: ExporterHealth,
+        max_groups: int,
+        on_group: Callable[[str, int, int, str], None],
+    ) -> None:
         self.groups = groups
         self.on_group = on_group
         self.manager = manager
@@ -114,8 +120,9 @@ class Wrapping:
             timing = CudaEventTiming(self.manager) if backend_name == "nccl" else FutureTiming(self.manager)
             tracker = GroupTracker(name, options.group_size, backend_name, timing, self.health)
             wrapper = FlareProcessGroup(inner, options.group_rank, options.group_size, tracker)
-            wrapper._register_backend(torch.device("cuda" if backend_name == "nccl" else "cpu"),
-                                      _backend_type(backend_name), inner)
+            wrapper._register_backend(
+                torch.device("cuda" if backend_name == "nccl" else "cpu"), _backend_type(backend_name), inner
+            )
         except Exception as error:
             self.health.error("process_group_wrap", error)
             return inner
@@ -123,16 +130,24 @@ class Wrapping:
         self.on_group(name, options.group_rank, options.group_size, backend_name)
         return wrapper
 
-    def helper(self, group_size: int, group_rank: int, global_ranks: list[int], backend: Any,
-               *args: Any, **kwargs: Any) -> Any:
+    def helper(
+        self,
+        group_size: int,
+        group_rank: int,
+        global_ranks: list[int],
+        backend: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         """Replacement for torch's _new_process_group_helper that swaps in the flare backends."""
         assert self.original_helper is not None
         real = _wrappable(backend)
         if real is None:
             return self.original_helper(group_size, group_rank, global_ranks, backend, *args, **kwargs)
         self.creating_description = str(kwargs.get("group_desc") or "")
-        pg, prefix_store = self.original_helper(group_size, group_rank, global_ranks, "flare_" + real,
-                                                *args, **kwargs)
+        pg, prefix_store = self.original_helper(
+            group_size, group_rank, global_ranks, "flare_" + real, *args, **kwargs
+        )
         if pg in c10d._world.pg_map:  # answer get_backend() with the real name
             c10d._world.pg_map[pg] = (real, c10d._world.pg_map[pg][1])
         return pg, prefix_store
@@ -188,5 +203,5 @@ def install(wrapping: Wrapping) -> None:
             devices=devices,
         )
     wrapping.original_helper = c10d._new_process_group_helper
-    c10d._new_process_group_helper = wrapping.helper
+    c10d._new_process_group_helper = wrapping.helper  # type: ignore[assignment]
     _installed = wrapping

@@ -17,13 +17,14 @@ UNITS = ("seconds", "bytes", "")
 
 def log_buckets(lowest: float, highest: float, per_decade: int) -> tuple[float, ...]:
     """Log-spaced bucket bounds from `lowest` to `highest`, `per_decade` bounds per factor of ten."""
-    bounds = []
+    bounds: list[float] = []
     exponent = 0
     while True:
         bound = float(f"{lowest * 10 ** (exponent / per_decade):.3g}")
-        if bound > highest * 1.0001:
+        if not bounds or bound > bounds[-1]:  # rounding can repeat a bound when per_decade is large
+            bounds.append(bound)
+        if bound >= highest * 0.9999:
             return tuple(bounds)
-        bounds.append(bound)
         exponent += 1
 
 
@@ -118,7 +119,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_bytes_total",
         COUNTER,
         "bytes",
-        "Bytes of input tensors this rank contributed to completed collectives.",
+        "Bytes this rank contributed to completed collectives (its input; for scatter and receives, "
+        "what it received).",
         ("group", "op"),
     ),
     MetricSpec(

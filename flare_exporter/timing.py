@@ -68,7 +68,10 @@ class TimingManager:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.drain()
+        try:
+            self.drain()
+        except Exception as error:
+            self.health.error("timing_manager", error)
 
     def complete(self, record: CollectiveRecord) -> None:
         """Hand over a record whose duration is known (any thread; never blocks)."""
@@ -98,6 +101,8 @@ class TimingManager:
             duration = backend.poll(work, record)
             if duration is None:
                 self.polled.append((record, work, backend))
+            elif _failed(work):
+                self.health.drop("failed_collectives")
             else:
                 record.duration = duration
                 self.completed.append(record)
@@ -134,6 +139,13 @@ class TimingBackend:
         return time.perf_counter() - record.issued_at
 
 
+def _failed(work: Any) -> bool:
+    try:
+        return not work.is_success()
+    except RuntimeError:  # works that do not say are taken as successful once completed
+        return False
+
+
 class FutureTiming(TimingBackend):
     """CPU collectives: the work's future calls back on completion (gloo's own thread)."""
 
@@ -147,7 +159,12 @@ class FutureTiming(TimingBackend):
             return
         manager = self.manager
 
-        def on_done(_: Any) -> None:
+        def on_done(done: Any) -> None:
+            try:
+                done.value()
+            except Exception:  # a failed collective did not complete: it stays in flight
+                manager.health.drop("failed_collectives")
+                return
             record.duration = time.perf_counter() - record.issued_at
             manager.complete(record)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -14,8 +14,11 @@ from ..histogram import Histogram
 class Collector(Protocol):
     """A collector: a name, the spec metrics it exports, and a collect() that builds them."""
 
-    name: str
-    metrics: tuple[str, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def metrics(self) -> Sequence[str]: ...
 
     def collect(self, families: Families) -> Iterable[Metric]: ...
 

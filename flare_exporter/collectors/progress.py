@@ -24,7 +24,9 @@ class ProgressCollector:
         durations = families.new("flare_step_duration_seconds")
         families.add_histogram(durations, (), steps.durations)
         heartbeat = families.new("flare_heartbeat_timestamp_seconds")
-        last_progress = max([steps.last_step_at] + [g.last_progress_at for g in list(self.state.groups.values())])
+        last_progress = max(
+            [steps.last_step_at] + [g.last_progress_at for g in list(self.state.groups.values())]
+        )
         if last_progress:
             heartbeat.add_metric(families.labels(), last_progress)
         return [total, durations, heartbeat]

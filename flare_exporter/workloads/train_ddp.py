@@ -1,6 +1,6 @@
 """A small, ordinary DDP training script; it knows nothing about flare-exporter.
 
-    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_ddp.py --steps 20
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python flare_exporter/workloads/train_ddp.py
 
 --wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
 --report PATH writes this rank's step times as JSON (the overhead benchmark reads them).
@@ -20,7 +20,9 @@ WIDTH = 256
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10))
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+    )
 
 
 def main() -> None:

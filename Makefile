@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both install what they need.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint system-deps bench
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel first, so that the package's torch range installs nothing more
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+system-deps:
+	scripts/install-system-deps.sh
+
+demo: $(VENV)/.installed system-deps
+	$(PY) -m flare_exporter.demo
+
+test: $(VENV)/.installed system-deps
+	$(PY) -m ruff check flare_exporter tests benchmarks
+	$(PY) -m mypy
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/overhead.py

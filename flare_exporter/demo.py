@@ -1,0 +1,156 @@
+"""The demo: a 4-rank gloo DDP job with flare-exporter on every rank, scraped by a real Prometheus.
+
+    python -m flare_exporter.demo [--ranks 4] [--steps 600] [--no-prometheus]
+
+Prints, per rank, the step rate and the all-reduce latency that Prometheus (or, without one, a direct
+scrape of the ranks) reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from . import promql, scrape
+from .local_job import LocalJob, free_port_block
+from .prometheus_process import PrometheusProcess, find_binary, wait_for
+from .workloads import train_ddp
+
+# PromQL the summary is made of; each returns one series per rank.
+STEP_RATE = "rate(flare_steps_total[{window}])"
+ALLREDUCE_QUANTILE = (
+    "histogram_quantile({q}, sum by (rank, le) "
+    '(rate(flare_collective_duration_seconds_bucket{{op="allreduce"}}[{window}])))'
+)
+ALLREDUCE_MEAN = (
+    'sum by (rank) (rate(flare_collective_duration_seconds_sum{{op="allreduce"}}[{window}]))'
+    ' / sum by (rank) (rate(flare_collective_duration_seconds_count{{op="allreduce"}}[{window}]))'
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flare-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--no-prometheus", action="store_true", help="scrape the ranks directly instead")
+    args = parser.parse_args(argv)
+    if args.ranks < 1 or args.steps < 20:
+        parser.error("--ranks must be ≥ 1 and --steps ≥ 20")
+
+    use_prometheus = not args.no_prometheus and find_binary() is not None
+    if not args.no_prometheus and not use_prometheus:
+        print("prometheus is not installed: scraping the ranks directly instead")
+    with tempfile.TemporaryDirectory(prefix="flare-demo-") as work_dir:
+        file_sd_dir = os.path.join(work_dir, "targets")
+        done_file = os.path.join(work_dir, "done")
+        base_port = free_port_block(args.ranks)
+        env = {
+            "FLARE_PORT": str(base_port),
+            "FLARE_ADDR": "127.0.0.1",
+            "FLARE_RUN": "demo",
+            "FLARE_FILE_SD_DIR": file_sd_dir,
+        }
+        command = [
+            "-m",
+            "flare_exporter.launch",
+            train_ddp.__file__,
+            "--steps",
+            str(args.steps),
+            "--wait-for",
+            done_file,
+        ]
+        targets = [f"127.0.0.1:{base_port + rank}" for rank in range(args.ranks)]
+        print(f"starting {args.ranks} ranks (gloo, DDP), metrics on {targets[0]} .. {targets[-1]}")
+        with LocalJob(command, args.ranks, env=env, log_dir=work_dir) as job:
+            try:
+                if use_prometheus:
+                    with PrometheusProcess(os.path.join(work_dir, "prometheus"), file_sd_dir) as prometheus:
+                        print(
+                            f"prometheus on {prometheus.url}, discovering ranks via file_sd in {file_sd_dir}"
+                        )
+                        summary = summary_from_prometheus(prometheus, args.ranks, args.steps)
+                else:
+                    summary = summary_from_scrape(targets, args.steps)
+            except (TimeoutError, RuntimeError, promql.PrometheusError, scrape.ScrapeError) as error:
+                print(f"flare-demo: {error}", file=sys.stderr)
+                for rank in range(args.ranks):
+                    print(f"--- rank {rank} log ---\n{job.log_tail(rank)}", file=sys.stderr)
+                return 1
+            finally:
+                open(done_file, "w").close()
+            codes = job.wait(timeout=120)
+        print(summary)
+        if any(codes):
+            print(f"flare-demo: ranks exited with codes {codes}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def summary_from_prometheus(prometheus: PrometheusProcess, ranks: int, steps: int) -> str:
+    """Wait until Prometheus has watched every rank train a while, then read the summary back."""
+    window = "5s"
+
+    def half_way() -> bool:  # a few scrapes into the run on every rank, well before its end
+        seen = promql.values_by(prometheus.query("flare_steps_total"), "rank")
+        return len(seen) == ranks and min(seen.values()) >= steps // 2
+
+    wait_for(half_way, 300, f"Prometheus to see every rank reach step {steps // 2}")
+    step_rate = promql.values_by(prometheus.query(STEP_RATE.format(window=window)), "rank")
+    mean = promql.values_by(prometheus.query(ALLREDUCE_MEAN.format(window=window)), "rank")
+    p50 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.5, window=window)), "rank")
+    p99 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.99, window=window)), "rank")
+    lines = [
+        f"\nread back from Prometheus ({prometheus.url}), over the last {window}:",
+        f"{'rank':>4}  {'steps/s':>8}  {'allreduce mean':>14}  {'p50':>9}  {'p99':>9}",
+    ]
+    for rank in sorted(step_rate, key=int):
+        lines.append(
+            f"{rank:>4}  {step_rate[rank]:8.1f}  {_ms(mean.get(rank)):>14}  {_ms(p50.get(rank)):>9}  "
+            f"{_ms(p99.get(rank)):>9}"
+        )
+    return "\n".join(lines)
+
+
+def summary_from_scrape(targets: list[str], steps: int) -> str:
+    """Wait until every rank has finished its steps, then summarise their /metrics."""
+
+    def finished() -> dict | None:
+        results = scrape.scrape_all(targets, timeout=2)
+        if any(isinstance(result, scrape.ScrapeError) for result in results.values()):
+            return None
+        done = all(
+            (scrape.value(samples, "flare_steps_total") or 0) >= steps  # type: ignore[arg-type]
+            for samples in results.values()
+        )
+        return results if done else None
+
+    results = wait_for(finished, 300, "every rank to finish training")
+    lines = [
+        "\nread back from the ranks' /metrics:",
+        f"{'rank':>4}  {'steps':>6}  {'steps/s':>8}  {'allreduce mean':>14}",
+    ]
+    for samples in results.values():
+        step_count = scrape.value(samples, "flare_step_duration_seconds_count") or 0
+        step_sum = scrape.value(samples, "flare_step_duration_seconds_sum") or 0
+        count = scrape.value(samples, "flare_collective_duration_seconds_count", op="allreduce") or 0
+        total = scrape.value(samples, "flare_collective_duration_seconds_sum", op="allreduce") or 0
+        rank = scrape.value(samples, "flare_rank_info")
+        rank_label = next(s.labels["rank"] for s in samples if s.name == "flare_rank_info") if rank else "?"
+        rate = step_count / step_sum if step_sum else 0.0
+        lines.append(
+            f"{rank_label:>4}  {scrape.value(samples, 'flare_steps_total') or 0:6.0f}  {rate:8.1f}  "
+            f"{_ms(total / count if count else None):>14}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:  # absent, or NaN from an empty window
+        return "-"
+    return f"{seconds * 1000:.2f} ms"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Start a small multi-rank job on this machine: one process per rank, torchrun-style environment.
+
+The demo, the tests and the benchmarks use it to run an unmodified script under the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def free_port_block(count: int, attempts: int = 50) -> int:
+    """A base port such that base .. base+count-1 are all free on loopback."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            probes = []
+            for port in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no block of {count} free ports found on 127.0.0.1")
+
+
+class LocalJob:
+    """`ranks` processes running `command` (a list after `python`), rank i with RANK=i and LOCAL_RANK=i."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        ranks: int,
+        env: Mapping[str, str] | None = None,
+        rank_env: Mapping[int, Mapping[str, str]] | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.ranks = ranks
+        self.master_port = free_port()
+        self.processes: list[subprocess.Popen] = []
+        self.log_paths: list[str] = []
+        base_env = dict(os.environ)
+        base_env.update({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"})
+        base_env.update(env or {})
+        for rank in range(ranks):
+            rank_environment = dict(base_env)
+            rank_environment.update(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(ranks),
+                    "MASTER_PORT": str(self.master_port),
+                }
+            )
+            rank_environment.update((rank_env or {}).get(rank, {}))
+            if log_dir:
+                path = os.path.join(log_dir, f"rank{rank}.log")
+                output = open(path, "wb")
+                self.log_paths.append(path)
+            else:
+                output = subprocess.DEVNULL  # type: ignore[assignment]
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, *self.command],
+                    env=rank_environment,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            if log_dir:
+                output.close()
+
+    def wait(self, timeout: float) -> list[int]:
+        """Exit codes of every rank; ranks still running after `timeout` seconds are killed (-9)."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for process in self.processes:
+            try:
+                codes.append(process.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                codes.append(process.wait())
+        return codes
+
+    def signal(self, rank: int, signum: int) -> None:
+        self.processes[rank].send_signal(signum)
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        if not self.log_paths:
+            return ""
+        with open(self.log_paths[rank], "rb") as handle:
+            return "\n".join(handle.read().decode(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        for process in self.processes:
+            process.wait()

@@ -1,0 +1,100 @@
+"""Shared fixtures: a real 4-rank gloo DDP job under the launcher, scraped by a real Prometheus."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import pytest
+
+from flare_exporter import scrape
+from flare_exporter.local_job import LocalJob, free_port_block
+from flare_exporter.prometheus_process import PrometheusProcess, wait_for
+from flare_exporter.workloads import train_ddp
+
+RANKS = 4
+STEPS = 30
+
+
+@dataclass
+class RunningJob:
+    job: LocalJob
+    targets: list[str]
+    samples: dict[str, list[scrape.Sample]]  # per target, once training finished and all completed
+    prometheus: PrometheusProcess | None
+    file_sd_dir: str
+
+
+def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sample]] | None:
+    """Every rank's samples once it has taken `steps` steps and completed every collective it issued."""
+    results = scrape.scrape_all(targets, timeout=2)
+    done = {}
+    for target, samples in results.items():
+        if isinstance(samples, scrape.ScrapeError):
+            return None
+        issued = scrape.value(samples, "flare_collective_last_issued_seq", group="world")
+        completed = scrape.value(samples, "flare_collective_last_completed_seq", group="world")
+        if scrape.value(samples, "flare_steps_total") != steps or issued is None or issued != completed:
+            return None
+        done[target] = samples
+    return done
+
+
+@pytest.fixture(scope="session")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory):
+    """4 ranks of the unmodified DDP script under the launcher; Prometheus (if installed) scrapes them."""
+    work = tmp_path_factory.mktemp("ddp_job")
+    file_sd_dir = str(work / "targets")
+    done_file = str(work / "done")
+    base_port = free_port_block(RANKS)
+    env = {
+        "FLARE_PORT": str(base_port),
+        "FLARE_ADDR": "127.0.0.1",
+        "FLARE_RUN": "test-ddp",
+        "FLARE_FILE_SD_DIR": file_sd_dir,
+    }
+    command = [
+        "-m",
+        "flare_exporter.launch",
+        train_ddp.__file__,
+        "--steps",
+        str(STEPS),
+        "--wait-for",
+        done_file,
+    ]
+    targets = [f"127.0.0.1:{base_port + rank}" for rank in range(RANKS)]
+    prometheus = None
+    if shutil.which("prometheus"):
+        prometheus = PrometheusProcess(str(work / "prometheus"), file_sd_dir)
+    try:
+        with LocalJob(command, RANKS, env=env, log_dir=str(work)) as job:
+            try:
+                samples = wait_for(lambda: training_done(targets, STEPS), 180, "the ranks to finish training")
+                if prometheus is not None:
+                    prometheus.wait_ready()
+                yield RunningJob(job, targets, samples, prometheus, file_sd_dir)
+            finally:
+                open(done_file, "w").close()
+            codes = job.wait(timeout=60)
+            assert codes == [0] * RANKS, "\n".join(job.log_tail(rank) for rank in range(RANKS))
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+
+
+def one_rank_env(port: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "FLARE_ADDR": "127.0.0.1",
+            "FLARE_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    env.update(extra)
+    return env

@@ -1,0 +1,152 @@
+"""The scrape path: safe collectors, per-collector meta-metrics, the WSGI app and the server's start."""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+from wsgiref.util import setup_testing_defaults
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flare_exporter.collectors import Families
+from flare_exporter.exposition import FlareCollector, make_app, serve
+from flare_exporter.health import ExporterHealth
+
+
+class StepsCollector:
+    name = "steps"
+    metrics = ("flare_steps_total",)
+
+    def collect(self, families: Families):
+        total = families.new("flare_steps_total")
+        total.add_metric(families.labels(), 12)
+        return [total]
+
+
+class BrokenCollector:
+    name = "broken"
+    metrics = ("flare_heartbeat_timestamp_seconds",)
+
+    def collect(self, families: Families):
+        raise RuntimeError("cannot read state")
+
+
+def make_registry(*collectors, health: ExporterHealth | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(FlareCollector(list(collectors), lambda: ("3", "run-1"), health or ExporterHealth()))
+    return registry
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    """Every exposed sample, parsed back from the text format, by (name, sorted labels)."""
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def labels(collector: str) -> tuple:
+    return tuple(sorted({"collector": collector, "rank": "3", "run": "run-1"}.items()))
+
+
+def test_collector_output_carries_rank_and_run():
+    exposed = samples(make_registry(StepsCollector()))
+    assert exposed[("flare_steps_total", (("rank", "3"), ("run", "run-1")))] == 12
+    assert exposed[("flare_exporter_collector_success", labels("steps"))] == 1
+    assert ("flare_exporter_collector_duration_seconds", labels("steps")) in exposed
+
+
+def test_failing_collector_does_not_fail_the_scrape():
+    health = ExporterHealth()
+    registry = make_registry(BrokenCollector(), StepsCollector(), health=health)
+    exposed = samples(registry)
+    assert exposed[("flare_exporter_collector_success", labels("broken"))] == 0
+    assert exposed[("flare_exporter_collector_success", labels("steps"))] == 1
+    assert exposed[("flare_steps_total", (("rank", "3"), ("run", "run-1")))] == 12
+    assert not any(name == "flare_heartbeat_timestamp_seconds" for name, _ in exposed)
+    assert health.errors["collector_broken"] == 1
+    samples(registry)
+    assert health.errors["collector_broken"] == 2
+
+
+def test_two_collectors_declaring_one_metric_are_rejected():
+    class AnotherSteps(StepsCollector):
+        name = "other_steps"
+
+    with pytest.raises(ValueError, match="flare_steps_total") as raised:
+        FlareCollector([StepsCollector(), AnotherSteps()], lambda: ("0", "r"), ExporterHealth())
+    assert "steps" in str(raised.value) and "other_steps" in str(raised.value)
+
+
+def test_registry_rejects_a_second_flare_collector():
+    registry = make_registry(StepsCollector())
+    with pytest.raises(ValueError):
+        registry.register(FlareCollector([StepsCollector()], lambda: ("0", "r"), ExporterHealth()))
+
+
+def call_app(app, path: str) -> tuple[str, dict[str, str], bytes]:
+    environ: dict = {"PATH_INFO": path}
+    setup_testing_defaults(environ)
+    environ["wsgi.input"] = io.BytesIO()
+    response: dict = {}
+
+    def start_response(status, headers, exc_info=None):
+        response["status"] = status
+        response["headers"] = dict(headers)
+
+    body = b"".join(app(environ, start_response))
+    return response["status"], response["headers"], body
+
+
+def test_app_serves_metrics():
+    status, headers, body = call_app(make_app(make_registry(StepsCollector())), "/metrics")
+    assert status.startswith("200")
+    assert headers["Content-Type"].startswith("text/plain")
+    assert b'flare_steps_total{rank="3",run="run-1"} 12.0' in body
+
+
+def test_app_serves_healthz():
+    status, _, body = call_app(make_app(make_registry()), "/healthz")
+    assert status.startswith("200")
+    assert body == b"ok\n"
+
+
+@pytest.mark.parametrize("path", ["/", "/metricsx", "/debug", "/favicon.ico"])
+def test_app_serves_nothing_else(path):
+    status, _, body = call_app(make_app(make_registry(StepsCollector())), path)
+    assert status.startswith("404")
+    assert b"flare_steps_total" not in body
+
+
+def test_serve_on_a_taken_port_warns_and_returns_none(caplog):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="flare_exporter"):
+            assert serve(make_registry(), "127.0.0.1", port, rank=5) is None
+    warnings = [r for r in caplog.records if r.name == "flare_exporter" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert str(port) in warnings[0].getMessage()
+    assert "rank 5" in warnings[0].getMessage()
+
+
+def test_serve_on_a_free_port_serves_metrics():
+    server = serve(make_registry(StepsCollector()), "127.0.0.1", 0, rank=0)
+    assert server is not None
+    try:
+        assert server.port != 0
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+            connection.sendall(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            response = b""
+            while chunk := connection.recv(65536):
+                response += chunk
+        assert response.startswith(b"HTTP/1.0 200")
+        assert b"flare_steps_total" in response
+    finally:
+        server.close()

@@ -1,0 +1,93 @@
+"""Rank identity from the launcher's environment: torchrun, Slurm, OpenMPI."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from flare_exporter import identity, spec
+
+TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job-42"}
+SLURM = {"SLURM_PROCID": "17", "SLURM_LOCALID": "3", "SLURM_NTASKS": "32", "SLURM_JOB_ID": "123456"}
+OPENMPI = {
+    "OMPI_COMM_WORLD_RANK": "6",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+    "OMPI_COMM_WORLD_SIZE": "16",
+    "OMPI_MCA_ess_base_jobid": "2871",
+}
+
+
+def facts(rank_identity: identity.RankIdentity) -> tuple[int, int, int, str]:
+    return (rank_identity.rank, rank_identity.local_rank, rank_identity.world_size, rank_identity.run)
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        (TORCHRUN, (5, 1, 8, "job-42")),
+        (SLURM, (17, 3, 32, "123456")),
+        (OPENMPI, (6, 2, 16, "2871")),
+        ({}, (0, 0, 1, "default")),
+    ],
+    ids=["torchrun", "slurm", "openmpi", "none"],
+)
+def test_identity_from_launcher(environ, expected):
+    rank_identity = identity.from_environment(environ)
+    assert facts(rank_identity) == expected
+    assert rank_identity.host == socket.gethostname()
+    assert rank_identity.pid == os.getpid()
+
+
+def test_torchrun_wins_over_slurm():
+    # torchrun started inside a Slurm allocation: torchrun's per-process variables are the right ones
+    assert facts(identity.from_environment({**SLURM, **TORCHRUN})) == (5, 1, 8, "job-42")
+
+
+def test_torchrun_none_run_id_is_default():
+    environ = {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}
+    assert identity.from_environment(environ).run == "default"
+
+
+def test_empty_variables_are_skipped():
+    environ = {"RANK": "", "SLURM_PROCID": "4", "TORCHELASTIC_RUN_ID": "", "SLURM_JOB_ID": "99"}
+    rank_identity = identity.from_environment(environ)
+    assert rank_identity.rank == 4
+    assert rank_identity.run == "99"
+
+
+def test_explicit_run_and_host_override():
+    rank_identity = identity.from_environment(TORCHRUN, run="my-run", host="node-7")
+    assert rank_identity.run == "my-run"
+    assert rank_identity.host == "node-7"
+    assert rank_identity.rank == 5
+
+
+@pytest.mark.parametrize("variable", ["RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID"])
+def test_non_integer_variable_names_it(variable):
+    with pytest.raises(ValueError, match=variable):
+        identity.from_environment({variable: "zero"})
+
+
+def test_info_labels():
+    rank_identity = identity.RankIdentity(
+        rank=3, local_rank=1, world_size=4, run="r", host="h", pid=77, backend="gloo", gpu_uuid="GPU-x"
+    )
+    labels = rank_identity.info_labels()
+    assert list(labels) == ["host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"]
+    assert labels == {
+        "host": "h",
+        "local_rank": "1",
+        "world_size": "4",
+        "backend": "gloo",
+        "gpu_uuid": "GPU-x",
+        "pci_bus_id": "",
+        "pid": "77",
+    }
+    assert all(isinstance(value, str) for value in labels.values())
+
+
+def test_info_labels_match_the_spec():
+    rank_identity = identity.from_environment({})
+    assert tuple(rank_identity.info_labels()) == spec.BY_NAME["flare_rank_info"].labels

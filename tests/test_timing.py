@@ -1,0 +1,286 @@
+"""The timing manager and its backends, driven by fake works on CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flare_exporter import spec
+from flare_exporter.health import ExporterHealth
+from flare_exporter.timing import (
+    CollectiveRecord,
+    CudaEventTiming,
+    FutureTiming,
+    TimingBackend,
+    TimingManager,
+)
+
+
+class FakeGroup:
+    """What the manager reads from a group tracker: its name and last completed sequence number."""
+
+    def __init__(self, name: str = "dp-0123abcd") -> None:
+        self.name = name
+        self.last_completed_seq = 0
+
+
+class FakeWork:
+    """A c10d Work whose completion the test controls."""
+
+    def __init__(self, with_future: bool = True, duration_ms: float | None = None) -> None:
+        self.completed = False
+        self.future: torch.futures.Future | None = torch.futures.Future() if with_future else None
+        self.duration_ms = duration_ms  # None: timing not enabled, _get_duration raises
+        self.failed = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def is_success(self) -> bool:
+        return not self.failed
+
+    def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            raise RuntimeError("this work has no future")
+        return self.future
+
+    def _get_duration(self) -> float:
+        if self.duration_ms is None:
+            raise RuntimeError("timing is not enabled")
+        return self.duration_ms
+
+    def finish(self) -> None:
+        self.completed = True
+        if self.future is not None:
+            self.future.set_result([])
+
+
+def make_manager(queue_size: int = 16) -> TimingManager:
+    return TimingManager(ExporterHealth(), queue_size=queue_size, interval_seconds=0.001)
+
+
+def make_record(group: FakeGroup, op: str = "allreduce", nbytes: int = 64, seq: int = 1, age: float = 0.0):
+    return CollectiveRecord(group, op, nbytes, seq, time.perf_counter() - age)
+
+
+def bucket_counts(manager: TimingManager, group: str, op: str) -> dict[str, int]:
+    return dict(manager.stats[(group, op)].durations.snapshot()[0])
+
+
+def test_future_timing_records_duration_on_completion():
+    manager = make_manager()
+    group = FakeGroup()
+    record = make_record(group, age=0.5)
+    work = FakeWork()
+    FutureTiming(manager).track(record, work)
+    manager.drain()
+    assert record.duration is None
+    assert manager.stats == {}
+
+    work.finish()
+    assert record.duration is not None and record.duration >= 0.5
+    manager.drain()
+    stats = manager.stats[(group.name, "allreduce")]
+    assert stats.bytes_total == 64
+    assert stats.durations.snapshot()[0][-1] == ("+Inf", 1)
+    assert stats.durations.snapshot()[1] == pytest.approx(record.duration)
+    assert group.last_completed_seq == 1
+
+
+def test_future_timing_of_an_already_completed_work():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork()
+    work.finish()
+    FutureTiming(manager).track(make_record(group), work)
+    manager.drain()
+    assert bucket_counts(manager, group.name, "allreduce")["+Inf"] == 1
+
+
+def test_stats_accumulate_per_group_and_op():
+    manager = make_manager()
+    dp, tp = FakeGroup("dp-1"), FakeGroup("tp-2")
+    backend = FutureTiming(manager)
+    works = []
+    for group, op, seq in [
+        (dp, "allreduce", 1),
+        (dp, "allreduce", 2),
+        (dp, "broadcast", 3),
+        (tp, "allreduce", 1),
+    ]:
+        work = FakeWork()
+        backend.track(make_record(group, op, nbytes=100, seq=seq), work)
+        works.append(work)
+    for work in reversed(works):  # completion order need not follow issue order
+        work.finish()
+    manager.drain()
+    assert set(manager.stats) == {("dp-1", "allreduce"), ("dp-1", "broadcast"), ("tp-2", "allreduce")}
+    assert manager.stats[("dp-1", "allreduce")].bytes_total == 200
+    assert bucket_counts(manager, "dp-1", "allreduce")["+Inf"] == 2
+    assert dp.last_completed_seq == 3  # the highest, although seq 1 completed last
+    assert tp.last_completed_seq == 1
+
+
+def test_point_to_point_does_not_move_last_completed_seq():
+    manager = make_manager()
+    group = FakeGroup()
+    group.last_completed_seq = 4
+    work = FakeWork()
+    FutureTiming(manager).track(make_record(group, "send", seq=0), work)
+    work.finish()
+    manager.drain()
+    assert manager.stats[(group.name, "send")].bytes_total == 64
+    assert group.last_completed_seq == 4
+
+
+def test_work_without_future_is_polled_until_completed():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork(with_future=False)
+    FutureTiming(manager).track(make_record(group, "recv", seq=0, age=0.25), work)
+    manager.drain()
+    manager.drain()
+    assert manager.stats == {}
+    assert len(manager.polled) == 1
+
+    work.finish()
+    manager.drain()
+    assert len(manager.polled) == 0
+    assert bucket_counts(manager, group.name, "recv")["+Inf"] == 1
+    assert manager.stats[(group.name, "recv")].durations.snapshot()[1] >= 0.25
+
+
+def test_base_backend_polls():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork()  # a future exists, but the base backend does not use it
+    TimingBackend(manager).track(make_record(group), work)
+    work.future.set_result([])
+    manager.drain()
+    assert manager.stats == {}
+    work.completed = True
+    manager.drain()
+    assert group.last_completed_seq == 1
+
+
+def test_cuda_event_timing_uses_device_duration():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork(with_future=False, duration_ms=2.5)
+    CudaEventTiming(manager).track(make_record(group, age=100.0), work)
+    manager.drain()
+    assert manager.stats == {}
+
+    work.completed = True
+    manager.drain()
+    stats = manager.stats[(group.name, "allreduce")]
+    assert stats.durations.snapshot()[1] == pytest.approx(0.0025)
+    assert group.last_completed_seq == 1
+
+
+def test_cuda_event_timing_falls_back_to_host_completion():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork(with_future=False, duration_ms=None)
+    CudaEventTiming(manager).track(make_record(group, age=0.5), work)
+    work.completed = True
+    manager.drain()
+    total = manager.stats[(group.name, "allreduce")].durations.snapshot()[1]
+    assert 0.5 <= total < 60
+
+
+def test_completed_queue_is_bounded():
+    manager = make_manager(queue_size=2)
+    group = FakeGroup()
+    for seq in range(1, 6):
+        record = make_record(group, seq=seq)
+        record.duration = 0.001
+        manager.complete(record)
+    assert manager.health.dropped["completed_collectives"] == 3
+    manager.drain()
+    assert bucket_counts(manager, group.name, "allreduce")["+Inf"] == 2
+    assert group.last_completed_seq == 2
+
+
+def test_polled_queue_is_bounded():
+    manager = make_manager(queue_size=2)
+    backend = CudaEventTiming(manager)
+    group = FakeGroup()
+    for seq in range(1, 5):
+        backend.track(make_record(group, seq=seq), FakeWork(with_future=False))
+    assert len(manager.polled) == 2
+    assert manager.health.dropped["polled_collectives"] == 2
+
+
+def test_manager_thread_drains_in_the_background():
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork()
+    FutureTiming(manager).track(make_record(group, seq=7), work)
+    manager.start()
+    try:
+        work.finish()
+        deadline = time.monotonic() + 10
+        while group.last_completed_seq != 7 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert group.last_completed_seq == 7
+        assert (group.name, "allreduce") in manager.stats
+    finally:
+        manager.stop()
+    assert not manager._thread.is_alive()
+
+
+def test_manager_thread_survives_a_failing_work():
+    class BrokenWork(FakeWork):
+        def is_completed(self) -> bool:
+            raise RuntimeError("broken")
+
+    manager = make_manager()
+    CudaEventTiming(manager).track(make_record(FakeGroup()), BrokenWork(with_future=False))
+    manager.start()
+    try:
+        deadline = time.monotonic() + 10
+        while manager.health.errors["timing_manager"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert manager.health.errors["timing_manager"] == 1
+        assert manager._thread.is_alive()
+    finally:
+        manager.stop()
+
+
+def test_durations_use_the_spec_buckets():
+    manager = make_manager()
+    record = make_record(FakeGroup())
+    record.duration = 0.001
+    manager.complete(record)
+    manager.drain()
+    assert (
+        manager.stats[(record.group.name, "allreduce")].durations.bounds == spec.COLLECTIVE_DURATION_BUCKETS
+    )
+
+
+def test_failed_collective_stays_in_flight_and_is_counted():
+    manager = make_manager()
+    health = manager.health
+    group = FakeGroup()
+    backend = FutureTiming(manager)
+    work = FakeWork(with_future=True)
+    backend.track(CollectiveRecord(group, "allreduce", 8, 1, time.perf_counter()), work)
+    work.future.set_exception(RuntimeError("peer died"))
+    manager.drain()
+    assert manager.stats == {}
+    assert group.last_completed_seq == 0
+    assert health.dropped["failed_collectives"] == 1
+
+
+def test_failed_polled_work_is_not_accounted():
+    manager = make_manager()
+    health = manager.health
+    group = FakeGroup()
+    work = FakeWork(with_future=False)
+    FutureTiming(manager).track(CollectiveRecord(group, "send", 8, 0, time.perf_counter()), work)
+    work.completed, work.failed = True, True
+    manager.drain()
+    assert manager.stats == {} and health.dropped["failed_collectives"] == 1
