@@ -46,6 +46,21 @@ class Attachment:
 _attachment: Attachment | None = None
 
 
+def build_registry(state: FlareState) -> CollectorRegistry:
+    """A registry exposing every collector over `state`, with the rank's rank/run labels."""
+    registry = CollectorRegistry()
+    collectors: list[Collector] = [
+        IdentityCollector(state),
+        CollectivesCollector(state),
+        ProgressCollector(state),
+        ExporterCollector(state),
+    ]
+    registry.register(
+        FlareCollector(collectors, lambda: (str(state.identity.rank), state.identity.run), state.health)
+    )
+    return registry
+
+
 def attach(config: config_module.Config | None = None) -> Attachment:
     """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
 
@@ -57,16 +72,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         return _attachment
     config = config or config_module.load()
     state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
-    registry = CollectorRegistry()
-    collectors: list[Collector] = [
-        IdentityCollector(state),
-        CollectivesCollector(state),
-        ProgressCollector(state),
-        ExporterCollector(state),
-    ]
-    registry.register(
-        FlareCollector(collectors, lambda: (str(state.identity.rank), state.identity.run), state.health)
-    )
+    registry = build_registry(state)
 
     def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
         if tracker_name == WORLD:  # the launcher may not have said who we are; the world group does

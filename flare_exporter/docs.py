@@ -1,6 +1,6 @@
 """The README's reference tables, generated from the spec and the config (a test keeps them in step).
 
-    python -m flare_exporter.docs     # prints both tables
+python -m flare_exporter.docs     # prints both tables
 """
 
 from __future__ import annotations

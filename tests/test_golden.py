@@ -1,0 +1,79 @@
+"""Golden exposition: a rank's /metrics for a fixed state, byte for byte (timings that vary are skipped).
+
+Regenerate after an intended change with: FLARE_UPDATE_GOLDEN=1 pytest tests/test_golden.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from flare_exporter.attach import build_registry
+from flare_exporter.config import Config
+from flare_exporter.groups import GroupTracker
+from flare_exporter.identity import RankIdentity
+from flare_exporter.state import FlareState
+from flare_exporter.timing import CollectiveRecord, FutureTiming
+
+GOLDEN = Path(__file__).parent / "golden" / "rank3.prom"
+UNSTABLE = ("flare_exporter_collector_duration_seconds",)
+
+
+def fixed_state() -> FlareState:
+    identity = RankIdentity(
+        rank=3,
+        local_rank=1,
+        world_size=8,
+        run="golden",
+        host="node-a",
+        pid=4242,
+        backend="gloo",
+        gpu_uuid="GPU-0000",
+        pci_bus_id="00000000:3B:00.0",
+    )
+    state = FlareState.create(Config(), identity)
+    for name, size in (("world", 8), ("data_parallel-0a1b2c3d", 2)):
+        tracker = GroupTracker(name, size, "gloo", FutureTiming(state.manager), state.health)
+        state.groups[name] = tracker
+    world = state.groups["world"]
+    for seq, duration in enumerate((0.0004, 0.002, 0.05), start=1):
+        world.last_issued_seq = seq
+        record = CollectiveRecord(world, "allreduce", 4096, seq, 0.0)
+        record.duration = duration
+        state.manager.complete(record)
+    world.last_issued_seq = 4  # one still in flight
+    state.manager.drain()
+    world.last_progress_at = 1_700_000_000.5
+    for gap in (0.0, 0.1, 0.12):
+        state.steps.steps += 1
+        if gap:
+            state.steps.durations.observe(gap)
+    state.steps.last_step_at = 1_700_000_001.0
+    state.health.error("step_hook")
+    state.health.drop("completed_collectives", 2)
+    return state
+
+
+def stable_exposition() -> str:
+    text = generate_latest(build_registry(fixed_state())).decode()
+    return "".join(line + "\n" for line in text.splitlines() if not line.startswith(UNSTABLE))
+
+
+def test_exposition_matches_golden_file():
+    text = stable_exposition()
+    if os.environ.get("FLARE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_golden_exposition():
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=stable_exposition(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
