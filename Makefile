@@ -21,7 +21,7 @@ demo: $(VENV)/.installed system-deps
 	$(PY) -m flare_exporter.demo
 
 test: $(VENV)/.installed system-deps
-	$(PY) -m ruff check flare_exporter tests benchmarks
+	$(PY) -m ruff check
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 

@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch.distributed
 from prometheus_client import CollectorRegistry
 
 from . import config as config_module
@@ -78,6 +79,10 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         if tracker_name == WORLD:  # the launcher may not have said who we are; the world group does
             state.identity = dataclasses.replace(state.identity, rank=rank, world_size=size, backend=backend)
 
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        log.warning(
+            "flare-exporter: attach() after init_process_group: groups created so far are not observed"
+        )
     process_group.install(
         process_group.Wrapping(state.groups, state.manager, state.health, config.max_groups, on_group)
     )

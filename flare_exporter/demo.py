@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from . import promql, scrape
-from .local_job import LocalJob, free_port_block
+from .local_job import ObservedJob
 from .prometheus_process import PrometheusProcess, find_binary, wait_for
 from .workloads import train_ddp
 
@@ -43,43 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_prometheus and not use_prometheus:
         print("prometheus is not installed: scraping the ranks directly instead")
     with tempfile.TemporaryDirectory(prefix="flare-demo-") as work_dir:
-        file_sd_dir = os.path.join(work_dir, "targets")
-        done_file = os.path.join(work_dir, "done")
-        base_port = free_port_block(args.ranks)
-        env = {
-            "FLARE_PORT": str(base_port),
-            "FLARE_ADDR": "127.0.0.1",
-            "FLARE_RUN": "demo",
-            "FLARE_FILE_SD_DIR": file_sd_dir,
-        }
-        command = [
-            "-m",
-            "flare_exporter.launch",
-            train_ddp.__file__,
-            "--steps",
-            str(args.steps),
-            "--wait-for",
-            done_file,
-        ]
-        targets = [f"127.0.0.1:{base_port + rank}" for rank in range(args.ranks)]
-        print(f"starting {args.ranks} ranks (gloo, DDP), metrics on {targets[0]} .. {targets[-1]}")
-        with LocalJob(command, args.ranks, env=env, log_dir=work_dir) as job:
+        job = ObservedJob(work_dir, train_ddp.__file__, ["--steps", str(args.steps)], args.ranks, "demo")
+        print(f"started {args.ranks} ranks (gloo, DDP), metrics on {job.targets[0]} .. {job.targets[-1]}")
+        with job:
             try:
                 if use_prometheus:
-                    with PrometheusProcess(os.path.join(work_dir, "prometheus"), file_sd_dir) as prometheus:
-                        print(
-                            f"prometheus on {prometheus.url}, discovering ranks via file_sd in {file_sd_dir}"
-                        )
+                    prometheus_dir = os.path.join(work_dir, "prometheus")
+                    with PrometheusProcess(prometheus_dir, job.file_sd_dir) as prometheus:
+                        print(f"prometheus on {prometheus.url}, finding the ranks through file_sd")
                         summary = summary_from_prometheus(prometheus, args.ranks, args.steps)
                 else:
-                    summary = summary_from_scrape(targets, args.steps)
+                    summary = summary_from_scrape(job.targets, args.steps)
             except (TimeoutError, RuntimeError, promql.PrometheusError, scrape.ScrapeError) as error:
                 print(f"flare-demo: {error}", file=sys.stderr)
                 for rank in range(args.ranks):
                     print(f"--- rank {rank} log ---\n{job.log_tail(rank)}", file=sys.stderr)
                 return 1
             finally:
-                open(done_file, "w").close()
+                job.release()
             codes = job.wait(timeout=120)
         print(summary)
         if any(codes):

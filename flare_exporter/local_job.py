@@ -126,3 +126,39 @@ class LocalJob:
         self.kill()
         for process in self.processes:
             process.wait()
+
+
+class ObservedJob(LocalJob):
+    """`ranks` ranks of `script` under the flare launcher, exporters on loopback, file_sd targets in work_dir.
+
+    The script is given `--wait-for DONE_FILE` after its own arguments and must stay alive until that
+    file exists, so that the ranks can be scraped after training; `release()` creates it.
+    """
+
+    def __init__(
+        self,
+        work_dir: str,
+        script: str,
+        script_args: Sequence[str],
+        ranks: int,
+        run: str,
+        env: Mapping[str, str] | None = None,
+        rank_env: Mapping[int, Mapping[str, str]] | None = None,
+    ) -> None:
+        self.file_sd_dir = os.path.join(work_dir, "targets")
+        self.done_file = os.path.join(work_dir, "done")
+        base_port = free_port_block(ranks)
+        self.targets = [f"127.0.0.1:{base_port + rank}" for rank in range(ranks)]
+        flare_env = {
+            "FLARE_PORT": str(base_port),
+            "FLARE_ADDR": "127.0.0.1",
+            "FLARE_RUN": run,
+            "FLARE_FILE_SD_DIR": self.file_sd_dir,
+        }
+        flare_env.update(env or {})
+        command = ["-m", "flare_exporter.launch", script, *script_args, "--wait-for", self.done_file]
+        super().__init__(command, ranks, env=flare_env, rank_env=rank_env, log_dir=work_dir)
+
+    def release(self) -> None:
+        """Let the ranks finish."""
+        open(self.done_file, "w").close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from flare_exporter import scrape
-from flare_exporter.local_job import LocalJob, free_port_block
+from flare_exporter.local_job import ObservedJob
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.workloads import train_ddp
 
@@ -19,7 +19,7 @@ STEPS = 30
 
 @dataclass
 class RunningJob:
-    job: LocalJob
+    job: ObservedJob
     targets: list[str]
     samples: dict[str, list[scrape.Sample]]  # per target, once training finished and all completed
     prometheus: PrometheusProcess | None
@@ -45,37 +45,21 @@ def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sampl
 def ddp_job(tmp_path_factory: pytest.TempPathFactory):
     """4 ranks of the unmodified DDP script under the launcher; Prometheus (if installed) scrapes them."""
     work = tmp_path_factory.mktemp("ddp_job")
-    file_sd_dir = str(work / "targets")
-    done_file = str(work / "done")
-    base_port = free_port_block(RANKS)
-    env = {
-        "FLARE_PORT": str(base_port),
-        "FLARE_ADDR": "127.0.0.1",
-        "FLARE_RUN": "test-ddp",
-        "FLARE_FILE_SD_DIR": file_sd_dir,
-    }
-    command = [
-        "-m",
-        "flare_exporter.launch",
-        train_ddp.__file__,
-        "--steps",
-        str(STEPS),
-        "--wait-for",
-        done_file,
-    ]
-    targets = [f"127.0.0.1:{base_port + rank}" for rank in range(RANKS)]
+    job = ObservedJob(str(work), train_ddp.__file__, ["--steps", str(STEPS)], RANKS, "test-ddp")
     prometheus = None
     if shutil.which("prometheus"):
-        prometheus = PrometheusProcess(str(work / "prometheus"), file_sd_dir)
+        prometheus = PrometheusProcess(str(work / "prometheus"), job.file_sd_dir)
     try:
-        with LocalJob(command, RANKS, env=env, log_dir=str(work)) as job:
+        with job:
             try:
-                samples = wait_for(lambda: training_done(targets, STEPS), 180, "the ranks to finish training")
+                samples = wait_for(
+                    lambda: training_done(job.targets, STEPS), 180, "the ranks to finish training"
+                )
                 if prometheus is not None:
                     prometheus.wait_ready()
-                yield RunningJob(job, targets, samples, prometheus, file_sd_dir)
+                yield RunningJob(job, job.targets, samples, prometheus, job.file_sd_dir)
             finally:
-                open(done_file, "w").close()
+                job.release()
             codes = job.wait(timeout=60)
             assert codes == [0] * RANKS, "\n".join(job.log_tail(rank) for rank in range(RANKS))
     finally:

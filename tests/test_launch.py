@@ -11,7 +11,7 @@ import pytest
 from conftest import one_rank_env
 
 from flare_exporter import scrape
-from flare_exporter.local_job import LocalJob, free_port, free_port_block
+from flare_exporter.local_job import ObservedJob, free_port, free_port_block
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.workloads import train_ddp
 
@@ -64,25 +64,18 @@ def test_under_torchrun(tmp_path):
 
 @pytest.mark.multirank
 def test_subgroups_get_stable_names_shared_by_their_members(tmp_path):
-    base_port = free_port_block(4)
-    done = tmp_path / "done"
-    env = {"FLARE_PORT": str(base_port), "FLARE_ADDR": "127.0.0.1"}
-    with LocalJob(
-        ["-m", "flare_exporter.launch", os.path.join(JOBS, "groups_job.py"), str(done)],
-        4,
-        env=env,
-        log_dir=str(tmp_path),
-    ) as job:
-        targets = [f"127.0.0.1:{base_port + rank}" for rank in range(4)]
+    job = ObservedJob(str(tmp_path), os.path.join(JOBS, "groups_job.py"), [], 4, "test-groups")
+    with job:
         try:
             results = samples_when(
-                targets,
+                job.targets,
                 lambda s: scrape.value(s, "flare_collective_last_completed_seq", group="world") == 2,
                 "the ranks to finish",
             )
         finally:
-            done.touch()
+            job.release()
         assert job.wait(timeout=60) == [0] * 4, job.log_tail(0)
+    targets = job.targets
     groups = []
     for target in targets:
         info = [s.labels for s in results[target] if s.name == "flare_process_group_info"]

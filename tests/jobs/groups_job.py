@@ -18,6 +18,6 @@ for _ in range(3):
 dist.broadcast(torch.ones(10), src=0)
 assert dist.get_backend(mine) == "gloo" and dist.get_backend() == "gloo"
 dist.barrier()
-while not os.path.exists(sys.argv[1]):
+while not os.path.exists(sys.argv[sys.argv.index("--wait-for") + 1]):
     time.sleep(0.05)
 dist.destroy_process_group()
