@@ -1,6 +1,30 @@
 """flare-exporter: per-rank Prometheus exporters that say which rank slowed or hung a PyTorch job."""
 
-from .attach import Attachment, attach
+from __future__ import annotations
 
-__all__ = ["attach", "Attachment"]
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .agent import Attachment
+    from .config import Config
+
+__all__ = ["attach"]
 __version__ = "0.1.0"
+
+
+def attach(config: Config | None = None) -> Attachment:
+    """Observe this process as one rank of a distributed job; see flare_exporter.agent.attach.
+
+    Imported lazily so that `import flare_exporter` (and the launcher's argument checks) need no torch.
+    """
+    from .agent import attach as attach_agent
+
+    return attach_agent(config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Attachment":
+        from .agent import Attachment
+
+        return Attachment
+    raise AttributeError(name)

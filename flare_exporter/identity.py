@@ -6,6 +6,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Each launcher names the same facts differently; the first variable present wins.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -65,3 +66,23 @@ def from_environment(environ: Mapping[str, str], run: str = "", host: str = "") 
         host=host or socket.gethostname(),
         pid=os.getpid(),
     )
+
+
+def gpu_identity(cuda: Any) -> tuple[str, str]:
+    """(UUID, PCI bus id) of the current CUDA device, as NVML and dcgm-exporter write them; ('', '') if none.
+
+    `cuda` is `torch.cuda` (a fake in tests). Call it on the training thread: the current device is
+    per thread.
+    """
+    try:
+        if not cuda.is_available():
+            return "", ""
+        properties = cuda.get_device_properties(cuda.current_device())
+    except Exception:  # no driver, or a broken one: identity without a GPU is still identity
+        return "", ""
+    uuid = str(getattr(properties, "uuid", "") or "")
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = "GPU-" + uuid
+    pci = [getattr(properties, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    pci_bus_id = "" if None in pci else f"{pci[0]:08X}:{pci[1]:02X}:{pci[2]:02X}.0"
+    return uuid, pci_bus_id

@@ -16,7 +16,6 @@ import runpy
 import sys
 
 from . import config as config_module
-from .attach import attach
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print("flare-run: error: give a script to run (or -m module)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from .agent import attach  # torch is imported only once the arguments are known to be good
+
     attach(config)
     if args.module is not None:
         sys.argv = [args.module, *args.target]

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from flare_exporter.attach import build_registry
+from flare_exporter import spec
+from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
 from flare_exporter.groups import GroupTracker
 from flare_exporter.identity import RankIdentity
+from flare_exporter.scrape import parse
 from flare_exporter.state import FlareState
 from flare_exporter.timing import CollectiveRecord, FutureTiming
 
@@ -77,3 +79,12 @@ def test_promtool_accepts_golden_exposition():
         ["promtool", "check", "metrics"], input=stable_exposition(), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_exposition_names_exactly_the_spec_metrics():
+    text = generate_latest(build_registry(fixed_state())).decode()
+    exposed = {sample.name for sample in parse(text)}
+    assert exposed <= spec.all_series_names()
+    # the fixed state exercises every metric the spec declares
+    for metric in spec.METRICS:
+        assert set(spec.exposed_series_names(metric)) & exposed, metric.name

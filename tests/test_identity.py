@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from flare_exporter import identity, spec
+from flare_exporter.identity import gpu_identity
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job-42"}
 SLURM = {"SLURM_PROCID": "17", "SLURM_LOCALID": "3", "SLURM_NTASKS": "32", "SLURM_JOB_ID": "123456"}
@@ -91,3 +92,47 @@ def test_info_labels():
 def test_info_labels_match_the_spec():
     rank_identity = identity.from_environment({})
     assert tuple(rank_identity.info_labels()) == spec.BY_NAME["flare_rank_info"].labels
+
+
+class FakeProperties:
+    uuid = "5d1f4c3e-0000-1111-2222-333344445555"
+    pci_domain_id, pci_bus_id, pci_device_id = 0, 0x3B, 0
+
+
+class FakeCuda:
+    """torch.cuda as the identity code sees it on a GPU machine."""
+
+    def __init__(self, available: bool = True, device: int = 0, properties: object = FakeProperties()):
+        self.available, self.device, self.properties = available, device, properties
+        self.asked_for: list[int] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def current_device(self) -> int:
+        return self.device
+
+    def get_device_properties(self, index: int) -> object:
+        self.asked_for.append(index)
+        return self.properties
+
+
+def test_gpu_identity_formats_uuid_and_pci_bus_id_as_nvml_does():
+    cuda = FakeCuda(device=3)
+    assert gpu_identity(cuda) == ("GPU-5d1f4c3e-0000-1111-2222-333344445555", "00000000:3B:00.0")
+    assert cuda.asked_for == [3]  # the rank's own (current) device
+
+
+def test_gpu_identity_without_gpu_or_pci_fields_is_empty_not_an_error():
+    assert gpu_identity(FakeCuda(available=False)) == ("", "")
+
+    class OnlyUuid:
+        uuid = "GPU-abc"
+
+    assert gpu_identity(FakeCuda(properties=OnlyUuid())) == ("GPU-abc", "")
+
+    class Broken(FakeCuda):
+        def get_device_properties(self, index: int) -> object:
+            raise RuntimeError("CUDA driver version is insufficient")
+
+    assert gpu_identity(Broken()) == ("", "")

@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed
 from prometheus_client import CollectorRegistry
 
@@ -76,8 +77,19 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     registry = build_registry(state)
 
     def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
-        if tracker_name == WORLD:  # the launcher may not have said who we are; the world group does
-            state.identity = dataclasses.replace(state.identity, rank=rank, world_size=size, backend=backend)
+        if tracker_name != WORLD:
+            return
+        # The launcher may not have said who we are; the world group does. Created on the training
+        # thread, after torch.cuda.set_device() in a well-behaved script: the rank's GPU is current.
+        gpu_uuid, pci_bus_id = identity.gpu_identity(torch.cuda) if backend == "nccl" else ("", "")
+        state.identity = dataclasses.replace(
+            state.identity,
+            rank=rank,
+            world_size=size,
+            backend=backend,
+            gpu_uuid=gpu_uuid,
+            pci_bus_id=pci_bus_id,
+        )
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         log.warning(
