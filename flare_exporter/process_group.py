@@ -105,6 +105,7 @@ class Wrapping:
         self.health = health
         self.max_groups = max_groups
         self.creating_description = ""
+        self.unwrapped_backends: set[str] = set()
         self.original_helper: Callable[..., Any] | None = None
 
     def create(self, backend_name: str, options: Any, backend_options: Any) -> Any:
@@ -143,6 +144,13 @@ class Wrapping:
         assert self.original_helper is not None
         real = _wrappable(backend)
         if real is None:
+            if str(backend) not in self.unwrapped_backends:
+                self.unwrapped_backends.add(str(backend))
+                log.warning(
+                    "flare-exporter: process groups with backend %r are not observed "
+                    "(flare wraps plain 'gloo' and 'nccl')",
+                    str(backend),
+                )
             return self.original_helper(group_size, group_rank, global_ranks, backend, *args, **kwargs)
         self.creating_description = str(kwargs.get("group_desc") or "")
         pg, prefix_store = self.original_helper(
