@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -139,3 +140,21 @@ def test_bad_config_is_a_one_line_error_naming_key_and_source(tmp_path, yaml_tex
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("flare-run: " + expected.format(path=path)), lines
+
+
+def test_attach_from_code_and_a_failing_hook_never_breaks_training():
+    env = one_rank_env(0, MASTER_PORT=str(free_port()))  # FLARE_PORT 0: no endpoint needed here
+    result = subprocess.run(
+        [sys.executable, os.path.join(JOBS, "attach_in_code_job.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["sums"] == [4.0, 4.0, 4.0]  # world size 1: all-reduce of ones is ones
+    assert report["hook_errors"] == 3
+    assert report["allreduce_count"] == 2  # the two collectives observed before the fault
+    assert "collective_hook failed" in result.stderr  # said once, then counted
+    assert result.stderr.count("collective_hook failed") == 1
