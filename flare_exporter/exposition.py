@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -63,6 +64,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+class _ThreadingServerIPv6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # scrapes must not flood the job's log
         pass
@@ -90,10 +95,8 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, addr: str, port: int) -> None:
         self.addr = addr
-        self.port = port
-        self._server = make_server(
-            addr, port, make_app(registry), _ThreadingServer, handler_class=_QuietHandler
-        )
+        server_class = _ThreadingServerIPv6 if ":" in addr else _ThreadingServer
+        self._server = make_server(addr, port, make_app(registry), server_class, handler_class=_QuietHandler)
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="flare-http", daemon=True)
         self._thread.start()

@@ -66,18 +66,20 @@ class FlareProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return self._tracker.backend_name
 
-    def _collective(self, method: str, payload_index: int | None, args: tuple, kwargs: dict) -> Any:
+    def _collective(self, method: str, op: str, payload_index: int | None, args: tuple, kwargs: dict) -> Any:
         tracker = self._tracker
         payload = args[payload_index] if payload_index is not None and len(args) > payload_index else None
-        record = tracker.issue(method.lstrip("_"), payload)
+        record = tracker.issue(op, payload)
         work = getattr(self._inner, method)(*args, **kwargs)  # the user's collective: its errors are theirs
         tracker.track(record, work)
         return work
 
 
 def _make_method(method: str, payload_index: int | None) -> Callable[..., Any]:
+    op = method.lstrip("_")  # the op label: _allgather_base -> allgather_base
+
     def collective(self: FlareProcessGroup, *args: Any, **kwargs: Any) -> Any:
-        return self._collective(method, payload_index, args, kwargs)
+        return self._collective(method, op, payload_index, args, kwargs)
 
     collective.__name__ = method
     collective.__doc__ = f"Record, then delegate {method} to the real backend."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import socket
+import urllib.request
 from wsgiref.util import setup_testing_defaults
 
 import pytest
@@ -148,5 +149,20 @@ def test_serve_on_a_free_port_serves_metrics():
                 response += chunk
         assert response.startswith(b"HTTP/1.0 200")
         assert b"flare_steps_total" in response
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_serve_on_ipv6_loopback():
+    try:
+        server = serve(make_registry(StepsCollector()), "::1", 0, rank=0)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    if server is None:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{server.port}/metrics", timeout=10) as response:
+            assert b"flare_steps_total" in response.read()
     finally:
         server.close()
