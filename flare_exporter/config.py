@@ -68,8 +68,8 @@ class Config:
         "between 16 and 10000000",
     )
     timing_interval_seconds: float = _setting(
-        0.02,
-        "How often the timing manager resolves completed collectives.",
+        0.5,
+        "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
         lambda v: 0.001 <= v <= 10,
         "between 0.001 and 10",
     )

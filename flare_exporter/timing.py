@@ -9,7 +9,9 @@ never waits. Backends behind one interface:
   stream when TORCH_NCCL_ENABLE_TIMING=1; the manager polls `is_completed()` and reads the event
   duration, so no thread ever synchronizes with the device.
 
-The TimingManager thread drains completions into per-(group, op) statistics that only it writes.
+The TimingManager drains completions into per-(group, op) statistics: on its own thread every
+`interval_seconds`, and on every scrape so that what a scrape shows is current. The two never drain at
+once (a lock that only they take; the training thread never touches it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class TimingManager:
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
         self._stop = threading.Event()
+        self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
         self._thread = threading.Thread(target=self._run, name="flare-timing", daemon=True)
 
     def start(self) -> None:
@@ -95,7 +98,11 @@ class TimingManager:
                 self.health.error("timing_manager", error)
 
     def drain(self) -> None:
-        """Resolve what has completed so far; called by the manager thread (and once at stop)."""
+        """Resolve what has completed so far (manager thread, scrapes, and once at stop)."""
+        with self._draining:
+            self._drain()
+
+    def _drain(self) -> None:
         for _ in range(len(self.polled)):
             record, work, backend = self.polled.popleft()
             duration = backend.poll(work, record)

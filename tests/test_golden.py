@@ -88,3 +88,16 @@ def test_exposition_names_exactly_the_spec_metrics():
     # the fixed state exercises every metric the spec declares
     for metric in spec.METRICS:
         assert set(spec.exposed_series_names(metric)) & exposed, metric.name
+
+
+def test_a_scrape_shows_collectives_completed_since_the_last_drain():
+    state = fixed_state()
+    world = state.groups["world"]
+    record = CollectiveRecord(world, "allreduce", 4096, 4, 0.0)
+    record.duration = 0.001
+    state.manager.complete(record)  # the manager thread has not run: the scrape itself resolves it
+    samples = parse(generate_latest(build_registry(state)).decode())
+    count = [s.value for s in samples if s.name == "flare_collective_duration_seconds_count"]
+    assert count == [4]
+    completed = [s.value for s in samples if s.name == "flare_collective_last_completed_seq"]
+    assert completed[0] == 4

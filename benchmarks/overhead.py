@@ -1,0 +1,671 @@
+"""Overhead A/B: the same gloo DDP job without and with flare-exporter attached, plus hook micro-costs.
+
+    python benchmarks/overhead.py [--pairs 10] [--ranks 4] [--steps 60] [--warmup 10] [--batch 64] \
+                                  [--timeout 300] [--retries 2] [--script PATH] [--json OUT]
+    python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
+
+Each pair runs flare_exporter/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain `python
+script.py` (A, without) and once as `python -m flare_exporter.launch script.py` (B, with), in the order A/B
+for odd pairs and B/A for even ones, so that slow drift of the machine cancels out. During a B run a
+background thread here scrapes every rank's /metrics once per second, as Prometheus would, and counts the
+scrapes that failed between a rank's first answer and the end of its training. FLARE_* variables set for
+this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run gets free loopback ports).
+
+A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
+dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
+with a distribution-free 95% confidence interval, and each rank process's CPU time (user + system).
+
+The micro section times, on this thread, what a hook adds to one collective (GroupTracker.issue + track on a
+fake work whose real torch Future is already complete, so the completion callback runs inline too) and to
+one optimizer step (StepTracker.on_step), against an empty loop.
+
+Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
+from flare_exporter.workloads import train_ddp  # noqa: E402
+
+GOAL_RATIO = 1.005
+SCRAPE_INTERVAL_S = 1.0
+SCRAPE_TIMEOUT_S = 2.0
+
+
+class RunError(Exception):
+    """A run that did not complete; the message is one line naming the rank and its stderr tail.
+
+    `at_exit`: every step was taken and reported, and a rank then died while exiting (gloo's teardown
+    occasionally aborts under heavy CPU contention, seen in plain runs too); such a run may be retried.
+    """
+
+    def __init__(self, message: str, at_exit: bool = False) -> None:
+        super().__init__(message)
+        self.at_exit = at_exit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ports and processes
+
+
+def _tail(path: Path, lines: int = 3, chars: int = 400) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no stderr file)"
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    tail = " | ".join(kept) or "(stderr empty)"
+    return tail if len(tail) <= chars else "..." + tail[-chars:]
+
+
+def _reap(proc: subprocess.Popen) -> float | None:
+    """If the rank has exited: reap it, set its returncode and return its CPU seconds; else None."""
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a rank and anything it started (each rank leads its own session); only while it is alive."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the scraper
+
+
+@dataclass
+class ScrapeCounts:
+    done: int = 0  # attempts that returned flare metrics
+    during_training: int = 0  # of those, the ones that started while the rank was taking its steps
+    failed: int = 0  # attempts that failed between the rank's first answer and the end of its training
+    startup: int = 0  # refused before the rank's endpoint first answered (the rank is still importing torch)
+    shutdown: int = 0  # failed after the rank finished training (its endpoint closes as the process exits)
+    never_answered: list[int] = field(default_factory=list)  # ranks that never answered in this run
+    failures: list[str] = field(default_factory=list)  # first few failure reasons
+
+    def add(self, other: ScrapeCounts) -> None:
+        self.done += other.done
+        self.during_training += other.during_training
+        self.failed += other.failed
+        self.startup += other.startup
+        self.shutdown += other.shutdown
+        self.never_answered += other.never_answered
+        self.failures += other.failures[: max(0, 5 - len(self.failures))]
+
+
+class Scraper(threading.Thread):
+    """Scrapes every rank's /metrics once per second until stopped; classifies failures afterwards."""
+
+    def __init__(self, base_port: int, ranks: int) -> None:
+        super().__init__(name="overhead-scraper", daemon=True)
+        self.urls = [f"http://127.0.0.1:{base_port + rank}/metrics" for rank in range(ranks)]
+        self.stop_event = threading.Event()
+        # per rank: (wall time the attempt started, None if it succeeded else the reason)
+        self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.urls]
+
+    def run(self) -> None:
+        next_at = time.monotonic()
+        while not self.stop_event.is_set():
+            for rank, url in enumerate(self.urls):
+                self.attempts[rank].append((time.time(), self._scrape(url)))
+            # after a slow round, carry on from now rather than catch up in a burst
+            next_at = max(next_at + SCRAPE_INTERVAL_S, time.monotonic())
+            self.stop_event.wait(max(0.0, next_at - time.monotonic()))
+
+    @staticmethod
+    def _scrape(url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
+                body = response.read()
+                if response.status != 200:
+                    return f"HTTP {response.status}"
+        except urllib.error.HTTPError as error:
+            return f"HTTP {error.code}"
+        except (OSError, urllib.error.URLError) as error:
+            reason = getattr(error, "reason", error)
+            return f"{type(reason).__name__}: {reason}"
+        if b"flare_" not in body:
+            return "200 without flare_ metrics"
+        return None
+
+    def counts(self, training: list[tuple[float, float]]) -> ScrapeCounts:
+        """Classify the attempts; `training` is each rank's (first step began, last step ended), wall time."""
+        counts = ScrapeCounts()
+        for rank, attempts in enumerate(self.attempts):
+            answered = False
+            trained_from, trained_until = training[rank]
+            for at, failure in attempts:
+                if failure is None:
+                    answered = True
+                    counts.done += 1
+                    counts.during_training += trained_from <= at < trained_until
+                elif not answered and "Refused" in failure:
+                    counts.startup += 1
+                elif at >= trained_until:
+                    counts.shutdown += 1
+                else:
+                    counts.failed += 1
+                    if len(counts.failures) < 5:
+                        counts.failures.append(f"rank {rank}: {failure}")
+            if not answered:
+                counts.never_answered.append(rank)
+        return counts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one run of the job
+
+
+@dataclass
+class RunResult:
+    with_exporter: bool
+    step_time: float  # median over ranks of the per-rank median step time, seconds
+    rank_medians: list[float]
+    wall_s: float
+    cpu_s: float  # median over ranks of the CPU time (user + system) of the whole rank process
+    scrapes: ScrapeCounts | None
+
+
+def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str) -> RunResult:
+    workdir.mkdir(parents=True)
+    master_port, base_port = free_port(), free_port_block(args.ranks)
+    env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
+    env.pop("FLARE_FILE_SD_DIR", None)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        WORLD_SIZE=str(args.ranks),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+    )
+    if with_exporter:
+        env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1")
+        env.setdefault("FLARE_RUN", "overhead")
+    prefix = [sys.executable, "-m", "flare_exporter.launch"] if with_exporter else [sys.executable]
+    script_args = ["--steps", str(args.steps), "--batch", str(args.batch)]
+
+    procs: list[subprocess.Popen] = []
+    exited_at: list[float | None] = [None] * args.ranks
+    cpu_s = [0.0] * args.ranks
+    scraper = Scraper(base_port, args.ranks) if with_exporter else None
+    started = time.monotonic()
+    try:
+        for rank in range(args.ranks):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            report = workdir / f"report{rank}.json"
+            command = [*prefix, str(args.script), *script_args, "--report", str(report)]
+            stdout, stderr = workdir / f"stdout{rank}.log", workdir / f"stderr{rank}.log"
+            with open(stdout, "wb") as out, open(stderr, "wb") as err:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=rank_env,
+                        cwd=REPO,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
+        if scraper is not None:
+            scraper.start()
+        deadline = started + args.timeout
+        while any(at is None for at in exited_at):
+            for rank, proc in enumerate(procs):
+                if exited_at[rank] is None and (cpu := _reap(proc)) is not None:
+                    exited_at[rank] = time.monotonic()
+                    cpu_s[rank] = cpu
+                    if proc.returncode != 0:
+                        finished = (workdir / f"report{rank}.json").exists()
+                        when = "after its last step, while exiting" if finished else "before its last step"
+                        raise RunError(
+                            f"{label}: rank {rank} exited with code {proc.returncode} {when}; "
+                            f"stderr: {_tail(workdir / f'stderr{rank}.log')}",
+                            at_exit=finished,
+                        )
+            if time.monotonic() > deadline:
+                rank = next(r for r, at in enumerate(exited_at) if at is None)
+                raise RunError(
+                    f"{label}: rank {rank} still running after the {args.timeout:.0f} s timeout; "
+                    f"stderr: {_tail(workdir / f'stderr{rank}.log')}"
+                )
+            time.sleep(0.02)
+        wall = time.monotonic() - started
+    finally:
+        if scraper is not None:
+            scraper.stop_event.set()
+            if scraper.is_alive():
+                scraper.join(timeout=SCRAPE_TIMEOUT_S * args.ranks + 1)
+        for proc in procs:
+            _kill_group(proc)
+
+    rank_medians = []
+    training = []  # (first step began, last step ended): the report is written right after the last step
+    for rank in range(args.ranks):
+        report = workdir / f"report{rank}.json"
+        try:
+            times = json.loads(report.read_text())["step_times"]
+            ended = report.stat().st_mtime
+            training.append((ended - sum(times), ended))
+        except (OSError, ValueError, KeyError) as error:
+            raise RunError(
+                f"{label}: rank {rank} exited 0 but its report {report.name} is unusable "
+                f"({error}); stderr: {_tail(workdir / f'stderr{rank}.log')}"
+            ) from None
+        kept = times[args.warmup :]
+        if not kept:
+            raise RunError(
+                f"{label}: rank {rank} reported {len(times)} steps, none after {args.warmup} warm-up steps"
+            )
+        rank_medians.append(statistics.median(kept))
+    scrapes = scraper.counts(training) if scraper is not None else None
+    return RunResult(
+        with_exporter, statistics.median(rank_medians), rank_medians, wall, statistics.median(cpu_s), scrapes
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# statistics
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval for the median (order statistics); None if n is too small."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1.0 - confidence) / 2
+    below = 0.0
+    k = 0  # largest k with P(Binomial(n, 1/2) < k) <= tail
+    for j in range(n + 1):
+        below += math.comb(n, j) / 2**n
+        if below > tail:
+            break
+        k = j + 1
+    if k < 1:
+        return None
+    return ordered[k - 1], ordered[n - k]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# micro-benchmarks of the hooks
+
+
+def _time_once(body: Callable[[int], None], loops: int) -> float:
+    """ns per iteration of one body(loops), with the GC off as timeit does."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        started = time.perf_counter_ns()
+        body(loops)
+        return (time.perf_counter_ns() - started) / loops
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
+    """ns per call of the collective hook (issue + track) and the step hook, net of an empty loop."""
+    import torch
+
+    from flare_exporter.groups import GroupTracker
+    from flare_exporter.health import ExporterHealth
+    from flare_exporter.process_group import FlareProcessGroup
+    from flare_exporter.progress import StepTracker
+    from flare_exporter.timing import FutureTiming, TimingManager
+
+    health = ExporterHealth()
+    # Not started: each repetition's completions stay queued (room for all of them) and are drained after it.
+    manager = TimingManager(health, queue_size=loops + 16, interval_seconds=1.0)
+    tracker = GroupTracker("world", 4, "gloo", FutureTiming(manager), health)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+
+    class FakeWork:
+        def get_future(self) -> torch.futures.Future:
+            return future
+
+    work = FakeWork()
+
+    class FakeInner:  # the real backend, reduced to handing back the work
+        def allreduce(self, *args: object, **kwargs: object) -> FakeWork:
+            return work
+
+    inner = FakeInner()
+    bucket = [torch.empty(25 * 2**20 // 4)]  # one 25 MiB DDP bucket (only its size is read)
+    wrapped = FlareProcessGroup(inner, 0, 4, tracker)
+    steps = StepTracker(health)
+
+    class FakeOptimizer:
+        pass
+
+    optimizer = FakeOptimizer()
+
+    def empty(n: int) -> None:
+        for _ in range(n):
+            pass
+
+    def hooks(n: int) -> None:
+        issue, track = tracker.issue, tracker.track
+        for _ in range(n):
+            track(issue("allreduce", bucket), work)
+
+    def direct(n: int) -> None:
+        allreduce = inner.allreduce
+        for _ in range(n):
+            allreduce(bucket)
+
+    def through_wrapper(n: int) -> None:
+        allreduce = wrapped.allreduce
+        for _ in range(n):
+            allreduce(bucket)
+
+    def step_hook(n: int) -> None:
+        on_step = steps.on_step
+        for _ in range(n):
+            on_step(optimizer, (), {})
+
+    drain_ns: list[float] = []
+
+    def drain() -> None:  # the timing manager's share, which runs on its own thread in a real job
+        queued = len(manager.completed)
+        started = time.perf_counter_ns()
+        manager.drain()
+        if queued:
+            drain_ns.append((time.perf_counter_ns() - started) / queued)
+
+    # One call of each first: a hook that records nothing (say, its completion callback raises, which torch
+    # only logs) would make every number below meaningless.
+    checks = (("GroupTracker.issue + track", hooks), ("FlareProcessGroup.allreduce", through_wrapper))
+    for name, body in checks:
+        before = tracker.last_completed_seq
+        body(1)
+        manager.drain()
+        if tracker.last_completed_seq != before + 1 or health.errors or health.dropped:
+            raise RunError(
+                f"micro: {name} did not record one completed collective for one completed future "
+                f"(errors {dict(health.errors)}, drops {dict(health.dropped)}); see torch's "
+                "messages above"
+            )
+
+    # Each repetition times every loop back to back and takes the differences within it, so that a slow
+    # moment of a noisy machine weighs on both sides of a difference; the median over repetitions is reported.
+    raw: dict[str, list[float]] = {name: [] for name in ("empty", "hooks", "direct", "wrapper", "step")}
+    for _ in range(repeats):
+        raw["empty"].append(_time_once(empty, loops))
+        raw["hooks"].append(_time_once(hooks, loops))
+        drain()
+        raw["direct"].append(_time_once(direct, loops))
+        raw["wrapper"].append(_time_once(through_wrapper, loops))
+        drain()
+        raw["step"].append(_time_once(step_hook, loops))
+    if health.errors or health.dropped:
+        raise RunError(f"micro: hooks reported errors {dict(health.errors)}, drops {dict(health.dropped)}")
+    result: dict[str, float] = {
+        "loops": loops,
+        "repeats": repeats,
+        "empty_loop_ns": statistics.median(raw["empty"]),
+        "manager_drain_ns": statistics.median(drain_ns),
+    }
+    for key, timed, baseline in (
+        ("collective_hook", "hooks", "empty"),
+        ("wrapper_path", "wrapper", "direct"),
+        ("step_hook", "step", "empty"),
+    ):
+        # median of the differences within a repetition; best case as timeit gives it (min minus min)
+        pairs = zip(raw[timed], raw[baseline], strict=True)
+        result[key + "_ns"] = statistics.median([with_hook - without for with_hook, without in pairs])
+        result[key + "_min_ns"] = min(raw[timed]) - min(raw[baseline])
+    return result
+
+
+def print_micro(result: dict[str, float]) -> None:
+    print(
+        f"micro (ns per call on the training thread, net of the baseline loop; median [best] of "
+        f"{result['repeats']} repetitions x {result['loops']} calls):"
+    )
+    rows = [
+        (
+            "collective hook",
+            "GroupTracker.issue + track (completed Future: callback inline)",
+            "collective_hook",
+        ),
+        ("wrapper path", "FlareProcessGroup.allreduce minus inner.allreduce", "wrapper_path"),
+        ("step hook", "StepTracker.on_step (vs. an empty loop)", "step_hook"),
+    ]
+    for name, what, key in rows:
+        print(f"  {name:16} {what:64} {result[key + '_ns']:7.0f} ns  [{result[key + '_min_ns']:6.0f}]")
+    print(
+        f"  (empty loop: {result['empty_loop_ns']:.0f} ns per iteration; off the training thread, "
+        f"the timing manager's drain: {result['manager_drain_ns']:.0f} ns per collective)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=10, help="A/B pairs to run (default 10)")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks per job (default 4)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps per rank dropped (default 10)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size per rank (default 64)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take (default 300)")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="reruns of a run whose rank crashed while exiting, after all its steps (default 2)",
+    )
+    parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument(
+        "--script",
+        type=Path,
+        default=Path(train_ddp.__file__),
+        help="the training script (default flare_exporter/workloads/train_ddp.py)",
+    )
+    parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or args.ranks < 1 or args.batch < 1 or args.timeout <= 0 or args.retries < 0:
+        parser.error("--pairs, --ranks, --batch and --timeout must be positive, --retries at least 0")
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and smaller than --steps")
+    if not args.micro and not args.script.is_file():
+        parser.error(f"no training script at {args.script}")
+    args.script = args.script.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally blocks kill the ranks
+    import torch
+
+    flare_env = {
+        key: value
+        for key, value in sorted(os.environ.items())
+        if key.startswith("FLARE_") and key not in ("FLARE_PORT", "FLARE_ADDR", "FLARE_FILE_SD_DIR")
+    }
+    results: dict[str, object] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(),
+        },
+        "config": {k: getattr(args, k) for k in ("pairs", "ranks", "steps", "warmup", "batch")},
+        "flare_env": flare_env,
+    }
+    print(
+        f"flare-exporter overhead benchmark  {results['date']}  {os.cpu_count()} CPUs  "
+        f"torch {torch.__version__}  python {platform.python_version()}"
+    )
+    if flare_env:
+        print("exporter settings from the environment: " + " ".join(f"{k}={v}" for k, v in flare_env.items()))
+    try:
+        if not args.micro:
+            results.update(ab(args))
+        micro_result = micro()
+        print_micro(micro_result)
+        results["micro"] = micro_result
+    except RunError as error:
+        print(f"overhead: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    return 0
+
+
+def ab(args: argparse.Namespace) -> dict[str, object]:
+    print(
+        f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
+        f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, "
+        f"exporter scraped every {SCRAPE_INTERVAL_S:.0f} s"
+    )
+    print(
+        f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
+        f"{'cpu s without/with':18}  scrapes ok/failed"
+    )
+    pairs = []
+    scrapes = ScrapeCounts()
+    retried: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="flare-overhead-") as tmp:
+        for pair in range(1, args.pairs + 1):
+            order = (False, True) if pair % 2 == 1 else (True, False)
+            runs: dict[bool, RunResult] = {}
+            for with_exporter in order:
+                name = "with" if with_exporter else "without"
+                label = f"pair {pair} run {name} exporter"
+                for attempt in itertools.count(1):
+                    workdir = Path(tmp) / f"pair{pair}-{name}-{attempt}"
+                    try:
+                        runs[with_exporter] = run_job(args, with_exporter, workdir, label)
+                        break
+                    except RunError as error:
+                        if not error.at_exit or attempt > args.retries:
+                            raise
+                        retried.append(str(error))
+                        print(f"      retrying: {error}", flush=True)
+            without, with_ = runs[False], runs[True]
+            assert with_.scrapes is not None
+            scrapes.add(with_.scrapes)
+            ratio = with_.step_time / without.step_time
+            order_text = "A/B" if not order[0] else "B/A"
+            silent = with_.scrapes.never_answered
+            note = f"  (never answered: ranks {silent})" if silent else ""
+            print(
+                f"{pair:>4}  {order_text:5}  {without.step_time * 1e3:10.3f}  "
+                f"{with_.step_time * 1e3:9.3f}  {ratio:7.4f}  {without.cpu_s:6.2f}/{with_.cpu_s:6.2f}  "
+                f"{with_.scrapes.done}/{with_.scrapes.failed}{note}",
+                flush=True,
+            )
+            pairs.append(
+                {
+                    "pair": pair,
+                    "order": order_text,
+                    "ratio": ratio,
+                    "without": asdict(without),
+                    "with": asdict(with_),
+                }
+            )
+
+    ratios = [p["ratio"] for p in pairs]
+    without_times = [p["without"]["step_time"] for p in pairs]
+    with_times = [p["with"]["step_time"] for p in pairs]
+    median_ratio = statistics.median(ratios)
+    ci = median_ci(ratios)
+    print("summary:")
+    print(
+        f"  step time without exporter: median {statistics.median(without_times) * 1e3:.3f} ms "
+        f"over {len(without_times)} runs"
+    )
+    print(
+        f"  step time with exporter:    median {statistics.median(with_times) * 1e3:.3f} ms "
+        f"over {len(with_times)} runs"
+    )
+    ci_text = f", 95% CI of the median [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""
+    print(
+        f"  ratio with/without: median {median_ratio:.4f} over {len(ratios)} pairs "
+        f"(min {min(ratios):.4f}, max {max(ratios):.4f}{ci_text})"
+    )
+    print(
+        f"  scrapes: {scrapes.done} done ({scrapes.during_training} while training), "
+        f"{scrapes.failed} failed "
+        f"(not counted: {scrapes.startup} refused before a rank's endpoint was up, "
+        f"{scrapes.shutdown} after a rank's training ended)"
+    )
+    cpu_without = statistics.median(p["without"]["cpu_s"] for p in pairs)
+    cpu_with = statistics.median(p["with"]["cpu_s"] for p in pairs)
+    print(
+        f"  CPU time per rank process (user + system, start-up and exit included): median "
+        f"{cpu_without:.2f} s without, {cpu_with:.2f} s with ({cpu_with - cpu_without:+.2f} s)"
+    )
+    if scrapes.never_answered:
+        print(f"  WARNING: {len(scrapes.never_answered)} rank-runs never answered a scrape")
+    for failure in scrapes.failures:
+        print(f"  scrape failure: {failure}")
+    if retried:
+        without_count = sum("without exporter" in message for message in retried)
+        print(
+            f"  runs retried after a rank crashed while exiting: {len(retried)} "
+            f"({without_count} without the exporter, {len(retried) - without_count} with it)"
+        )
+    verdict = "met" if median_ratio <= GOAL_RATIO else "NOT met"
+    if ci and ci[0] <= GOAL_RATIO < ci[1]:
+        verdict += " (the goal lies inside the confidence interval: noise-limited, add --steps or --pairs)"
+    print(f"  goal: median ratio <= {GOAL_RATIO}: {verdict}")
+    return {
+        "pairs": pairs,
+        "summary": {
+            "median_step_time_without": statistics.median(without_times),
+            "median_step_time_with": statistics.median(with_times),
+            "median_ratio": median_ratio,
+            "min_ratio": min(ratios),
+            "max_ratio": max(ratios),
+            "median_ratio_ci95": list(ci) if ci else None,
+            "goal_ratio": GOAL_RATIO,
+            "goal_met": median_ratio <= GOAL_RATIO,
+            "scrapes": asdict(scrapes),
+            "retried": retried,
+        },
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
