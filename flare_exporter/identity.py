@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .config import ConfigError
+
 # Each launcher names the same facts differently; the first variable present wins.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
@@ -49,7 +51,7 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int)
             try:
                 return int(text)
             except ValueError:
-                raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+                raise ConfigError(f"environment variable {name}={text!r} is not an integer") from None
     return default
 
 

@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from .agent import attach  # torch is imported only once the arguments are known to be good
 
-    attach(config)
+    try:
+        attach(config)
+    except config_module.ConfigError as error:  # e.g. RANK=abc from a broken launcher
+        print(f"flare-run: {error}", file=sys.stderr)
+        return 2
     if args.module is not None:
         sys.argv = [args.module, *args.target]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)

@@ -168,7 +168,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_exporter_dropped_events_total",
         COUNTER,
         "",
-        "Events dropped because a bounded queue or table was full, by queue.",
+        "Events not turned into metrics, by queue: a bounded queue or table was full (completed_collectives, "
+        "polled_collectives, process_groups), or the collective failed (failed_collectives).",
         ("queue",),
     ),
     MetricSpec(

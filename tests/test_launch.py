@@ -125,6 +125,7 @@ def test_taken_port_warns_and_training_goes_on(tmp_path):
             {"FLARE_PORT": "abc"},
             "key 'port' in environment variable FLARE_PORT: 'abc' is not a valid int",
         ),
+        ("", {"RANK": "abc"}, "environment variable RANK='abc' is not an integer"),
     ],
 )
 def test_bad_config_is_a_one_line_error_naming_key_and_source(tmp_path, yaml_text, env, expected):

@@ -33,13 +33,9 @@ class FakeWork:
         self.completed = False
         self.future: torch.futures.Future | None = torch.futures.Future() if with_future else None
         self.duration_ms = duration_ms  # None: timing not enabled, _get_duration raises
-        self.failed = False
 
     def is_completed(self) -> bool:
         return self.completed
-
-    def is_success(self) -> bool:
-        return not self.failed
 
     def get_future(self) -> torch.futures.Future:
         if self.future is None:
@@ -274,13 +270,3 @@ def test_failed_collective_stays_in_flight_and_is_counted():
     assert group.last_completed_seq == 0
     assert health.dropped["failed_collectives"] == 1
 
-
-def test_failed_polled_work_is_not_accounted():
-    manager = make_manager()
-    health = manager.health
-    group = FakeGroup()
-    work = FakeWork(with_future=False)
-    FutureTiming(manager).track(CollectiveRecord(group, "send", 8, 0, time.perf_counter()), work)
-    work.completed, work.failed = True, True
-    manager.drain()
-    assert manager.stats == {} and health.dropped["failed_collectives"] == 1
