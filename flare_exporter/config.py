@@ -27,6 +27,10 @@ def _setting(default: Any, help: str, check: Callable[[Any], bool] = lambda _: T
     return field(default=default, metadata={"help": help, "check": check, "rule": rule})
 
 
+def _between(low: float, high: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda value: low <= value <= high), f"between {low} and {high}"
+
+
 def _label_safe(value: str) -> bool:
     return len(value) <= 128 and "\n" not in value
 
@@ -39,8 +43,7 @@ class Config:
     port: int = _setting(
         9400,
         "Base port; a rank serves /metrics on port + local_rank. 0 serves nothing.",
-        lambda v: 0 <= v <= 65535,
-        "between 0 and 65535",
+        *_between(0, 65535),
     )
     addr: str = _setting(
         "0.0.0.0",
@@ -64,20 +67,17 @@ class Config:
     queue_size: int = _setting(
         65536,
         "Collective events buffered between the training thread and the timing manager; beyond it, dropped.",
-        lambda v: 16 <= v <= 10_000_000,
-        "between 16 and 10000000",
+        *_between(16, 10_000_000),
     )
     timing_interval_seconds: float = _setting(
         0.5,
         "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
-        lambda v: 0.001 <= v <= 10,
-        "between 0.001 and 10",
+        *_between(0.001, 10),
     )
     max_groups: int = _setting(
         64,
         "Most process groups tracked per rank; collectives of further groups are counted as dropped.",
-        lambda v: 1 <= v <= 4096,
-        "between 1 and 4096",
+        *_between(1, 4096),
     )
 
     def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Config:

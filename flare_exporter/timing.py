@@ -144,7 +144,6 @@ class TimingBackend:
         return time.perf_counter() - record.issued_at
 
 
-
 class FutureTiming(TimingBackend):
     """CPU collectives: the work's future calls back on completion (gloo's own thread)."""
 
