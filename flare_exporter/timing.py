@@ -50,6 +50,11 @@ class CollectiveStats:
         self.bytes_total = 0
 
 
+# Once a backend that is polled (NCCL) is in use, the manager wakes this often, so that it holds a completed
+# collective's work, and so its tensors, only briefly; otherwise it wakes every `interval_seconds`.
+POLL_INTERVAL_SECONDS = 0.02
+
+
 class TimingManager:
     """Background thread that resolves collective completions into statistics."""
 
@@ -60,6 +65,7 @@ class TimingManager:
         self.completed: deque[CollectiveRecord] = deque()  # appended by backend threads
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
+        self.polls_often = False
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
         self._thread = threading.Thread(target=self._run, name="flare-timing", daemon=True)
@@ -91,7 +97,7 @@ class TimingManager:
         self.polled.append((record, work, backend))
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
+        while not self._stop.wait(POLL_INTERVAL_SECONDS if self.polls_often else self.interval_seconds):
             try:
                 self.drain()
             except Exception as error:  # the manager must outlive any bad record
@@ -173,6 +179,10 @@ class CudaEventTiming(TimingBackend):
     """NCCL collectives: device duration from the CUDA events NCCL records on the collective's stream."""
 
     name = "cuda_events"
+
+    def __init__(self, manager: TimingManager) -> None:
+        super().__init__(manager)
+        manager.polls_often = True
 
     def poll(self, work: Any, record: CollectiveRecord) -> float | None:
         if not work.is_completed():

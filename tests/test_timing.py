@@ -270,3 +270,25 @@ def test_failed_collective_stays_in_flight_and_is_counted():
     assert group.last_completed_seq == 0
     assert health.dropped["failed_collectives"] == 1
 
+
+
+def test_manager_polls_often_once_a_polled_backend_exists():
+    manager = TimingManager(ExporterHealth(), queue_size=16, interval_seconds=10.0)
+    assert not manager.polls_often
+    FutureTiming(manager)
+    assert not manager.polls_often
+    backend = CudaEventTiming(manager)
+    assert manager.polls_often
+    group = FakeGroup()
+    work = FakeWork(with_future=False, duration_ms=2.0)
+    backend.track(make_record(group, seq=1), work)
+    manager.start()
+    try:
+        work.finish()
+        # with a 10 s interval this would time out; polling every 20 ms resolves it at once
+        deadline = time.monotonic() + 5
+        while group.last_completed_seq != 1:
+            assert time.monotonic() < deadline, "the manager did not poll the completed work"
+            time.sleep(0.01)
+    finally:
+        manager.stop()
