@@ -45,7 +45,11 @@ def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sampl
 def ddp_job(tmp_path_factory: pytest.TempPathFactory):
     """4 ranks of the unmodified DDP script under the launcher; Prometheus (if installed) scrapes them."""
     work = tmp_path_factory.mktemp("ddp_job")
-    job = ObservedJob(str(work), train_ddp.__file__, ["--steps", str(STEPS)], RANKS, "test-ddp")
+    # two ranks per pretend host, named through FLARE_HOST (on a cluster the hostname says it)
+    hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
+    job = ObservedJob(
+        str(work), train_ddp.__file__, ["--steps", str(STEPS)], RANKS, "test-ddp", rank_env=hosts
+    )
     prometheus = None
     if shutil.which("prometheus"):
         prometheus = PrometheusProcess(str(work / "prometheus"), job.file_sd_dir)

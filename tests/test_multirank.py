@@ -32,6 +32,7 @@ def test_every_rank_identifies_itself(ddp_job):
             str(rank),
         )
         assert labels["backend"] == "gloo"
+        assert labels["host"] == f"node-{rank // 2}"  # FLARE_HOST overrides the machine's hostname
         # every flare series carries rank and run
         assert all(
             s.labels.get("rank") == str(rank) and s.labels.get("run") == "test-ddp"

@@ -271,7 +271,6 @@ def test_failed_collective_stays_in_flight_and_is_counted():
     assert health.dropped["failed_collectives"] == 1
 
 
-
 def test_manager_polls_often_once_a_polled_backend_exists():
     manager = TimingManager(ExporterHealth(), queue_size=16, interval_seconds=10.0)
     assert not manager.polls_often
