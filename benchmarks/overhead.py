@@ -51,7 +51,6 @@ from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
 GOAL_RATIO = 1.005
-SCRAPE_INTERVAL_S = 1.0
 SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -130,8 +129,9 @@ class ScrapeCounts:
 class Scraper(threading.Thread):
     """Scrapes every rank's /metrics once per second until stopped; classifies failures afterwards."""
 
-    def __init__(self, base_port: int, ranks: int) -> None:
+    def __init__(self, base_port: int, ranks: int, interval: float) -> None:
         super().__init__(name="overhead-scraper", daemon=True)
+        self.interval = interval
         self.urls = [f"http://127.0.0.1:{base_port + rank}/metrics" for rank in range(ranks)]
         self.stop_event = threading.Event()
         # per rank: (wall time the attempt started, None if it succeeded else the reason)
@@ -143,7 +143,7 @@ class Scraper(threading.Thread):
             for rank, url in enumerate(self.urls):
                 self.attempts[rank].append((time.time(), self._scrape(url)))
             # after a slow round, carry on from now rather than catch up in a burst
-            next_at = max(next_at + SCRAPE_INTERVAL_S, time.monotonic())
+            next_at = max(next_at + self.interval, time.monotonic())
             self.stop_event.wait(max(0.0, next_at - time.monotonic()))
 
     @staticmethod
@@ -221,7 +221,11 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
     procs: list[subprocess.Popen] = []
     exited_at: list[float | None] = [None] * args.ranks
     cpu_s = [0.0] * args.ranks
-    scraper = Scraper(base_port, args.ranks) if with_exporter else None
+    scraper = (
+        Scraper(base_port, args.ranks, args.scrape_interval)
+        if with_exporter and args.scrape_interval
+        else None
+    )
     started = time.monotonic()
     try:
         for rank in range(args.ranks):
@@ -492,6 +496,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="scrape every rank this often during B runs (default 1; 0: no scrapes, the exporter alone)",
+    )
+    parser.add_argument(
         "--script",
         type=Path,
         default=Path(train_ddp.__file__),
@@ -499,8 +510,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
     args = parser.parse_args(argv)
-    if args.pairs < 1 or args.ranks < 1 or args.batch < 1 or args.timeout <= 0 or args.retries < 0:
-        parser.error("--pairs, --ranks, --batch and --timeout must be positive, --retries at least 0")
+    if (
+        args.pairs < 1
+        or args.ranks < 1
+        or args.batch < 1
+        or args.timeout <= 0
+        or args.retries < 0
+        or args.scrape_interval < 0
+    ):
+        parser.error("--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval ≥ 0")
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and smaller than --steps")
     if not args.micro and not args.script.is_file():
@@ -556,7 +574,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
     print(
         f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
         f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, "
-        f"exporter scraped every {SCRAPE_INTERVAL_S:.0f} s"
+        + (f"exporter scraped every {args.scrape_interval:g} s" if args.scrape_interval else "no scrapes")
     )
     print(
         f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
@@ -583,16 +601,16 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
                         retried.append(str(error))
                         print(f"      retrying: {error}", flush=True)
             without, with_ = runs[False], runs[True]
-            assert with_.scrapes is not None
-            scrapes.add(with_.scrapes)
+            run_scrapes = with_.scrapes or ScrapeCounts()  # none when --scrape-interval is 0
+            scrapes.add(run_scrapes)
             ratio = with_.step_time / without.step_time
             order_text = "A/B" if not order[0] else "B/A"
-            silent = with_.scrapes.never_answered
+            silent = run_scrapes.never_answered
             note = f"  (never answered: ranks {silent})" if silent else ""
             print(
                 f"{pair:>4}  {order_text:5}  {without.step_time * 1e3:10.3f}  "
                 f"{with_.step_time * 1e3:9.3f}  {ratio:7.4f}  {without.cpu_s:6.2f}/{with_.cpu_s:6.2f}  "
-                f"{with_.scrapes.done}/{with_.scrapes.failed}{note}",
+                f"{run_scrapes.done}/{run_scrapes.failed}{note}",
                 flush=True,
             )
             pairs.append(

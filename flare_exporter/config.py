@@ -70,7 +70,7 @@ class Config:
         *_between(16, 10_000_000),
     )
     timing_interval_seconds: float = _setting(
-        0.5,
+        5.0,
         "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
         *_between(0.001, 10),
     )

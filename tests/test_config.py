@@ -30,7 +30,7 @@ def test_defaults():
     assert loaded.run == ""
     assert loaded.file_sd_dir == ""
     assert loaded.queue_size == 65536
-    assert loaded.timing_interval_seconds == 0.5
+    assert loaded.timing_interval_seconds == 5.0
     assert loaded.max_groups == 64
 
 
