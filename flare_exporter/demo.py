@@ -18,15 +18,16 @@ from .local_job import ObservedJob
 from .prometheus_process import PrometheusProcess, find_binary, wait_for
 from .workloads import train_ddp
 
-# PromQL the summary is made of; each returns one series per rank.
-STEP_RATE = "rate(flare_steps_total[{window}])"
+# PromQL the summary is made of, over the whole run (the job is short); each gives one series per rank.
+STEPS = 'flare_steps_total{run="demo"}'
+STEP_RATE = 'flare_step_duration_seconds_count{run="demo"} / flare_step_duration_seconds_sum{run="demo"}'
 ALLREDUCE_QUANTILE = (
     "histogram_quantile({q}, sum by (rank, le) "
-    '(rate(flare_collective_duration_seconds_bucket{{op="allreduce"}}[{window}])))'
+    '(flare_collective_duration_seconds_bucket{{run="demo", op="allreduce"}}))'
 )
 ALLREDUCE_MEAN = (
-    'sum by (rank) (rate(flare_collective_duration_seconds_sum{{op="allreduce"}}[{window}]))'
-    ' / sum by (rank) (rate(flare_collective_duration_seconds_count{{op="allreduce"}}[{window}]))'
+    'sum by (rank) (flare_collective_duration_seconds_sum{run="demo", op="allreduce"})'
+    ' / sum by (rank) (flare_collective_duration_seconds_count{run="demo", op="allreduce"})'
 )
 
 
@@ -70,20 +71,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_from_prometheus(prometheus: PrometheusProcess, ranks: int, steps: int) -> str:
-    """Wait until Prometheus has watched every rank train a while, then read the summary back."""
-    window = "5s"
+    """Wait until Prometheus has scraped every rank after its last step, then read the summary back."""
 
-    def half_way() -> bool:  # a few scrapes into the run on every rank, well before its end
-        seen = promql.values_by(prometheus.query("flare_steps_total"), "rank")
-        return len(seen) == ranks and min(seen.values()) >= steps // 2
+    def finished() -> bool:  # the ranks stay up after training until the demo lets them go
+        seen = promql.values_by(prometheus.query(STEPS), "rank")
+        return len(seen) == ranks and min(seen.values()) >= steps
 
-    wait_for(half_way, 300, f"Prometheus to see every rank reach step {steps // 2}")
-    step_rate = promql.values_by(prometheus.query(STEP_RATE.format(window=window)), "rank")
-    mean = promql.values_by(prometheus.query(ALLREDUCE_MEAN.format(window=window)), "rank")
-    p50 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.5, window=window)), "rank")
-    p99 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.99, window=window)), "rank")
+    wait_for(finished, 300, f"Prometheus to see every rank reach step {steps}")
+    step_rate = promql.values_by(prometheus.query(STEP_RATE), "rank")
+    mean = promql.values_by(prometheus.query(ALLREDUCE_MEAN), "rank")
+    p50 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.5)), "rank")
+    p99 = promql.values_by(prometheus.query(ALLREDUCE_QUANTILE.format(q=0.99)), "rank")
     lines = [
-        f"\nread back from Prometheus ({prometheus.url}), over the last {window}:",
+        f"\nread back from Prometheus ({prometheus.url}), over the whole run:",
         f"{'rank':>4}  {'steps/s':>8}  {'allreduce mean':>14}  {'p50':>9}  {'p99':>9}",
     ]
     for rank in sorted(step_rate, key=int):

@@ -1,0 +1,45 @@
+"""The README's first command: the demo trains, and prints what it read back, one line per rank."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from flare_exporter import demo
+
+pytestmark = pytest.mark.multirank
+
+
+def rank_lines(output: str) -> dict[int, list[str]]:
+    rows = {}
+    for line in output.splitlines():
+        fields = line.split()
+        if fields and fields[0].isdigit():
+            rows[int(fields[0])] = fields
+    return rows
+
+
+def test_demo_by_direct_scrape(capsys):
+    assert demo.main(["--ranks", "2", "--steps", "40", "--no-prometheus"]) == 0
+    rows = rank_lines(capsys.readouterr().out)
+    assert sorted(rows) == [0, 1]
+    assert all(float(fields[1]) == 40 for fields in rows.values())  # steps, read from /metrics
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
+def test_demo_reads_step_rate_and_latency_back_from_prometheus(capsys):
+    assert demo.main(["--ranks", "2", "--steps", "300"]) == 0
+    output = capsys.readouterr().out
+    assert "read back from Prometheus" in output
+    rows = rank_lines(output)
+    assert sorted(rows) == [0, 1]
+    for fields in rows.values():
+        assert float(fields[1]) > 0  # steps/s
+        assert fields[2] != "-" and fields[3] == "ms"  # all-reduce mean latency present
+
+
+def test_demo_rejects_bad_arguments():
+    with pytest.raises(SystemExit) as exit:
+        demo.main(["--ranks", "0"])
+    assert exit.value.code == 2
