@@ -102,9 +102,6 @@ class LocalJob:
                 codes.append(process.wait())
         return codes
 
-    def signal(self, rank: int, signum: int) -> None:
-        self.processes[rank].send_signal(signum)
-
     def kill(self) -> None:
         for process in self.processes:
             if process.poll() is None:

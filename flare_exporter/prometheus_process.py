@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -39,9 +39,6 @@ class PrometheusProcess:
         work_dir: str,
         file_sd_dir: str,
         scrape_interval: str = "1s",
-        rule_files: Sequence[str] = (),
-        evaluation_interval: str = "1s",
-        alertmanager_url: str | None = None,
         binary: str | None = None,
     ) -> None:
         binary = binary or find_binary()
@@ -50,14 +47,9 @@ class PrometheusProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config: dict[str, Any] = {
-            "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
+            "global": {"scrape_interval": scrape_interval},
             "scrape_configs": [scrape_config(file_sd_dir, scrape_interval)],
-            "rule_files": [os.path.abspath(path) for path in rule_files],
         }
-        if alertmanager_url:
-            config["alerting"] = {
-                "alertmanagers": [{"static_configs": [{"targets": [alertmanager_url.split("//")[-1]]}]}]
-            }
         os.makedirs(work_dir, exist_ok=True)
         config_path = os.path.join(work_dir, "prometheus.yml")
         with open(config_path, "w") as out:
