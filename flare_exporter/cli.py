@@ -28,7 +28,7 @@ def rank_rows(
         if isinstance(samples, scrape.ScrapeError):
             rows.append({"target": target, "error": str(samples)})
             continue
-        info = next((s.labels for s in samples if s.name == "flare_rank_info"), {})
+        info = scrape.labels_of(samples, "flare_rank_info")
         heartbeat = scrape.value(samples, "flare_heartbeat_timestamp_seconds")
         rows.append(
             {

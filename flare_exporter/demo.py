@@ -117,8 +117,7 @@ def summary_from_scrape(targets: list[str], steps: int) -> str:
         step_sum = scrape.value(samples, "flare_step_duration_seconds_sum") or 0
         count = scrape.value(samples, "flare_collective_duration_seconds_count", op="allreduce") or 0
         total = scrape.value(samples, "flare_collective_duration_seconds_sum", op="allreduce") or 0
-        rank = scrape.value(samples, "flare_rank_info")
-        rank_label = next(s.labels["rank"] for s in samples if s.name == "flare_rank_info") if rank else "?"
+        rank_label = scrape.labels_of(samples, "flare_rank_info").get("rank", "?")
         rate = step_count / step_sum if step_sum else 0.0
         lines.append(
             f"{rank_label:>4}  {scrape.value(samples, 'flare_steps_total') or 0:6.0f}  {rate:8.1f}  "

@@ -76,7 +76,7 @@ class GroupTracker:
         self._next_seq = itertools.count(1)  # next() is atomic in CPython: safe from any thread
         self.last_issued_seq = 0
         self.last_completed_seq = 0  # written by the timing manager only
-        self.last_progress_at = 0.0  # wall time of the last issue, for the heartbeat
+        self.last_progress_at = 0.0  # perf_counter time of the last issue, for the heartbeat
 
     def issue(self, op: str, tensors: Any) -> CollectiveRecord | None:
         """Record a collective about to be issued; never raises into training code."""
@@ -86,8 +86,9 @@ class GroupTracker:
                 seq = next(self._next_seq)
                 self.last_issued_seq = seq
             nbytes = payload_bytes(tensors) if tensors is not None else 0
-            self.last_progress_at = time.time()
-            return CollectiveRecord(self, op, nbytes, seq, time.perf_counter())
+            now = time.perf_counter()
+            self.last_progress_at = now
+            return CollectiveRecord(self, op, nbytes, seq, now)
         except Exception as error:
             self.health.error("collective_hook", error)
             return None

@@ -13,6 +13,11 @@ from .health import ExporterHealth
 from .histogram import Histogram
 
 
+def wall_time(perf_time: float) -> float:
+    """Unix time of a `time.perf_counter()` reading; hooks read one clock, scrapes convert."""
+    return time.time() - (time.perf_counter() - perf_time)
+
+
 class StepTracker:
     """Counts the steps of the first optimizer that steps; written by the training thread only."""
 
@@ -20,8 +25,7 @@ class StepTracker:
         self.health = health
         self.steps = 0
         self.durations = Histogram(spec.STEP_DURATION_BUCKETS)
-        self.last_step_at = 0.0  # wall time, for the heartbeat
-        self._last_step_perf = 0.0
+        self.last_step_at = 0.0  # perf_counter time of the last step: step durations and the heartbeat
         self._optimizer: weakref.ref[Any] | None = None
         self._handle: Any = None
 
@@ -41,10 +45,9 @@ class StepTracker:
             elif self._optimizer() is not optimizer:
                 return  # a second optimizer in the same iteration: one step is counted once
             now = time.perf_counter()
-            if self._last_step_perf:
-                self.durations.observe(now - self._last_step_perf)
-            self._last_step_perf = now
+            if self.last_step_at:
+                self.durations.observe(now - self.last_step_at)
+            self.last_step_at = now
             self.steps += 1
-            self.last_step_at = time.time()
         except Exception as error:
             self.health.error("step_hook", error)

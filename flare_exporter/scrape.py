@@ -65,6 +65,11 @@ def scrape_all(
         return dict(zip(targets, pool.map(one, targets), strict=True))
 
 
+def labels_of(samples: list[Sample], name: str) -> dict[str, str]:
+    """The labels of the first sample named `name` (e.g. flare_rank_info), or {} if there is none."""
+    return next((sample.labels for sample in samples if sample.name == name), {})
+
+
 def value(samples: list[Sample], name: str, **labels: str) -> float | None:
     """The value of the first sample named `name` whose labels include `labels`."""
     for sample in samples:

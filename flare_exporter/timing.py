@@ -134,8 +134,6 @@ class TimingManager:
 class TimingBackend:
     """How one kind of process group tells the manager that a collective finished."""
 
-    name = "base"
-
     def __init__(self, manager: TimingManager) -> None:
         self.manager = manager
 
@@ -152,8 +150,6 @@ class TimingBackend:
 
 class FutureTiming(TimingBackend):
     """CPU collectives: the work's future calls back on completion (gloo's own thread)."""
-
-    name = "future"
 
     def track(self, record: CollectiveRecord, work: Any) -> None:
         try:
@@ -177,8 +173,6 @@ class FutureTiming(TimingBackend):
 
 class CudaEventTiming(TimingBackend):
     """NCCL collectives: device duration from the CUDA events NCCL records on the collective's stream."""
-
-    name = "cuda_events"
 
     def __init__(self, manager: TimingManager) -> None:
         super().__init__(manager)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from flare_exporter import spec
+from flare_exporter import progress, spec
 from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
 from flare_exporter.groups import GroupTracker
@@ -59,6 +59,12 @@ def fixed_state() -> FlareState:
     state.health.error("step_hook")
     state.health.drop("completed_collectives", 2)
     return state
+
+
+@pytest.fixture(autouse=True)
+def pinned_clock(monkeypatch):
+    """Hooks record perf_counter readings; pin their conversion to Unix time so the heartbeat is fixed."""
+    monkeypatch.setattr(progress, "wall_time", lambda perf_time: perf_time)
 
 
 def stable_exposition() -> str:

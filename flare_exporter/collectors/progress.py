@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
+from .. import progress
 from ..state import FlareState
 from . import Families
 
@@ -28,5 +29,5 @@ class ProgressCollector:
             [steps.last_step_at] + [g.last_progress_at for g in list(self.state.groups.values())]
         )
         if last_progress:
-            heartbeat.add_metric(families.labels(), last_progress)
+            heartbeat.add_metric(families.labels(), progress.wall_time(last_progress))
         return [total, durations, heartbeat]
