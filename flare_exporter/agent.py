@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +19,12 @@ from .collectors import Collector
 from .collectors.collectives import CollectivesCollector
 from .collectors.exporter import ExporterCollector
 from .collectors.identity import IdentityCollector
+from .collectors.in_flight import InFlightCollector
 from .collectors.progress import ProgressCollector
 from .exposition import FlareCollector, MetricsServer, serve
 from .groups import WORLD
+from .incident import IncidentWriter
+from .stall import StallWatcher
 from .state import FlareState
 
 log = logging.getLogger("flare_exporter")
@@ -34,14 +38,18 @@ class Attachment:
     registry: CollectorRegistry
     server: MetricsServer | None
     target_file: str | None
+    incidents: IncidentWriter
+    watcher: StallWatcher
 
     def close(self) -> None:
-        """Stop the timing manager and the endpoint, and withdraw the target file (clean exit only)."""
+        """Stop the timing manager and the endpoint; withdraw the target file unless the rank is dying of an
+        exception (then Prometheus keeps the target, sees it down, and `up` names the rank)."""
+        self.watcher.stop()
         self.state.steps.remove()
         self.state.manager.stop()
         if self.server is not None:
             self.server.close()
-        if self.target_file:
+        if self.target_file and self.state.exception is None:
             file_sd.remove_target(self.target_file)
 
 
@@ -54,6 +62,7 @@ def build_registry(state: FlareState) -> CollectorRegistry:
     collectors: list[Collector] = [
         IdentityCollector(state),
         CollectivesCollector(state),
+        InFlightCollector(state),
         ProgressCollector(state),
         ExporterCollector(state),
     ]
@@ -100,6 +109,10 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     )
     state.steps.install()
     state.manager.start()
+    incidents = IncidentWriter(state)
+    incidents.install()
+    watcher = StallWatcher(state, threading.get_ident(), incidents.write)  # this thread trains
+    watcher.start()
 
     server = None
     target_file = None
@@ -108,6 +121,6 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         server = serve(registry, config.addr, port, state.identity.rank)
         if server is not None and config.file_sd_dir:
             target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
-    _attachment = Attachment(state, registry, server, target_file)
+    _attachment = Attachment(state, registry, server, target_file, incidents, watcher)
     atexit.register(_attachment.close)
     return _attachment

@@ -80,6 +80,31 @@ class Config:
         *_between(1, 4096),
     )
 
+    stall_seconds: float = _setting(
+        30.0,
+        "Seconds without progress (no step, no collective issued) after which the rank samples its training "
+        "thread's stack into flare_rank_stack_info.",
+        *_between(0.1, 86400),
+    )
+    hang_seconds: float = _setting(
+        300.0,
+        "Seconds a collective may stay unfinished before it counts as a hang; the rank then writes its "
+        "incident file, and `flare diagnose` uses the same threshold.",
+        *_between(0.5, 86400),
+    )
+    incident_dir: str = _setting(
+        "",
+        "Directory in which each rank writes its incident file (all thread stacks, in-flight state, "
+        "heartbeat) when it dies or hangs; empty: none written.",
+    )
+
+    linger_seconds: float = _setting(
+        0.0,
+        "Seconds a rank dying of an exception keeps serving /metrics (with flare_rank_exception_info) before "
+        "it exits, so that Prometheus or `flare` sees why; set it above the scrape interval.",
+        *_between(0, 3600),
+    )
+
     def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Config:
         """This config with `overrides` (already typed) applied, each checked; errors name `source`."""
         checked = {name: _check(name, value, source) for name, value in overrides.items()}

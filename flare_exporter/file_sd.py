@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import tempfile
 
+from .files import write_json_atomically
 from .identity import RankIdentity
 
 log = logging.getLogger("flare_exporter")
@@ -21,27 +20,29 @@ def target_path(directory: str, identity: RankIdentity) -> str:
 
 
 def target_document(identity: RankIdentity, addr: str, port: int) -> list[dict]:
-    """The file_sd document; `rank` and `run` label the target so that `up` says which rank is down."""
+    """The file_sd document; `rank` and `run` label the target so that `up` says which rank is down.
+
+    `__meta_flare_host` tells `flare --targets` which host a rank that no longer answers was on;
+    Prometheus drops labels that start with `__` once relabeling is done, so no series carries it.
+    """
     host = socket.gethostname() if addr in _ANY_ADDRESS else addr
     if ":" in host:
         host = f"[{host}]"
-    return [{"targets": [f"{host}:{port}"], "labels": {"rank": str(identity.rank), "run": identity.run}}]
+    return [
+        {
+            "targets": [f"{host}:{port}"],
+            "labels": {"rank": str(identity.rank), "run": identity.run, "__meta_flare_host": identity.host},
+        }
+    ]
 
 
 def write_target(directory: str, identity: RankIdentity, addr: str, port: int) -> str | None:
     """Write this rank's target file atomically; on failure warn, return None, and let training go on."""
     path = target_path(directory, identity)
-    temporary = ""
     try:
-        os.makedirs(directory, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".flare-", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(target_document(identity, addr, port), out)
-        os.replace(temporary, path)
+        write_json_atomically(path, target_document(identity, addr, port))
         return path
     except OSError as error:
-        if temporary:
-            remove_target(temporary)
         log.warning(
             "flare-exporter: cannot write file_sd target file in %s (%s); Prometheus will not "
             "discover rank %d, training continues",

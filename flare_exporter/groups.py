@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import re
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,7 @@ class GroupTracker:
         backend_name: str,
         timing: TimingBackend,
         health: ExporterHealth,
+        max_pending: int = 65536,
     ) -> None:
         self.name = name
         self.role = group_role(name)
@@ -77,6 +79,12 @@ class GroupTracker:
         self.last_issued_seq = 0
         self.last_completed_seq = 0  # written by the timing manager only
         self.last_progress_at = 0.0  # perf_counter time of the last issue, for the heartbeat
+        # Issued collectives not yet seen finished, oldest first: the training thread appends, the timing
+        # manager (under its drain lock) forgets the finished ones at the front and publishes the oldest
+        # unfinished one as `in_flight`. A failed collective never finishes: it stays in flight.
+        self.pending: deque[CollectiveRecord] = deque()
+        self.max_pending = max_pending
+        self.in_flight: CollectiveRecord | None = None
 
     def issue(self, op: str, tensors: Any) -> CollectiveRecord | None:
         """Record a collective about to be issued; never raises into training code."""
@@ -98,6 +106,20 @@ class GroupTracker:
         if record is None:
             return
         try:
+            if len(self.pending) < self.max_pending:
+                self.pending.append(record)
+            else:
+                self.health.drop("in_flight_collectives")
             self.timing.track(record, work)
         except Exception as error:
             self.health.error("collective_timing", error)
+
+    def forget_finished(self) -> None:
+        """Drop finished collectives from the front of `pending`; publish the oldest unfinished one.
+
+        Called by the timing manager only, under its drain lock.
+        """
+        pending = self.pending
+        while pending and pending[0].duration is not None:
+            pending.popleft()
+        self.in_flight = pending[0] if pending else None

@@ -121,7 +121,9 @@ class Wrapping:
                 self.health.drop("process_groups")
                 return inner  # unwrapped: still correct, just not observed
             timing = CudaEventTiming(self.manager) if backend_name == "nccl" else FutureTiming(self.manager)
-            tracker = GroupTracker(name, options.group_size, backend_name, timing, self.health)
+            tracker = GroupTracker(
+                name, options.group_size, backend_name, timing, self.health, self.manager.queue_size
+            )
             wrapper = FlareProcessGroup(inner, options.group_rank, options.group_size, tracker)
             wrapper._register_backend(
                 torch.device("cuda" if backend_name == "nccl" else "cpu"), _backend_type(backend_name), inner
@@ -130,6 +132,7 @@ class Wrapping:
             self.health.error("process_group_wrap", error)
             return inner
         self.groups[name] = tracker
+        self.manager.add_group(tracker)
         self.on_group(name, options.group_rank, options.group_size, backend_name)
         return wrapper
 

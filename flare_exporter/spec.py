@@ -87,6 +87,8 @@ COLLECTIVE_OPS = (
 )
 
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
+IN_FLIGHT_STATES = ("issued", "started")
+ACTIVITIES = ("collective", "data", "compute")
 
 COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
 STEP_DURATION_BUCKETS = log_buckets(1e-3, 1000.0, 2)  # 1 ms .. 1000 s, 13 bounds
@@ -136,6 +138,58 @@ METRICS: tuple[MetricSpec, ...] = (
         "",
         "Highest sequence number of a collective that completed on this rank in the group.",
         ("group",),
+    ),
+    MetricSpec(
+        "flare_collective_in_flight_info",
+        INFO,
+        "",
+        "The oldest unfinished collective of the group on this rank: its op and state (issued: handed to the "
+        "backend; started: running on the device). Absent when nothing is in flight.",
+        ("group", "op", "state"),
+    ),
+    MetricSpec(
+        "flare_collective_in_flight_seq",
+        GAUGE,
+        "",
+        "Sequence number of the group's oldest unfinished collective on this rank (0 for send/recv).",
+        ("group",),
+    ),
+    MetricSpec(
+        "flare_collective_in_flight_bytes",
+        GAUGE,
+        "bytes",
+        "Payload of the group's oldest unfinished collective on this rank.",
+        ("group",),
+    ),
+    MetricSpec(
+        "flare_collective_in_flight_started_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time at which the group's oldest unfinished collective was issued on this rank.",
+        ("group",),
+    ),
+    MetricSpec(
+        "flare_rank_stack_info",
+        INFO,
+        "",
+        "Present while the training thread has made no progress for stall_seconds: what it is doing "
+        "(activity: collective, data or compute) and its innermost Python frames (file:line function, "
+        "innermost first, at most 3 and 240 characters).",
+        ("activity", "frames"),
+    ),
+    MetricSpec(
+        "flare_rank_exception_info",
+        INFO,
+        "",
+        "The exception that is ending this rank (its type only), present from the moment it is raised "
+        "out of the training script.",
+        ("type",),
+    ),
+    MetricSpec(
+        "flare_rank_exception_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time at which the exception that is ending this rank was raised out of the training script.",
     ),
     MetricSpec(
         "flare_steps_total",

@@ -9,6 +9,7 @@ from .groups import GroupTracker
 from .health import ExporterHealth
 from .identity import RankIdentity
 from .progress import StepTracker
+from .stall import StackSample
 from .timing import TimingManager
 
 
@@ -22,6 +23,8 @@ class FlareState:
     manager: TimingManager
     steps: StepTracker
     groups: dict[str, GroupTracker] = field(default_factory=dict)
+    stack: StackSample | None = None  # the training thread while it makes no progress (stall watcher)
+    exception: tuple[str, float] | None = None  # type and Unix time of the exception ending the rank
 
     @classmethod
     def create(cls, config: Config, identity: RankIdentity) -> FlareState:

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 
 class TargetsError(ValueError):
     """The targets could not be read; the message names the file and what was wrong."""
 
 
-def read_targets(path: str) -> list[str]:
-    """host:port of every target in `path` (file or directory of *.json / *.txt files), in order, unique."""
+class Target(NamedTuple):
+    """One rank's endpoint, with the labels its file_sd group gives it (none for host:port lines)."""
+
+    address: str
+    labels: dict[str, str]
+
+
+def read_targets(path: str) -> list[Target]:
+    """Every target in `path` (file or directory of *.json / *.txt files), in order, unique by address."""
     if os.path.isdir(path):
         files = sorted(
             os.path.join(path, name)
@@ -24,14 +32,14 @@ def read_targets(path: str) -> list[str]:
         files = [path]
     else:
         raise TargetsError(f"targets {path}: no such file or directory")
-    found: dict[str, None] = {}
+    found: dict[str, Target] = {}
     for file in files:
         for target in _read_file(file):
-            found[target] = None
-    return list(found)
+            found.setdefault(target.address, target)
+    return list(found.values())
 
 
-def _read_file(path: str) -> list[str]:
+def _read_file(path: str) -> list[Target]:
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -45,11 +53,11 @@ def _read_file(path: str) -> list[str]:
         if not line:
             continue
         _check_target(line, f"targets file {path}, line {number}")
-        targets.append(line)
+        targets.append(Target(line, {}))
     return targets
 
 
-def _file_sd_targets(path: str, text: str) -> list[str]:
+def _file_sd_targets(path: str, text: str) -> list[Target]:
     try:
         groups = json.loads(text)
     except ValueError as error:
@@ -60,9 +68,12 @@ def _file_sd_targets(path: str, text: str) -> list[str]:
     for group in groups:
         if not isinstance(group, dict) or not isinstance(group.get("targets"), list):
             raise TargetsError(f"targets file {path}: each target group needs a 'targets' list")
+        labels = group.get("labels") or {}
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            raise TargetsError(f"targets file {path}: 'labels' must map label names to strings")
         for target in group["targets"]:
             _check_target(target, f"targets file {path}")
-            targets.append(target)
+            targets.append(Target(target, dict(labels)))
     return targets
 
 

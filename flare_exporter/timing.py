@@ -29,7 +29,7 @@ from .histogram import Histogram
 class CollectiveRecord:
     """One collective as the training thread issued it; `duration` is filled in when it completes."""
 
-    __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration")
+    __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration", "started")
 
     def __init__(self, group: Any, op: str, nbytes: int, seq: int, issued_at: float) -> None:
         self.group = group
@@ -38,6 +38,7 @@ class CollectiveRecord:
         self.seq = seq  # 0 for point-to-point ops, which have no group-wide sequence
         self.issued_at = issued_at
         self.duration: float | None = None
+        self.started = False  # set by a backend that sees the collective start on the device
 
 
 class CollectiveStats:
@@ -65,6 +66,7 @@ class TimingManager:
         self.completed: deque[CollectiveRecord] = deque()  # appended by backend threads
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
+        self.groups: list[Any] = []  # GroupTrackers, whose in-flight collectives each drain updates
         self.polls_often = False
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
@@ -81,6 +83,10 @@ class TimingManager:
             self.drain()
         except Exception as error:
             self.health.error("timing_manager", error)
+
+    def add_group(self, group: Any) -> None:
+        """Keep `group`'s in-flight collective current at every drain (a GroupTracker)."""
+        self.groups.append(group)
 
     def complete(self, record: CollectiveRecord) -> None:
         """Hand over a record whose duration is known (any thread; never blocks)."""
@@ -103,10 +109,17 @@ class TimingManager:
             except Exception as error:  # the manager must outlive any bad record
                 self.health.error("timing_manager", error)
 
-    def drain(self) -> None:
-        """Resolve what has completed so far (manager thread, scrapes, and once at stop)."""
-        with self._draining:
+    def drain(self, timeout: float = -1) -> None:
+        """Resolve what has completed so far (manager thread, scrapes, and once at stop).
+
+        With a `timeout`, give up (without draining) if another drain holds the lock that long.
+        """
+        if not self._draining.acquire(timeout=timeout):
+            return
+        try:
             self._drain()
+        finally:
+            self._draining.release()
 
     def _drain(self) -> None:
         for _ in range(len(self.polled)):
@@ -119,6 +132,8 @@ class TimingManager:
                 self.completed.append(record)
         while self.completed:
             self._account(self.completed.popleft())
+        for group in list(self.groups):
+            group.forget_finished()
 
     def _account(self, record: CollectiveRecord) -> None:
         key = (record.group.name, record.op)

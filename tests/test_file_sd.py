@@ -20,7 +20,8 @@ def test_write_target_writes_file_sd_json(tmp_path):
     assert os.path.dirname(path) == str(tmp_path)
     with open(path, encoding="utf-8") as handle:
         document = json.load(handle)
-    assert document == [{"targets": ["127.0.0.1:9403"], "labels": {"rank": "3", "run": "run-1"}}]
+    labels = {"rank": "3", "run": "run-1", "__meta_flare_host": "node-0"}
+    assert document == [{"targets": ["127.0.0.1:9403"], "labels": labels}]
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary file left behind
 
 

@@ -19,6 +19,7 @@ from flare_exporter.config import Config
 from flare_exporter.groups import GroupTracker
 from flare_exporter.identity import RankIdentity
 from flare_exporter.scrape import parse
+from flare_exporter.stall import StackSample
 from flare_exporter.state import FlareState
 from flare_exporter.timing import CollectiveRecord, FutureTiming
 
@@ -42,6 +43,7 @@ def fixed_state() -> FlareState:
     for name, size in (("world", 8), ("data_parallel-0a1b2c3d", 2)):
         tracker = GroupTracker(name, size, "gloo", FutureTiming(state.manager), state.health)
         state.groups[name] = tracker
+        state.manager.add_group(tracker)
     world = state.groups["world"]
     for seq, duration in enumerate((0.0004, 0.002, 0.05), start=1):
         world.last_issued_seq = seq
@@ -49,7 +51,12 @@ def fixed_state() -> FlareState:
         record.duration = duration
         state.manager.complete(record)
     world.last_issued_seq = 4  # one still in flight
+    world.pending.append(CollectiveRecord(world, "broadcast", 1024, 4, 1_700_000_000.25))
     state.manager.drain()
+    state.stack = StackSample(
+        "compute", ("train.py:42 forward", "module.py:1 _call_impl", "train.py:90 main")
+    )
+    state.exception = ("RuntimeError", 1_700_000_002.0)
     world.last_progress_at = 1_700_000_000.5
     for gap in (0.0, 0.1, 0.12):
         state.steps.steps += 1

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from .. import progress
+from .. import progress, stall
 from ..state import FlareState
 from . import Families
 
@@ -25,9 +25,7 @@ class ProgressCollector:
         durations = families.new("flare_step_duration_seconds")
         families.add_histogram(durations, (), steps.durations)
         heartbeat = families.new("flare_heartbeat_timestamp_seconds")
-        last_progress = max(
-            [steps.last_step_at] + [g.last_progress_at for g in list(self.state.groups.values())]
-        )
+        last_progress = stall.last_progress(self.state)
         if last_progress:
             heartbeat.add_metric(families.labels(), progress.wall_time(last_progress))
         return [total, durations, heartbeat]

@@ -1,0 +1,54 @@
+"""What is in flight: each group's oldest unfinished collective, a stalled training thread, an exception."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import Metric
+
+from .. import progress
+from ..state import FlareState
+from . import Families
+
+
+class InFlightCollector:
+    name = "in_flight"
+    metrics = (
+        "flare_collective_in_flight_info",
+        "flare_collective_in_flight_seq",
+        "flare_collective_in_flight_bytes",
+        "flare_collective_in_flight_started_timestamp_seconds",
+        "flare_rank_stack_info",
+        "flare_rank_exception_info",
+        "flare_rank_exception_timestamp_seconds",
+    )
+
+    def __init__(self, state: FlareState) -> None:
+        self.state = state
+
+    def collect(self, families: Families) -> Iterable[Metric]:
+        self.state.manager.drain()  # finished collectives leave the in-flight state now
+        info = families.new("flare_collective_in_flight_info")
+        seq = families.new("flare_collective_in_flight_seq")
+        nbytes = families.new("flare_collective_in_flight_bytes")
+        started = families.new("flare_collective_in_flight_started_timestamp_seconds")
+        for group in list(self.state.groups.values()):
+            record = group.in_flight
+            if record is None:
+                continue
+            state = "started" if record.started else "issued"
+            info.add_metric(families.labels(group.name, record.op, state), 1)
+            seq.add_metric(families.labels(group.name), record.seq)
+            nbytes.add_metric(families.labels(group.name), record.nbytes)
+            started.add_metric(families.labels(group.name), progress.wall_time(record.issued_at))
+        stack = families.new("flare_rank_stack_info")
+        sample = self.state.stack
+        if sample is not None:
+            stack.add_metric(families.labels(sample.activity, sample.frames_label()), 1)
+        exception_info = families.new("flare_rank_exception_info")
+        exception_time = families.new("flare_rank_exception_timestamp_seconds")
+        if self.state.exception is not None:
+            kind, at = self.state.exception
+            exception_info.add_metric(families.labels(kind), 1)
+            exception_time.add_metric(families.labels(), at)
+        return [info, seq, nbytes, started, stack, exception_info, exception_time]

@@ -1,0 +1,424 @@
+"""The rules engine (diagnosis.py): hand-built snapshots in, verdicts out. Pure, no processes, no network."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flare_exporter.diagnosis import (
+    KINDS,
+    GroupState,
+    InFlight,
+    RankRecord,
+    Snapshot,
+    StragglerPolicy,
+    Verdict,
+    diagnose,
+    follow_chain,
+    straggler_scores,
+)
+
+NOW = 1_700_000_000.0
+HANG = 30.0  # hang_seconds for every test
+
+# ---------------------------------------------------------------------------------------------------------
+# builders
+
+
+def waiting(seq: int, op: str = "all_reduce", nbytes: int = 4096, state: str = "started", age: float = 60.0):
+    """A group in which collective `seq` was issued `age` seconds ago and has not finished."""
+    return GroupState(seq, seq - 1, InFlight(op, seq, nbytes, state, NOW - age))
+
+
+def done(seq: int) -> GroupState:
+    """A group whose collectives up to `seq` all finished; nothing in flight."""
+    return GroupState(seq, seq)
+
+
+def rank(r: int, world: GroupState | None = None, **fields) -> RankRecord:
+    """A live rank; `world` is its view of group "world", other groups go in `groups=`."""
+    groups = dict(fields.pop("groups", {}))
+    if world is not None:
+        groups["world"] = world
+    return RankRecord(r, groups=groups, **fields)
+
+
+def vanished(r: int, reason: str = "connection refused", **fields) -> RankRecord:
+    return RankRecord(r, up=False, down_reason=reason, **fields)
+
+
+def raised(r: int, ago: float, exception: str = "RuntimeError", **fields) -> RankRecord:
+    return RankRecord(r, exception=exception, exception_at=NOW - ago, **fields)
+
+
+def worker(r: int, wait: float, step: float = 1.0, steps: float = 20) -> RankRecord:
+    """A rank that took `steps` steps of `step` seconds, waiting `wait` seconds per step in collectives."""
+    return RankRecord(r, step_count=steps, step_seconds=step * steps, collective_seconds=wait * steps)
+
+
+def snapshot(*records: RankRecord) -> Snapshot:
+    return Snapshot({record.rank: record for record in records}, NOW, run="test", world_size=len(records))
+
+
+def diag(*records: RankRecord, **kwargs) -> list[Verdict]:
+    return diagnose(snapshot(*records), HANG, **kwargs)
+
+
+def only(verdicts: list[Verdict]) -> Verdict:
+    assert len(verdicts) == 1, verdicts
+    return verdicts[0]
+
+
+def in_group(verdicts: list[Verdict], group: str) -> Verdict:
+    [verdict] = [verdict for verdict in verdicts if verdict.group == group]
+    return verdict
+
+
+# ---------------------------------------------------------------------------------------------------------
+# healthy and below the threshold
+
+
+def test_healthy_snapshot_has_no_verdicts():
+    assert diag(*(rank(r, world=done(7), steps=100) for r in range(4))) == []
+
+
+def test_no_hang_below_the_threshold():
+    # rank 2 is behind and the others wait, but only for 10 s of the 30 s threshold
+    records = [rank(r, world=waiting(5, age=10.0)) for r in (0, 1, 3)] + [rank(2, world=done(4))]
+    assert diag(*records) == []
+
+
+def test_hang_at_exactly_the_threshold():
+    records = [rank(r, world=waiting(5, age=HANG)) for r in (0, 1, 3)] + [rank(2, world=done(4))]
+    assert only(diag(*records)).ranks == (2,)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rank_down
+
+
+def test_vanished_rank_is_down_and_explains_the_hang():
+    records = [rank(r, world=waiting(5)) for r in (0, 1, 3)] + [vanished(2, host="node-1")]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("rank_down", (2,), "rank")
+    assert "rank 2 is gone (connection refused)" in verdict.summary
+    assert verdict.evidence["followed_by"] == []
+    assert verdict.evidence["hung_groups"] == ["world"]
+    assert verdict.evidence["ranks"]["2"]["host"] == "node-1"
+
+
+def test_rank_with_an_exception_is_down():
+    records = [rank(r, world=done(5)) for r in (0, 2, 3)] + [raised(1, ago=5.0, exception="ValueError")]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("rank_down", (1,))
+    assert "raised ValueError" in verdict.summary
+    assert verdict.evidence["ranks"]["1"]["exception_age_seconds"] == 5.0
+
+
+def test_killed_rank_is_the_culprit_not_the_survivors_that_raised_after_it():
+    records = [
+        raised(0, ago=8.0, exception="DistBackendError"),
+        vanished(1, reason="killed", heartbeat=NOW - 20.0),
+        raised(2, ago=9.0, exception="DistBackendError"),
+        raised(3, ago=7.0, exception="DistBackendError"),
+    ]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("rank_down", (1,))
+    assert verdict.evidence["followed_by"] == [2, 0, 3]  # in the order they raised
+    assert set(verdict.evidence["ranks"]) == {"0", "1", "2", "3"}
+    assert "failed after it" in verdict.summary
+
+
+def test_only_exceptions_the_earliest_is_the_culprit():
+    records = [
+        raised(0, ago=3.0),
+        raised(1, ago=2.0),
+        raised(2, ago=4.0, exception="torch.OutOfMemoryError"),
+        rank(3, world=done(5)),
+    ]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("rank_down", (2,))
+    assert verdict.evidence["followed_by"] == [0, 1]
+    assert "raised torch.OutOfMemoryError" in verdict.summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hang: ranks behind the group's highest issued sequence number
+
+
+def test_rank_behind_is_the_hang_culprit_with_its_frames():
+    records = [rank(r, world=waiting(5)) for r in (0, 1, 3)]
+    records.append(rank(2, world=done(4), activity="data", frames="next < _fetch < train_step"))
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain, verdict.group) == ("hang", (2,), "rank", "world")
+    assert verdict.evidence["max_issued_seq"] == 5
+    assert verdict.evidence["last_issued_seq"] == {"0": 5, "1": 5, "2": 4, "3": 5}
+    assert verdict.evidence["culprits"]["2"]["frames"] == "next < _fetch < train_step"
+    assert "rank 2 never issued it" in verdict.summary
+    assert "rank 2 is in data at next" in verdict.summary
+
+
+def test_hang_culprit_at_rank_0():
+    records = [rank(0, world=done(4), frames="forward < step")] + [
+        rank(r, world=waiting(5)) for r in (1, 2, 3)
+    ]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("hang", (0,))
+    assert "rank 0 is in compute at forward" in verdict.summary
+
+
+def test_two_ranks_behind_on_two_hosts_stay_rank_level():
+    records = [rank(r, world=waiting(9), host=f"node-{r // 2}") for r in (0, 2, 4)]
+    records += [rank(1, world=done(8), host="node-0"), rank(5, world=done(8), host="node-2")]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("hang", (1, 5), "rank")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mismatch
+
+
+def test_one_rank_ahead_of_a_behind_majority_is_a_mismatch():
+    # rank 0 issued collective 6 that ranks 1-3 never will: they are "behind", but they are the majority
+    records = [rank(0, world=waiting(6, op="broadcast"))] + [rank(r, world=done(5)) for r in (1, 2, 3)]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain, verdict.group) == ("mismatch", (0,), "rank", "world")
+    assert verdict.evidence["in_flight"]["0"]["op"] == "broadcast"
+    assert "other 3 ranks never issued" in verdict.summary
+
+
+def test_same_seq_different_op_odd_one_out_at_rank_0():
+    records = [rank(0, world=waiting(5, op="all_gather"))] + [rank(r, world=waiting(5)) for r in (1, 2, 3)]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("mismatch", (0,), "rank")
+    assert verdict.evidence["in_flight"]["0"]["op"] == "all_gather"
+    assert "rank 0: all_gather of 4096 bytes" in verdict.summary
+
+
+def test_same_seq_different_size_odd_one_out():
+    records = [rank(r, world=waiting(5, nbytes=4096)) for r in (0, 1, 3)]
+    records.append(rank(2, world=waiting(5, nbytes=8192)))
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("mismatch", (2,), "rank")
+    assert verdict.evidence["in_flight"]["2"]["bytes"] == 8192
+
+
+def test_mismatch_tie_suspects_every_rank_in_the_group_domain():
+    records = [rank(r, world=waiting(5, op="all_reduce")) for r in (0, 1)]
+    records += [rank(r, world=waiting(5, op="reduce_scatter")) for r in (2, 3)]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("mismatch", (0, 1, 2, 3), "group")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# everyone inside the collective: not started, or a communication fault
+
+
+def test_collective_not_started_on_one_rank_is_a_hang_on_it():
+    records = [rank(r, world=waiting(5, state="started")) for r in (0, 1, 3)]
+    records.append(rank(2, world=waiting(5, state="issued")))
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("hang", (2,), "rank")
+    assert verdict.evidence["in_flight"]["2"]["state"] == "issued"
+    assert "has not started on rank 2" in verdict.summary
+
+
+def test_everyone_started_is_a_communication_fault_in_the_group():
+    verdict = only(diag(*(rank(r, world=waiting(5)) for r in range(4))))
+    assert (verdict.kind, verdict.ranks, verdict.domain, verdict.group) == ("hang", (), "group", "world")
+    assert set(verdict.evidence["in_flight"]) == {"0", "1", "2", "3"}
+    assert "communication fault" in verdict.summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# following the chain across groups
+
+
+def test_chain_leads_from_world_to_the_rank_that_waits_on_nobody():
+    # rank 1 is behind in world because it waits in tp-x, where rank 2 (computing, waiting on nobody) is
+    # behind: rank 2 is the culprit, not rank 1
+    records = [
+        rank(0, world=waiting(5)),
+        rank(1, world=done(4), groups={"tp-x": waiting(3)}),
+        rank(2, world=done(4), groups={"tp-x": done(2)}, frames="backward < step"),
+        rank(3, world=waiting(5)),
+    ]
+    verdict = in_group(diag(*records), "world")
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    assert {"group": "world", "rank": 1, "waits_in": ["tp-x"]} in verdict.evidence["chain"]
+    assert {"group": "tp-x", "rank": 2, "waits_in": []} in verdict.evidence["chain"]
+    assert list(verdict.evidence["culprits"]) == ["2"]
+
+
+def test_chain_reaches_a_rank_outside_the_hung_group():
+    # rank 4 is not in world's records at all; only the chain through tp-x finds it
+    records = [rank(r, world=waiting(5)) for r in (0, 2, 3)]
+    records += [rank(1, world=done(4), groups={"tp-x": waiting(3)}), rank(4, groups={"tp-x": done(2)})]
+    verdict = in_group(diag(*records), "world")
+    assert verdict.ranks == (4,)
+    assert verdict.evidence["chain"] == [
+        {"group": "world", "rank": 1, "waits_in": ["tp-x"]},
+        {"group": "tp-x", "rank": 4, "waits_in": []},
+    ]
+
+
+def test_chain_ending_at_a_gone_rank():
+    # rank 2 (only ever seen in tp-x) is down: the world hang is traced to it through tp-x
+    records = [rank(r, world=waiting(5)) for r in (0, 3)]
+    records += [rank(1, world=done(4), groups={"tp-x": waiting(3)}), vanished(2, groups={"tp-x": done(2)})]
+    verdicts = diag(*records)
+    assert [v.kind for v in verdicts] == ["rank_down", "hang"]
+    assert verdicts[0].ranks == (2,)
+    hang = in_group(verdicts, "world")
+    assert hang.ranks == (2,)
+    assert hang.evidence["chain"][-1] == {"group": "tp-x", "rank": 2, "waits_in": []}
+
+
+def _cycle() -> Snapshot:
+    # rank 1 is behind in world and waits in tp-x; rank 2 is behind in tp-x and waits in world
+    return snapshot(
+        rank(0, world=waiting(5)),
+        rank(1, world=done(4), groups={"tp-x": waiting(3)}),
+        rank(2, world=waiting(5), groups={"tp-x": done(2)}),
+        rank(3, world=waiting(5)),
+    )
+
+
+def test_a_cycle_in_the_waits_terminates():
+    _, chain = follow_chain(_cycle(), "world", [1])
+    assert chain == [
+        {"group": "world", "rank": 1, "waits_in": ["tp-x"]},
+        {"group": "tp-x", "rank": 2, "waits_in": ["world"]},
+    ]
+
+
+def test_a_cycle_in_the_waits_names_the_ranks_in_it():
+    verdicts = diagnose(_cycle(), HANG)
+    world = in_group(verdicts, "world")
+    assert world.kind == "hang"
+    assert world.ranks == (1, 2) and world.evidence["deadlock"] is True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host_fault
+
+
+def test_two_culprits_on_one_host_is_a_host_fault():
+    records = [rank(r, world=waiting(9), host=f"node-{r // 2}") for r in (0, 1, 4, 5)]
+    records += [rank(r, world=done(8), host="node-1") for r in (2, 3)]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain, verdict.group) == (
+        "host_fault",
+        (2, 3),
+        "host",
+        "world",
+    )
+    assert verdict.evidence["host"] == "node-1"
+    assert verdict.evidence["ranks_on_host"] == [2, 3]
+    assert verdict.evidence["kind"] == "hang"
+    assert verdict.summary.startswith("host node-1: ")
+
+
+def test_two_vanished_ranks_on_one_host_is_a_host_fault():
+    records = [rank(0, world=waiting(5), host="a"), rank(1, world=waiting(5), host="b")]
+    records += [vanished(2, host="b"), vanished(3, host="b")]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("host_fault", (2, 3), "host")
+    assert verdict.evidence["ranks_on_host"] == [1, 2, 3]
+    assert verdict.evidence["kind"] == "rank_down"
+
+
+def test_vanished_ranks_on_two_hosts_stay_rank_down():
+    verdict = only(diag(vanished(0, host="a"), vanished(1, host="b"), rank(2, world=done(3), host="a")))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("rank_down", (0, 1), "rank")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# straggler
+
+
+def test_straggler_waits_least_and_is_named():
+    records = [worker(r, wait) for r, wait in enumerate([0.40, 0.42, 0.41, 0.05, 0.43, 0.39])]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("straggler", (3,), "rank")
+    assert set(verdict.evidence["ranks"]) == {"3"}
+    assert verdict.evidence["ranks"]["3"]["wait_seconds_per_step"] == pytest.approx(0.05)
+
+
+def test_healthy_spread_has_no_straggler():
+    assert diag(*(worker(r, wait) for r, wait in enumerate([0.40, 0.42, 0.41, 0.38, 0.43, 0.39]))) == []
+
+
+def test_tiny_difference_with_zero_spread_is_no_straggler():
+    # the MAD is 0, so the z-score is huge, but 0.01 s of a 1 s step is below min_share_of_step
+    assert diag(*(worker(r, wait) for r, wait in enumerate([0.50, 0.50, 0.49, 0.50]))) == []
+
+
+def test_straggler_needs_three_ranks():
+    assert diag(worker(0, 0.5), worker(1, 0.01)) == []
+
+
+def test_straggler_needs_enough_steps():
+    records = [worker(r, wait, steps=5) for r, wait in enumerate([0.40, 0.42, 0.05, 0.41])]
+    assert diag(*records) == []
+    records = [worker(r, wait, steps=10) for r, wait in enumerate([0.40, 0.42, 0.05, 0.41])]
+    assert only(diag(*records)).ranks == (2,)
+
+
+def test_half_the_ranks_are_not_stragglers():
+    policy = StragglerPolicy(robust_z=0.5, min_share_of_step=0.1)
+    records = [worker(r, wait) for r, wait in enumerate([0.5, 0.1, 0.5, 0.1])]
+    # each of ranks 1 and 3 passes the score on its own ...
+    assert all(straggler_scores(snapshot(*records))[r]["score"] >= policy.robust_z for r in (1, 3))
+    # ... but when half the ranks "straggle" there is no one to blame
+    assert diag(*records, stragglers=policy) == []
+
+
+def test_no_straggler_verdict_while_something_worse_is_found():
+    records = [worker(r, wait) for r, wait in enumerate([0.40, 0.42, 0.41, 0.05, 0.43])]
+    records.append(vanished(5))
+    assert [v.kind for v in diag(*records)] == ["rank_down"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the returned list and the JSON form
+
+
+def _many_faults() -> list[Verdict]:
+    # in group-name order the engine finds: rank_down, then a-mis (mismatch), b-hang (hang), c-host (host)
+    records = [vanished(9)]
+    records += [rank(r, groups={"a-mis": waiting(3)}) for r in (0, 1)]
+    records.append(rank(2, groups={"a-mis": waiting(3, op="broadcast")}))
+    records += [rank(r, groups={"b-hang": waiting(7)}) for r in (3, 4)]
+    records.append(rank(5, groups={"b-hang": done(6)}))
+    records += [rank(r, groups={"c-host": waiting(2)}, host="h0") for r in (10, 11, 12)]
+    records += [rank(r, groups={"c-host": done(1)}, host="h1") for r in (13, 14)]
+    return diag(*records)
+
+
+def test_verdicts_are_sorted_by_severity():
+    verdicts = _many_faults()
+    assert [(v.kind, v.ranks) for v in verdicts] == [
+        ("host_fault", (13, 14)),
+        ("rank_down", (9,)),
+        ("mismatch", (2,)),
+        ("hang", (5,)),
+    ]
+    assert [KINDS.index(v.kind) for v in verdicts] == sorted(KINDS.index(v.kind) for v in verdicts)
+
+
+def test_to_json_keys_and_serialisable():
+    verdicts = _many_faults()
+    for verdict in verdicts:
+        data = verdict.to_json()
+        assert set(data) == {"kind", "ranks", "domain", "group", "summary", "evidence"}
+        assert json.loads(json.dumps(data)) == data
+    assert verdicts[0].to_json()["ranks"] == [13, 14]
+    assert verdicts[0].to_json()["group"] == "c-host"
+
+
+def test_every_verdict_uses_a_known_kind_and_domain():
+    for verdict in _many_faults():
+        assert verdict.kind in KINDS
+        assert verdict.domain in ("rank", "host", "group", "job")
