@@ -4,7 +4,9 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint system-deps bench
+.PHONY: demo demo-fault test lint system-deps bench
+FAULT ?= stuck
+FAULT_RANK ?= 2
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +21,9 @@ system-deps:
 
 demo: $(VENV)/.installed system-deps
 	$(PY) -m flare_exporter.demo
+
+demo-fault: $(VENV)/.installed system-deps
+	$(PY) -m flare_exporter.demo --fault $(FAULT) --fault-rank $(FAULT_RANK)
 
 test: $(VENV)/.installed system-deps
 	$(PY) -m ruff check

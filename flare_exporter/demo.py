@@ -1,19 +1,31 @@
 """The demo: a 4-rank gloo DDP job with flare-exporter on every rank, scraped by a real Prometheus.
 
     python -m flare_exporter.demo [--ranks 4] [--steps 600] [--no-prometheus]
+    python -m flare_exporter.demo --fault stuck|mismatch|raise|kill|stop|host [--fault-rank 2]
 
 Prints, per rank, the step rate and the all-reduce latency that Prometheus (or, without one, a direct
-scrape of the ranks) reports.
+scrape of the ranks) reports. With --fault, one rank misbehaves once training is under way, and the demo
+prints what `flare diagnose` and `flare ranks` say (two ranks per pretend host, named through FLARE_HOST):
+
+    stuck     the rank loops in its own Python code before a collective
+    mismatch  the rank calls broadcast where the others call all_reduce
+    raise     the rank raises an exception and dies
+    kill      the rank is SIGKILLed;  stop: it is SIGSTOPped (frozen)
+    host      both ranks of the fault rank's host are SIGKILLed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import signal
 import sys
 import tempfile
+from collections.abc import Callable
 
-from . import promql, scrape
+from . import cli, promql, scrape
 from .local_job import ObservedJob
 from .prometheus_process import PrometheusProcess, find_binary, wait_for
 from .workloads import train_ddp
@@ -36,9 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--no-prometheus", action="store_true", help="scrape the ranks directly instead")
+    parser.add_argument("--fault", choices=FAULTS, default=None, help="inject a fault and diagnose it")
+    parser.add_argument("--fault-rank", type=int, default=2, help="the rank that misbehaves (default 2)")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.steps < 20:
         parser.error("--ranks must be ≥ 1 and --steps ≥ 20")
+    if args.fault and not (2 <= args.ranks and 0 <= args.fault_rank < args.ranks):
+        parser.error("--fault needs --ranks ≥ 2 and 0 ≤ --fault-rank < --ranks")
+    if args.fault:
+        return fault_demo(args)
 
     use_prometheus = not args.no_prometheus and find_binary() is not None
     if not args.no_prometheus and not use_prometheus:
@@ -68,6 +86,93 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flare-demo: ranks exited with codes {codes}", file=sys.stderr)
             return 1
     return 0
+
+
+FAULTS = ("stuck", "mismatch", "raise", "kill", "stop", "host")
+FAULT_ENV = {  # short thresholds, so that the demo shows a hang within seconds
+    "FLARE_STALL_SECONDS": "1",
+    "FLARE_HANG_SECONDS": "5",
+    "FLARE_LINGER_SECONDS": "120",
+}
+
+
+def fault_demo(args: argparse.Namespace) -> int:
+    """Run the job, make one rank misbehave after 20 steps, and print what `flare` says."""
+    use_prometheus = not args.no_prometheus and find_binary() is not None
+    script_fault = args.fault if args.fault in ("stuck", "mismatch", "raise") else "none"
+    script_args = ["--steps", "100000", "--step-seconds", "0.02", "--fault", script_fault]
+    script_args += ["--fault-rank", str(args.fault_rank), "--fault-step", "20"]
+    with tempfile.TemporaryDirectory(prefix="flare-demo-") as work_dir:
+        env = dict(FAULT_ENV, FLARE_INCIDENT_DIR=os.path.join(work_dir, "incidents"))
+        hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(args.ranks)}
+        job = ObservedJob(
+            work_dir, train_ddp.__file__, script_args, args.ranks, "demo", env=env, rank_env=hosts
+        )
+        print(
+            f"started {args.ranks} ranks (gloo, DDP, two per pretend host); fault: {args.fault} on rank "
+            f"{args.fault_rank}; hang threshold {FAULT_ENV['FLARE_HANG_SECONDS']} s"
+        )
+        prometheus = None
+        try:
+            with job:
+                if use_prometheus:
+                    prometheus = PrometheusProcess(os.path.join(work_dir, "prometheus"), job.file_sd_dir)
+                    prometheus.wait_ready()
+                    source = ["--prometheus", prometheus.url]
+                else:
+                    source = ["--targets", job.file_sd_dir, "--timeout", "2"]
+                wait_for(
+                    lambda: _all_stepped(job.targets, 20, prometheus), 180, "every rank to take 20 steps"
+                )
+                _signal(job, args.fault, args.fault_rank)
+                base = [*source, "--run", "demo", "--hang-seconds", FAULT_ENV["FLARE_HANG_SECONDS"]]
+                wait_for(
+                    lambda: _quiet(cli.main, ["diagnose", *base]) == cli.EXIT_ANOMALY,
+                    120,
+                    "flare diagnose to find the fault",
+                )
+                print(f"\n$ flare ranks {' '.join(base)}")
+                cli.main(["ranks", *base])
+                print(f"\n$ flare diagnose {' '.join(base)}")
+                cli.main(["diagnose", *base])
+                incident_dir = env["FLARE_INCIDENT_DIR"]
+                wait_for(
+                    lambda: os.path.isdir(incident_dir) and os.listdir(incident_dir), 60, "incident files"
+                )
+                if args.fault == "stop":
+                    os.kill(job.processes[args.fault_rank].pid, signal.SIGCONT)
+        except (TimeoutError, RuntimeError, promql.PrometheusError) as error:
+            print(f"flare-demo: {error}", file=sys.stderr)
+            return 1
+        finally:
+            if prometheus is not None:
+                prometheus.stop()
+        incidents = (
+            sorted(os.listdir(env["FLARE_INCIDENT_DIR"])) if os.path.isdir(env["FLARE_INCIDENT_DIR"]) else []
+        )
+        print(f"\nincident files left by the ranks after teardown: {', '.join(incidents) or 'none'}")
+    return 0
+
+
+def _all_stepped(targets: list[str], steps: int, prometheus: PrometheusProcess | None) -> bool:
+    results = scrape.scrape_all(targets, timeout=2)
+    if not all(
+        isinstance(samples, list) and (scrape.value(samples, "flare_steps_total") or 0) >= steps
+        for samples in results.values()
+    ):
+        return False
+    return prometheus is None or len(prometheus.query(f"{STEPS} >= {steps}")) == len(targets)
+
+
+def _signal(job: ObservedJob, fault: str, rank: int) -> None:
+    victims = {"kill": [rank], "stop": [rank], "host": [r for r in range(job.ranks) if r // 2 == rank // 2]}
+    for victim in victims.get(fault, []):
+        os.kill(job.processes[victim].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+
+
+def _quiet(function: Callable[[list[str]], int], args: list[str]) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return function(args)
 
 
 def summary_from_prometheus(prometheus: PrometheusProcess, ranks: int, steps: int) -> str:
