@@ -26,6 +26,7 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 # Verdict kinds, most severe first. ild_regression is produced once the ILD signals exist (issue 6).
@@ -86,6 +87,16 @@ class Snapshot:
     run: str = ""
     world_size: int = 0
     group_sizes: Mapping[str, int] = field(default_factory=dict)
+
+    @cached_property
+    def members(self) -> dict[str, tuple[int, ...]]:
+        """Group -> its ranks (see members_of), indexed once: rules ask per group; groups grow with ranks."""
+        found: dict[str, list[int]] = {}
+        for record in sorted(self.ranks.values(), key=lambda r: r.rank):
+            names = set(record.groups) or ({"world"} if record.gone else set())
+            for name in names:
+                found.setdefault(name, []).append(record.rank)
+        return {name: tuple(ranks) for name, ranks in found.items()}
 
     @property
     def ranks_seen(self) -> int:
@@ -224,13 +235,7 @@ def _gone_reason(record: RankRecord) -> str:
 
 def members_of(snapshot: Snapshot, group: str) -> tuple[int, ...]:
     """Ranks in `group`: those that report it, and gone ranks we know nothing of if it is the world."""
-    return tuple(
-        sorted(
-            record.rank
-            for record in snapshot.ranks.values()
-            if group in record.groups or (group == "world" and not record.groups and record.gone)
-        )
-    )
+    return snapshot.members.get(group, ())
 
 
 def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:

@@ -6,6 +6,7 @@ The demo, the tests and the benchmarks use it to run an unmodified script under 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,21 +15,28 @@ import time
 from collections.abc import Mapping, Sequence
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports; a port chosen there may be taken by one."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = map(int, handle.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
-def free_port_block(count: int, attempts: int = 50) -> int:
-    """A base port such that base .. base+count-1 are all free on loopback."""
+def free_port_block(count: int, attempts: int = 200) -> int:
+    """A base port such that base .. base+count-1 are all free on loopback.
+
+    Chosen below the ephemeral range, so that no outgoing connection (a scrape, a rendezvous) takes one of
+    them between this check and the moment the ranks bind them.
+    """
+    low, high = _ephemeral_ports()
+    start, stop = (10000, low - count) if low - count > 10000 else (high + 1, 65535 - count)
     for _ in range(attempts):
-        base = free_port()
-        if base + count > 65535:
-            continue
+        base = random.randint(start, stop)
+        probes = []
         try:
-            probes = []
             for port in range(base, base + count):
                 probe = socket.socket()
                 probes.append(probe)
@@ -40,6 +48,11 @@ def free_port_block(count: int, attempts: int = 50) -> int:
             for probe in probes:
                 probe.close()
     raise RuntimeError(f"no block of {count} free ports found on 127.0.0.1")
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nobody listens on right now (outside the ephemeral range)."""
+    return free_port_block(1)
 
 
 class LocalJob:

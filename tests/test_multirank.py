@@ -84,7 +84,7 @@ def test_exporter_reports_no_errors_and_healthy_collectors(ddp_job):
         health = {
             s.labels["collector"]: s.value for s in samples if s.name == "flare_exporter_collector_success"
         }
-        assert health == {"identity": 1, "collectives": 1, "progress": 1, "exporter": 1}
+        assert health == {"identity": 1, "collectives": 1, "in_flight": 1, "progress": 1, "exporter": 1}
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

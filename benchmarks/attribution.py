@@ -1,0 +1,637 @@
+"""Attribution time: `flare diagnose --prometheus` on a simulated cluster of 1,024 ranks with one hung rank.
+
+    python benchmarks/attribution.py [--ranks 1024] [--culprit 777] [--repeats 10] [--subprocess-repeats 3] \
+                                     [--scrape-interval 2] [--pass-run] [--json OUT] [--keep]
+
+One threaded HTTP server in this process serves every virtual rank's /metrics on one loopback port, at
+/rank/<N>/metrics. Each rank's exposition is rendered once, up front, by flare-exporter's own collectors
+(agent.build_registry over a FlareState built as the hooks would leave it): rank N on host node-<N//8>,
+in the world group, a data-parallel group and a tensor-parallel group, with steps, collective histograms,
+sequence numbers, a heartbeat and a stack sample. The fault: rank `--culprit` is stuck in compute and never
+issued the world group's next all-reduce; every other rank has that all-reduce in flight, issued 600 s
+before the benchmark started. Timestamps are real Unix times (progress.wall_time at render time): the
+heartbeat is each rank's last progress, as a real rank shows it 600 s into a hang.
+
+A real Prometheus (PrometheusProcess) discovers the ranks through one file_sd file (a target group per rank,
+with `__metrics_path__`, `rank` and `run` labels) and scrapes them every `--scrape-interval` seconds. Once
+it is ready and holds flare_rank_info for every rank, the benchmark times:
+
+- in-process: `flare_exporter.cli.main(["diagnose", "--prometheus", URL, "--hang-seconds", "60", "--json"])`,
+  `--repeats` times, and its two parts alone: sources.from_prometheus (the queries) and diagnosis.diagnose
+  (the engine);
+- the whole command: `python -m flare_exporter.cli diagnose ...` as a subprocess, `--subprocess-repeats`
+  times (interpreter start-up and imports included), and `python -c "import flare_exporter.cli"` alone.
+
+The in-process times share this process, and so the GIL, with the server's threads (about 500 scrapes a
+second at 1,024 ranks): they come out slower than the whole command less its start-up.
+
+Every result must be one verdict: kind hang, ranks [culprit], group world; anything else is an error.
+Goal: the whole command's median < 1 s (the in-process median is checked against it too).
+
+Exit status: 0 when every verdict was right (whatever the times), 1 for a wrong verdict or a failure,
+2 for bad arguments. Prometheus and the server are stopped on exit, Ctrl-C and SIGTERM included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
+
+from flare_exporter import cli, diagnosis, file_sd, promql, sources  # noqa: E402
+from flare_exporter.agent import build_registry  # noqa: E402
+from flare_exporter.config import Config  # noqa: E402
+from flare_exporter.files import write_json_atomically  # noqa: E402
+from flare_exporter.groups import WORLD, GroupTracker, group_name  # noqa: E402
+from flare_exporter.identity import RankIdentity  # noqa: E402
+from flare_exporter.prometheus_process import PrometheusProcess, find_binary, wait_for  # noqa: E402
+from flare_exporter.scrape import parse  # noqa: E402
+from flare_exporter.stall import StackSample  # noqa: E402
+from flare_exporter.state import FlareState  # noqa: E402
+from flare_exporter.timing import CollectiveStats, CudaEventTiming  # noqa: E402
+
+GOAL_SECONDS = 1.0
+HANG_SECONDS = 60
+HUNG_FOR_SECONDS = 600.0  # how long before the start the others issued the collective the culprit never did
+RANKS_PER_HOST = 8  # also the tensor-parallel group size
+DEFAULT_CULPRIT = 777
+RUN = "bench-attribution"
+STEPS = 1200  # steps every rank completed before the hang
+STEP_SECONDS = 0.25
+SUBPROCESS_TIMEOUT_S = 120.0
+
+
+class BenchError(Exception):
+    """A failure of the benchmark or a wrong verdict; the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the simulated cluster: each rank's exposition, rendered by flare-exporter's collectors
+
+
+def default_culprit(ranks: int) -> int:
+    """777 at 1,024 ranks; the same relative position (777/1024) in a smaller cluster."""
+    return DEFAULT_CULPRIT if ranks > DEFAULT_CULPRIT else ranks * DEFAULT_CULPRIT // 1024
+
+
+def _fill(histogram: Any, count: int, typical: float) -> None:
+    """`count` observations around `typical` (60 % in its bucket, 30 % in the next, 10 % in the one before),
+    set at once rather than observed one by one: rendering 1,024 ranks must stay cheap."""
+    index = bisect_left(histogram.bounds, typical)
+    above, below = count * 3 // 10, count // 10
+    histogram.counts[index] += count - above - below
+    histogram.counts[min(index + 1, len(histogram.counts) - 1)] += above
+    histogram.counts[max(index - 1, 0)] += below
+    histogram.sum += count * typical
+
+
+def rank_state(rank: int, world: int, culprit: int, run: str, perf_now: float) -> FlareState:
+    """The state a rank's hooks and stall watcher would have left 600 s into the hang."""
+    host_index, local_rank = divmod(rank, RANKS_PER_HOST)
+    identity = RankIdentity(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        run=run,
+        host=f"node-{host_index}",
+        pid=20000 + rank,
+        backend="nccl",
+        gpu_uuid=f"GPU-{rank:08x}-0000-4000-8000-{host_index:012x}",
+        pci_bus_id=f"00000000:{0x18 + 0x10 * local_rank:02X}:00.0",
+    )
+    state = FlareState.create(Config(), identity)
+    hung_at = perf_now - HUNG_FOR_SECONDS  # when the others issued world collective STEPS + 1
+    last_step_at = hung_at - 0.05
+    dp_members = list(range(local_rank, world, RANKS_PER_HOST))
+    tp_members = list(range(host_index * RANKS_PER_HOST, min(world, (host_index + 1) * RANKS_PER_HOST)))
+    # (name, size, completed seq, ops: (op, share of the collectives, bytes each, typical seconds))
+    groups = (
+        (WORLD, world, STEPS, (("allreduce", 1, 8, 0.002),)),
+        (
+            group_name("data_parallel", dp_members),
+            len(dp_members),
+            4 * STEPS,
+            (("allreduce", 1, 25 << 20, 0.04),),
+        ),
+        (
+            group_name("tensor_parallel", tp_members),
+            len(tp_members),
+            48 * STEPS,
+            (
+                ("allgather_into_tensor_coalesced", 2, 8 << 20, 0.0006),
+                ("reduce_scatter_base", 2, 8 << 20, 0.0007),
+            ),
+        ),
+    )
+    for name, size, completed, ops in groups:
+        tracker = GroupTracker(name, size, "nccl", CudaEventTiming(state.manager), state.health)
+        state.groups[name] = tracker
+        state.manager.add_group(tracker)
+        tracker.last_issued_seq = tracker.last_completed_seq = completed
+        tracker._next_seq = itertools.count(completed + 1)
+        tracker.last_progress_at = last_step_at - 0.01
+        for op, share, nbytes, typical in ops:
+            collective = state.manager.stats[(name, op)] = CollectiveStats()
+            _fill(collective.durations, completed // share, typical)
+            collective.bytes_total = completed // share * nbytes
+    state.steps.steps = STEPS
+    _fill(state.steps.durations, STEPS - 1, STEP_SECONDS)
+    state.steps.last_step_at = last_step_at
+    if rank == culprit:  # stuck in compute since its last step: never issued world collective STEPS + 1
+        state.stack = StackSample(
+            "compute", ("model.py:212 forward", "module.py:1736 _call_impl", "train.py:81 train_step")
+        )
+    else:  # issued it, as the others did, and waits in it
+        world_tracker = state.groups[WORLD]
+        record = world_tracker.issue("allreduce", None)
+        assert record is not None
+        record.issued_at = world_tracker.last_progress_at = hung_at
+        record.nbytes = 8
+        world_tracker.pending.append(record)  # what track() does; no backend ever completes it
+        state.stack = StackSample(
+            "collective",
+            ("distributed_c10d.py:2806 all_reduce", "c10d_logger.py:81 wrapper", "train.py:88 train_step"),
+        )
+    state.manager.drain()  # publishes each group's oldest unfinished collective, as a scrape would
+    return state
+
+
+def render_cluster(ranks: int, culprit: int, run: str) -> dict[str, bytes]:
+    """Path -> exposition bytes for every rank, rendered by the exporter's registry (real Unix timestamps)."""
+    perf_now = time.perf_counter()
+    return {
+        f"/rank/{rank}/metrics": generate_latest(
+            build_registry(rank_state(rank, ranks, culprit, run, perf_now))
+        )
+        for rank in range(ranks)
+    }
+
+
+class ClusterServer(ThreadingHTTPServer):
+    """Every virtual rank's /metrics on one port; keep-alive, so each Prometheus connection is one thread."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 4096  # the default (5) drops connections when a thousand targets connect at once
+
+    def __init__(self, pages: dict[str, bytes]) -> None:
+        self.pages = pages
+        self.served = itertools.count()
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.port = self.server_address[1]
+        self.thread = threading.Thread(target=self.serve_forever, name="cluster-http", daemon=True)
+
+    def __enter__(self) -> ClusterServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Quiet: Prometheus closing its keep-alive connections when it stops is no error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ClusterServer
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.server.pages.get(self.path)
+        if body is None:
+            self.send_error(404, "no such rank")
+            return
+        next(self.server.served)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def write_file_sd(directory: Path, ranks: int, run: str, port: int) -> Path:
+    """One file_sd file: a target group per rank as the rank would write it, plus its metrics path."""
+    groups = []
+    for rank in range(ranks):
+        identity = RankIdentity(rank, rank % RANKS_PER_HOST, ranks, run, f"node-{rank // RANKS_PER_HOST}", 0)
+        for group in file_sd.target_document(identity, "127.0.0.1", port):
+            group["labels"]["__metrics_path__"] = f"/rank/{rank}/metrics"
+            groups.append(group)
+    path = directory / f"flare-{run}.json"
+    write_json_atomically(str(path), groups)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing and checking
+
+
+def check_verdict(code: int, output: str, ranks: int, culprit: int, where: str) -> None:
+    """The CLI's JSON must be exactly one verdict: hang, ranks [culprit], group world, from every rank."""
+    try:
+        result = json.loads(output)
+    except ValueError:
+        raise BenchError(f"{where}: exit code {code}, output is not JSON: {_one_line(output)}") from None
+    verdicts = result.get("verdicts", [])
+    summary = "; ".join(f"{v.get('kind')} {v.get('ranks')} [{v.get('group')}]" for v in verdicts) or "none"
+    if code != cli.EXIT_ANOMALY:
+        raise BenchError(
+            f"{where}: exit code {code} (expected {cli.EXIT_ANOMALY}, anomaly); verdicts: {summary}"
+        )
+    if result.get("ranks_seen") != ranks or result.get("world_size") != ranks:
+        raise BenchError(
+            f"{where}: saw {result.get('ranks_seen')} ranks of world size {result.get('world_size')}, "
+            f"expected {ranks}"
+        )
+    if len(verdicts) != 1 or (verdicts[0]["kind"], verdicts[0]["ranks"], verdicts[0]["group"]) != (
+        "hang",
+        [culprit],
+        WORLD,
+    ):
+        raise BenchError(f"{where}: wrong verdict: {summary} (expected hang [{culprit}] [world])")
+
+
+def _one_line(text: str, chars: int = 300) -> str:
+    line = " | ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "(empty)"
+    return line if len(line) <= chars else line[:chars] + "..."
+
+
+def time_in_process(argv: list[str]) -> tuple[float, int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    elapsed = time.perf_counter() - started
+    return elapsed, code, out.getvalue() or err.getvalue()
+
+
+def time_subprocess(command: list[str]) -> tuple[float, int, str]:
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BenchError(
+            f"{' '.join(command[:4])} ... timed out after {SUBPROCESS_TIMEOUT_S:.0f} s"
+        ) from None
+    elapsed = time.perf_counter() - started
+    return elapsed, done.returncode, done.stdout or done.stderr
+
+
+def time_calls(call: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    times, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - started)
+    return times, result
+
+
+def stats(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def _row(what: str, how: str, times: list[float]) -> str:
+    s = stats(times)
+    return (
+        f"  {what:<14} {how:<42} median {_seconds(s['median']):>9}  min {_seconds(s['min']):>9}  "
+        f"max {_seconds(s['max']):>9}"
+    )
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a running process, from /proc (0.0 where there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.2f} ms" if value < 0.1 else f"{value:.3f} s"
+
+
+def count_queries(call: Callable[[], Any]) -> tuple[int, Any]:
+    """How many Prometheus queries `call` sends (promql.query wrapped while it runs)."""
+    original = promql.query
+    sent = itertools.count()
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        next(sent)
+        return original(*args, **kwargs)
+
+    promql.query = counting  # type: ignore[assignment]
+    try:
+        result = call()
+    finally:
+        promql.query = original  # type: ignore[assignment]
+    return next(sent), result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"attribution: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1024, help="simulated ranks (default 1024)")
+    parser.add_argument(
+        "--culprit",
+        type=int,
+        default=None,
+        help=f"the rank that hangs the job (default {DEFAULT_CULPRIT}; below {DEFAULT_CULPRIT + 1} ranks, "
+        f"ranks*{DEFAULT_CULPRIT}//1024)",
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="in-process CLI runs (default 10)")
+    parser.add_argument(
+        "--subprocess-repeats",
+        type=int,
+        default=3,
+        metavar="N",
+        help="whole-command runs, python -m flare_exporter.cli (default 3)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="Prometheus scrape interval (default 2)",
+    )
+    parser.add_argument(
+        "--pass-run",
+        action="store_true",
+        help=f"pass --run {RUN} to flare, which skips run discovery (one query fewer)",
+    )
+    parser.add_argument("--json", default="", metavar="OUT", help="also write every number as JSON to OUT")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory (Prometheus data, log)"
+    )
+    args = parser.parse_args(argv)
+    if args.ranks < 2:
+        parser.error(f"--ranks {args.ranks}: at least 2 ranks (a culprit and a rank waiting on it)")
+    if args.culprit is None:
+        args.culprit = default_culprit(args.ranks)
+    if not 0 <= args.culprit < args.ranks:
+        parser.error(f"--culprit {args.culprit}: must be a rank, 0 to {args.ranks - 1}")
+    if args.repeats < 1 or args.subprocess_repeats < 0:
+        parser.error("--repeats must be at least 1, --subprocess-repeats at least 0")
+    if not 0.1 <= args.scrape_interval <= 60:
+        parser.error(f"--scrape-interval {args.scrape_interval:g}: between 0.1 and 60 seconds")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json}: no directory {Path(args.json).resolve().parent}")
+    if find_binary() is None:
+        parser.error(
+            "prometheus is not installed (apt-get install prometheus, or scripts/install-system-deps.sh)"
+        )
+    return args
+
+
+def prometheus_version() -> str:
+    binary = find_binary() or "prometheus"
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    words = (out.stdout or out.stderr).split()
+    return words[2] if len(words) > 2 else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally blocks stop Prometheus
+    tmp = Path(tempfile.mkdtemp(prefix="flare-attribution-"))
+    try:
+        results = benchmark(args, tmp)
+    except BenchError as error:
+        print(f"attribution: error: {error}", file=sys.stderr)
+        return 1
+    except (promql.PrometheusError, TimeoutError, RuntimeError, OSError) as error:
+        print(f"attribution: error: {_one_line(str(error))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("attribution: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        except OSError as error:
+            print(f"attribution: error: cannot write {args.json}: {error.strerror or error}", file=sys.stderr)
+            return 1
+        print(f"results written to {args.json}")
+    return 0
+
+
+def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    ranks, culprit = args.ranks, args.culprit
+    version = prometheus_version()
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "prometheus": version,
+        },
+        "config": {
+            "ranks": ranks,
+            "culprit": culprit,
+            "repeats": args.repeats,
+            "subprocess_repeats": args.subprocess_repeats,
+            "scrape_interval_seconds": args.scrape_interval,
+            "hang_seconds": HANG_SECONDS,
+            "hung_for_seconds": HUNG_FOR_SECONDS,
+            "pass_run": args.pass_run,
+        },
+    }
+    print(
+        f"flare attribution benchmark  {results['date']}  {os.cpu_count()} CPUs  "
+        f"python {platform.python_version()}  prometheus {version}"
+    )
+    started = time.perf_counter()
+    pages = render_cluster(ranks, culprit, RUN)
+    render_s = time.perf_counter() - started
+    sample = pages[f"/rank/{culprit}/metrics"]
+    series_per_rank = len(parse(sample.decode()))
+    mean_bytes = sum(len(page) for page in pages.values()) / ranks
+    hosts = -(-ranks // RANKS_PER_HOST)
+    print(
+        f"cluster: {ranks} ranks on {hosts} hosts, run {RUN}; rank {culprit} stuck in compute, behind in "
+        f"group world; the other {ranks - 1} in allreduce #{STEPS + 1} for {HUNG_FOR_SECONDS:.0f} s"
+    )
+    print(
+        f"  each rank: 3 process groups, {series_per_rank} series, {mean_bytes / 1024:.1f} KiB of exposition "
+        f"(all {ranks} rendered by flare's collectors in {render_s:.2f} s)"
+    )
+    results["cluster"] = {
+        "hosts": hosts,
+        "series_per_rank": series_per_rank,
+        "exposition_bytes_mean": mean_bytes,
+        "render_seconds": render_s,
+    }
+
+    with ClusterServer(pages) as server:
+        file_sd_dir = tmp / "file_sd"
+        write_file_sd(file_sd_dir, ranks, RUN, server.port)
+        prometheus = PrometheusProcess(
+            str(tmp / "prometheus"), str(file_sd_dir), f"{args.scrape_interval:g}s"
+        )
+        try:
+            results.update(measure(args, server, prometheus))
+        finally:
+            prometheus.stop()
+    return results
+
+
+def measure(args: argparse.Namespace, server: ClusterServer, prometheus: PrometheusProcess) -> dict[str, Any]:
+    ranks, culprit = args.ranks, args.culprit
+    url = prometheus.url
+    started = time.perf_counter()
+    prometheus.wait_ready()
+    ready_s = time.perf_counter() - started
+
+    def every_rank_seen() -> bool:
+        if prometheus.process.poll() is not None:
+            raise BenchError(
+                f"Prometheus exited with {prometheus.process.returncode}: {prometheus.log_tail(3)}"
+            )
+        answer = promql.query(url, f'count(flare_rank_info{{run="{RUN}"}})')
+        return bool(answer) and int(float(answer[0]["value"][1])) == ranks
+
+    wait_for(
+        every_rank_seen, max(120.0, 30 * args.scrape_interval), f"Prometheus to scrape all {ranks} ranks"
+    )
+    all_seen_s = time.perf_counter() - started
+    answer = promql.query(url, f'count({{run="{RUN}"}})')
+    series_total = int(float(answer[0]["value"][1])) if answer else 0
+    print(
+        f"prometheus: ready in {ready_s:.1f} s, flare_rank_info of all {ranks} ranks after "
+        f"{all_seen_s:.1f} s (scraping every {args.scrape_interval:g} s); {series_total:,} series of the run"
+    )
+
+    cli_args = ["diagnose", "--prometheus", url, "--hang-seconds", str(HANG_SECONDS), "--json"]
+    if args.pass_run:
+        cli_args += ["--run", RUN]
+    run = RUN if args.pass_run else ""
+    expected_queries = len(sources.PROMETHEUS_QUERIES) + (0 if args.pass_run else 1)
+    queries, snapshot = count_queries(lambda: sources.from_prometheus(url, run, "5m", 5.0))
+    if queries != expected_queries:
+        raise BenchError(f"from_prometheus sent {queries} queries, expected {expected_queries}")
+    discovery = "--run given: no run discovery" if args.pass_run else "1 of them run discovery"
+    print(f"flare {' '.join(cli_args).replace(url, 'URL')}  ({queries} Prometheus queries, {discovery})")
+
+    in_process = []
+    for index in range(args.repeats):
+        elapsed, code, output = time_in_process(cli_args)
+        check_verdict(code, output, ranks, culprit, f"in-process run {index + 1}")
+        in_process.append(elapsed)
+    print(_row("in-process", f"cli.main, {args.repeats} runs", in_process))
+    query_times, snapshot = time_calls(lambda: sources.from_prometheus(url, run, "5m", 5.0), args.repeats)
+    print(_row("  queries", "sources.from_prometheus alone", query_times))
+    engine_times, verdicts = time_calls(lambda: diagnosis.diagnose(snapshot, HANG_SECONDS), args.repeats)
+    if [(v.kind, v.ranks, v.group) for v in verdicts] != [("hang", (culprit,), WORLD)]:
+        raise BenchError(f"engine alone: wrong verdicts {[(v.kind, v.ranks, v.group) for v in verdicts]}")
+    print(_row("  engine", "diagnosis.diagnose alone", engine_times))
+
+    whole, whole_cpu, startup = [], [], []
+    command = [sys.executable, "-m", "flare_exporter.cli", *cli_args]
+    window = (time.perf_counter(), time.process_time(), process_cpu(prometheus.process.pid))
+    for index in range(args.subprocess_repeats):
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        elapsed, code, output = time_subprocess(command)
+        check_verdict(code, output, ranks, culprit, f"subprocess run {index + 1}")
+        whole.append(elapsed)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        whole_cpu.append(after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime)
+        elapsed, code, output = time_subprocess([sys.executable, "-c", "import flare_exporter.cli"])
+        if code != 0:
+            raise BenchError(f"python -c 'import flare_exporter.cli' exited with {code}: {_one_line(output)}")
+        startup.append(elapsed)
+    background: dict[str, float] = {"load_average_1m": os.getloadavg()[0]}
+    if whole:
+        span = time.perf_counter() - window[0]
+        background["server_cpus"] = (time.process_time() - window[1]) / span
+        background["prometheus_cpus"] = (process_cpu(prometheus.process.pid) - window[2]) / span
+        cpu = f"CPU time (user + sys): median {_seconds(statistics.median(whole_cpu))}"
+        print(_row("whole command", f"python -m flare_exporter.cli, {len(whole)} runs", whole) + f"; {cpu}")
+        print(_row("  start-up", "python -c 'import flare_exporter.cli'", startup))
+        print(
+            f"  busy meanwhile: Prometheus {background['prometheus_cpus']:.2f} CPUs, the simulated ranks' "
+            f"server {background['server_cpus']:.2f} CPUs; load average {background['load_average_1m']:.2f} "
+            f"on {os.cpu_count()} CPUs"
+        )
+    print(f"verdict, every run: HANG rank {culprit} in group world, {ranks} of {ranks} ranks seen")
+
+    goal = {"in_process": statistics.median(in_process) < GOAL_SECONDS}
+    if whole:
+        goal["whole_command"] = statistics.median(whole) < GOAL_SECONDS
+    headline = "whole_command" if whole else "in_process"
+    parts = [f"in-process median {_seconds(statistics.median(in_process))}"]
+    if whole:
+        parts.insert(0, f"whole command median {_seconds(statistics.median(whole))}")
+    print(
+        f"goal: attribution from Prometheus at {ranks} ranks < {GOAL_SECONDS:g} s of CLI time: "
+        f"{'PASS' if goal[headline] else 'MISS'} ({', '.join(parts)})"
+    )
+    times = {
+        "in_process": in_process,
+        "queries_alone": query_times,
+        "engine_alone": engine_times,
+        "whole_command": whole,
+        "whole_command_cpu": whole_cpu,
+        "startup_alone": startup,
+    }
+    return {
+        "prometheus": {"ready_seconds": ready_s, "all_seen_seconds": all_seen_s, "series": series_total},
+        "queries": queries,
+        "scrapes_served": next(server.served),
+        "background": background,
+        "times_seconds": times,
+        "summary": {name: stats(values) for name, values in times.items() if values},
+        "goal_seconds": GOAL_SECONDS,
+        "goal_met": goal,
+        "goal_headline": headline,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
