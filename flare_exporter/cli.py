@@ -48,7 +48,7 @@ def ranks_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
                 "down_reason": record.down_reason
                 or (f"exception {record.exception}" if record.exception else None),
                 "steps": record.steps,
-                "heartbeat_age_seconds": _age(snapshot, record.heartbeat),
+                "heartbeat_age_seconds": diagnosis.age_of(snapshot, record.heartbeat),
                 "in_flight": None
                 if flight is None
                 else {
@@ -56,7 +56,7 @@ def ranks_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
                     "op": flight.op,
                     "seq": flight.seq,
                     "state": flight.state,
-                    "age_seconds": _age(snapshot, flight.started_at),
+                    "age_seconds": diagnosis.age_of(snapshot, flight.started_at),
                 },
                 "activity": record.activity or None,
                 "frames": record.frames or None,
@@ -165,10 +165,6 @@ def _oldest_in_flight(record: diagnosis.RankRecord) -> tuple[str, diagnosis.InFl
         return "", None
     _, name, flight = min(flights, key=lambda item: item[:2])
     return name, flight
-
-
-def _age(snapshot: Snapshot, timestamp: float | None) -> float | None:
-    return None if timestamp is None else round(snapshot.now - timestamp, 3)
 
 
 def _seconds(value: float | None) -> str:

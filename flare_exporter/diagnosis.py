@@ -205,8 +205,8 @@ def rank_down_verdict(snapshot: Snapshot, down: list[int], hangs: list[GroupHang
         evidence["ranks"][str(rank)] = {
             "reason": _gone_reason(record),
             "host": record.host or None,
-            "heartbeat_age_seconds": _age(snapshot, record.heartbeat),
-            "exception_age_seconds": _age(snapshot, record.exception_at),
+            "heartbeat_age_seconds": age_of(snapshot, record.heartbeat),
+            "exception_age_seconds": age_of(snapshot, record.exception_at),
             "steps": record.steps,
         }
     evidence["followed_by"] = followers
@@ -401,7 +401,7 @@ def _rank_evidence(snapshot: Snapshot, rank: int) -> dict[str, Any]:
         "host": record.host or None,
         "activity": record.activity or None,
         "frames": record.frames or None,
-        "heartbeat_age_seconds": _age(snapshot, record.heartbeat),
+        "heartbeat_age_seconds": age_of(snapshot, record.heartbeat),
         "steps": record.steps,
     }
 
@@ -503,5 +503,6 @@ def _names(ranks: list[int] | tuple[int, ...]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _age(snapshot: Snapshot, timestamp: float | None) -> float | None:
+def age_of(snapshot: Snapshot, timestamp: float | None) -> float | None:
+    """Seconds from `timestamp` (Unix time) to the snapshot's time, or None."""
     return None if timestamp is None else round(snapshot.now - timestamp, 3)

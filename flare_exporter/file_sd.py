@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 
-from .files import write_json_atomically
+from .files import file_name_part, write_json_atomically
 from .identity import RankIdentity
 
 log = logging.getLogger("flare_exporter")
@@ -15,8 +15,7 @@ _ANY_ADDRESS = ("", "0.0.0.0", "::")
 
 
 def target_path(directory: str, identity: RankIdentity) -> str:
-    safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity.run)
-    return os.path.join(directory, f"flare-{safe_run}-rank{identity.rank}.json")
+    return os.path.join(directory, f"flare-{file_name_part(identity.run)}-rank{identity.rank}.json")
 
 
 def target_document(identity: RankIdentity, addr: str, port: int) -> list[dict]:

@@ -8,6 +8,11 @@ import tempfile
 from typing import Any
 
 
+def file_name_part(text: str) -> str:
+    """`text` (a run id) made safe for a file name: anything but letters, digits, - _ . becomes _."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def write_json_atomically(path: str, document: Any) -> None:
     """Write `document` as JSON to `path` through a temporary file and a rename; OSError on failure."""
     directory = os.path.dirname(path) or "."

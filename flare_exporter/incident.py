@@ -21,14 +21,13 @@ from types import TracebackType
 from typing import Any
 
 from . import progress, stall
-from .files import write_json_atomically
+from .files import file_name_part, write_json_atomically
 
 INCIDENT_VERSION = 1
 
 
 def incident_path(directory: str, run: str, rank: int) -> str:
-    safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
-    return os.path.join(directory, f"{safe_run}-rank{rank}.json")
+    return os.path.join(directory, f"{file_name_part(run)}-rank{rank}.json")
 
 
 def in_flight_document(record: Any, now_perf: float) -> dict[str, Any] | None:
