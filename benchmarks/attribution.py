@@ -3,18 +3,18 @@
     python benchmarks/attribution.py [--ranks 1024] [--culprit 777] [--repeats 10] [--subprocess-repeats 3] \
                                      [--scrape-interval 2] [--pass-run] [--json OUT] [--keep]
 
-One threaded HTTP server in this process serves every virtual rank's /metrics on one loopback port, at
-/rank/<N>/metrics. Each rank's exposition is rendered once, up front, by flare-exporter's own collectors
-(agent.build_registry over a FlareState built as the hooks would leave it): rank N on host node-<N//8>,
-in the world group, a data-parallel group and a tensor-parallel group, with steps, collective histograms,
-sequence numbers, a heartbeat and a stack sample. The fault: rank `--culprit` is stuck in compute and never
-issued the world group's next all-reduce; every other rank has that all-reduce in flight, issued 600 s
-before the benchmark started. Timestamps are real Unix times (progress.wall_time at render time): the
-heartbeat is each rank's last progress, as a real rank shows it 600 s into a hang.
+The cluster is flare_exporter.testing.virtual_cluster (shared with benchmarks/scale.py): one asyncio server in
+this process serves every virtual rank's /metrics on its own loopback port. Each rank's exposition is
+rendered once, up front, by flare-exporter's own collectors (agent.build_registry over a FlareState built as
+the hooks would leave it, every signal on): rank N on host node-<N//8>, in the world group, a data-parallel
+group and a tensor-parallel group, with steps, collective histograms, sequence numbers, straggler windows,
+issue-latency distributions, GPU health (fake NVML), a heartbeat and a stack sample. The fault: rank
+`--culprit` is stuck in compute and never issued the world group's next all-reduce; every other rank has
+that all-reduce in flight, issued 600 s before the benchmark started. Timestamps are real Unix times.
 
 A real Prometheus (PrometheusProcess) discovers the ranks through one file_sd file (a target group per rank,
-with `__metrics_path__`, `rank` and `run` labels) and scrapes them every `--scrape-interval` seconds. Once
-it is ready and holds flare_rank_info for every rank, the benchmark times:
+with `rank` and `run` labels, as the ranks write theirs) and scrapes them every `--scrape-interval`
+seconds. Once it is ready and holds flare_rank_info for every rank, the benchmark times:
 
 - in-process: `flare_exporter.cli.main(["diagnose", "--prometheus", URL, "--hang-seconds", "60", "--json"])`,
   `--repeats` times, and its two parts alone: sources.from_prometheus (the queries) and diagnosis.diagnose
@@ -22,7 +22,7 @@ it is ready and holds flare_rank_info for every rank, the benchmark times:
 - the whole command: `python -m flare_exporter.cli diagnose ...` as a subprocess, `--subprocess-repeats`
   times (interpreter start-up and imports included), and `python -c "import flare_exporter.cli"` alone.
 
-The in-process times share this process, and so the GIL, with the server's threads (about 500 scrapes a
+The in-process times share this process, and so the GIL, with the server's thread (about 500 scrapes a
 second at 1,024 ranks): they come out slower than the whole command less its start-up.
 
 Every result must be one verdict: kind hang, ranks [culprit], group world; anything else is an error.
@@ -48,39 +48,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
-
-from flare_exporter import cli, diagnosis, file_sd, promql, sources  # noqa: E402
-from flare_exporter.agent import build_registry  # noqa: E402
-from flare_exporter.config import Config  # noqa: E402
-from flare_exporter.files import write_json_atomically  # noqa: E402
-from flare_exporter.groups import WORLD, GroupTracker, group_name  # noqa: E402
-from flare_exporter.identity import RankIdentity  # noqa: E402
+from flare_exporter import cli, diagnosis, promql, sources  # noqa: E402
+from flare_exporter.groups import WORLD  # noqa: E402
 from flare_exporter.prometheus_process import PrometheusProcess, find_binary, wait_for  # noqa: E402
 from flare_exporter.scrape import parse  # noqa: E402
-from flare_exporter.stall import StackSample  # noqa: E402
-from flare_exporter.state import FlareState  # noqa: E402
-from flare_exporter.timing import CollectiveStats, CudaEventTiming  # noqa: E402
+from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
 
 GOAL_SECONDS = 1.0
 HANG_SECONDS = 60
 HUNG_FOR_SECONDS = 600.0  # how long before the start the others issued the collective the culprit never did
-RANKS_PER_HOST = 8  # also the tensor-parallel group size
 DEFAULT_CULPRIT = 777
 RUN = "bench-attribution"
-STEPS = 1200  # steps every rank completed before the hang
-STEP_SECONDS = 0.25
 SUBPROCESS_TIMEOUT_S = 120.0
 
 
@@ -89,7 +75,7 @@ class BenchError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the simulated cluster: each rank's exposition, rendered by flare-exporter's collectors
+# the simulated cluster (flare_exporter.testing.virtual_cluster, shared with benchmarks/scale.py)
 
 
 def default_culprit(ranks: int) -> int:
@@ -97,158 +83,12 @@ def default_culprit(ranks: int) -> int:
     return DEFAULT_CULPRIT if ranks > DEFAULT_CULPRIT else ranks * DEFAULT_CULPRIT // 1024
 
 
-def _fill(histogram: Any, count: int, typical: float) -> None:
-    """`count` observations around `typical` (60 % in its bucket, 30 % in the next, 10 % in the one before),
-    set at once rather than observed one by one: rendering 1,024 ranks must stay cheap."""
-    index = bisect_left(histogram.bounds, typical)
-    above, below = count * 3 // 10, count // 10
-    histogram.counts[index] += count - above - below
-    histogram.counts[min(index + 1, len(histogram.counts) - 1)] += above
-    histogram.counts[max(index - 1, 0)] += below
-    histogram.sum += count * typical
-
-
-def rank_state(rank: int, world: int, culprit: int, run: str, perf_now: float) -> FlareState:
-    """The state a rank's hooks and stall watcher would have left 600 s into the hang."""
-    host_index, local_rank = divmod(rank, RANKS_PER_HOST)
-    identity = RankIdentity(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        run=run,
-        host=f"node-{host_index}",
-        pid=20000 + rank,
-        backend="nccl",
-        gpu_uuid=f"GPU-{rank:08x}-0000-4000-8000-{host_index:012x}",
-        pci_bus_id=f"00000000:{0x18 + 0x10 * local_rank:02X}:00.0",
-    )
-    state = FlareState.create(Config(), identity)
-    hung_at = perf_now - HUNG_FOR_SECONDS  # when the others issued world collective STEPS + 1
-    last_step_at = hung_at - 0.05
-    dp_members = list(range(local_rank, world, RANKS_PER_HOST))
-    tp_members = list(range(host_index * RANKS_PER_HOST, min(world, (host_index + 1) * RANKS_PER_HOST)))
-    # (name, size, completed seq, ops: (op, share of the collectives, bytes each, typical seconds))
-    groups = (
-        (WORLD, world, STEPS, (("allreduce", 1, 8, 0.002),)),
-        (
-            group_name("data_parallel", dp_members),
-            len(dp_members),
-            4 * STEPS,
-            (("allreduce", 1, 25 << 20, 0.04),),
-        ),
-        (
-            group_name("tensor_parallel", tp_members),
-            len(tp_members),
-            48 * STEPS,
-            (
-                ("allgather_into_tensor_coalesced", 2, 8 << 20, 0.0006),
-                ("reduce_scatter_base", 2, 8 << 20, 0.0007),
-            ),
-        ),
-    )
-    for name, size, completed, ops in groups:
-        tracker = GroupTracker(name, size, "nccl", CudaEventTiming(state.manager), state.health)
-        state.groups[name] = tracker
-        state.manager.add_group(tracker)
-        tracker.last_issued_seq = tracker.last_completed_seq = completed
-        tracker._next_seq = itertools.count(completed + 1)
-        tracker.last_progress_at = last_step_at - 0.01
-        for op, share, nbytes, typical in ops:
-            collective = state.manager.stats[(name, op)] = CollectiveStats()
-            _fill(collective.durations, completed // share, typical)
-            collective.bytes_total = completed // share * nbytes
-    state.steps.steps = STEPS
-    _fill(state.steps.durations, STEPS - 1, STEP_SECONDS)
-    state.steps.last_step_at = last_step_at
-    if rank == culprit:  # stuck in compute since its last step: never issued world collective STEPS + 1
-        state.stack = StackSample(
-            "compute", ("model.py:212 forward", "module.py:1736 _call_impl", "train.py:81 train_step")
-        )
-    else:  # issued it, as the others did, and waits in it
-        world_tracker = state.groups[WORLD]
-        record = world_tracker.issue("allreduce", None)
-        assert record is not None
-        record.issued_at = world_tracker.last_progress_at = hung_at
-        record.nbytes = 8
-        world_tracker.pending.append(record)  # what track() does; no backend ever completes it
-        state.stack = StackSample(
-            "collective",
-            ("distributed_c10d.py:2806 all_reduce", "c10d_logger.py:81 wrapper", "train.py:88 train_step"),
-        )
-    state.manager.drain()  # publishes each group's oldest unfinished collective, as a scrape would
-    return state
-
-
-def render_cluster(ranks: int, culprit: int, run: str) -> dict[str, bytes]:
-    """Path -> exposition bytes for every rank, rendered by the exporter's registry (real Unix timestamps)."""
+def render_cluster(ranks: int, culprit: int, run: str) -> list[bytes]:
+    """Every rank's exposition (index = rank) 600 s into the hang the culprit causes (real Unix times)."""
     perf_now = time.perf_counter()
-    return {
-        f"/rank/{rank}/metrics": generate_latest(
-            build_registry(rank_state(rank, ranks, culprit, run, perf_now))
-        )
-        for rank in range(ranks)
-    }
-
-
-class ClusterServer(ThreadingHTTPServer):
-    """Every virtual rank's /metrics on one port; keep-alive, so each Prometheus connection is one thread."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 4096  # the default (5) drops connections when a thousand targets connect at once
-
-    def __init__(self, pages: dict[str, bytes]) -> None:
-        self.pages = pages
-        self.served = itertools.count()
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.port = self.server_address[1]
-        self.thread = threading.Thread(target=self.serve_forever, name="cluster-http", daemon=True)
-
-    def __enter__(self) -> ClusterServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-        self.server_close()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Quiet: Prometheus closing its keep-alive connections when it stops is no error."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: ClusterServer
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = self.server.pages.get(self.path)
-        if body is None:
-            self.send_error(404, "no such rank")
-            return
-        next(self.server.served)
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def write_file_sd(directory: Path, ranks: int, run: str, port: int) -> Path:
-    """One file_sd file: a target group per rank as the rank would write it, plus its metrics path."""
-    groups = []
-    for rank in range(ranks):
-        identity = RankIdentity(rank, rank % RANKS_PER_HOST, ranks, run, f"node-{rank // RANKS_PER_HOST}", 0)
-        for group in file_sd.target_document(identity, "127.0.0.1", port):
-            group["labels"]["__metrics_path__"] = f"/rank/{rank}/metrics"
-            groups.append(group)
-    path = directory / f"flare-{run}.json"
-    write_json_atomically(str(path), groups)
-    return path
+    return vc.render_cluster(
+        ranks, run, vc.Faults(hung=culprit, hung_at=perf_now - HUNG_FOR_SECONDS), perf_now
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -490,13 +330,13 @@ def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     started = time.perf_counter()
     pages = render_cluster(ranks, culprit, RUN)
     render_s = time.perf_counter() - started
-    sample = pages[f"/rank/{culprit}/metrics"]
+    sample = pages[culprit]
     series_per_rank = len(parse(sample.decode()))
-    mean_bytes = sum(len(page) for page in pages.values()) / ranks
-    hosts = -(-ranks // RANKS_PER_HOST)
+    mean_bytes = sum(len(page) for page in pages) / ranks
+    hosts = -(-ranks // vc.RANKS_PER_HOST)
     print(
         f"cluster: {ranks} ranks on {hosts} hosts, run {RUN}; rank {culprit} stuck in compute, behind in "
-        f"group world; the other {ranks - 1} in allreduce #{STEPS + 1} for {HUNG_FOR_SECONDS:.0f} s"
+        f"group world; the other {ranks - 1} in allreduce #{vc.STEPS + 1} for {HUNG_FOR_SECONDS:.0f} s"
     )
     print(
         f"  each rank: 3 process groups, {series_per_rank} series, {mean_bytes / 1024:.1f} KiB of exposition "
@@ -509,9 +349,9 @@ def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "render_seconds": render_s,
     }
 
-    with ClusterServer(pages) as server:
+    with vc.ClusterServer(pages) as server:
         file_sd_dir = tmp / "file_sd"
-        write_file_sd(file_sd_dir, ranks, RUN, server.port)
+        vc.write_file_sd(str(file_sd_dir), RUN, server.targets(), ranks)
         prometheus = PrometheusProcess(
             str(tmp / "prometheus"), str(file_sd_dir), f"{args.scrape_interval:g}s"
         )
@@ -522,7 +362,9 @@ def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return results
 
 
-def measure(args: argparse.Namespace, server: ClusterServer, prometheus: PrometheusProcess) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, server: vc.ClusterServer, prometheus: PrometheusProcess
+) -> dict[str, Any]:
     ranks, culprit = args.ranks, args.culprit
     url = prometheus.url
     started = time.perf_counter()

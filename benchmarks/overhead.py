@@ -51,6 +51,7 @@ from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
 GOAL_RATIO = 1.005
+FAKE_NVML = "flare_exporter.testing.fake_nvml"
 SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -215,6 +216,9 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
     if with_exporter:
         env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1")
         env.setdefault("FLARE_RUN", "overhead")
+        # every signal on at its defaults: without a GPU, GPU health reads the fake NVML (its reader thread
+        # polls every gpu_health_interval_seconds, as with a real GPU)
+        env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
     prefix = [sys.executable, "-m", "flare_exporter.launch"] if with_exporter else [sys.executable]
     script_args = ["--steps", str(args.steps), "--batch", str(args.batch)]
 
@@ -354,6 +358,7 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     # Not started: each repetition's completions stay queued (room for all of them) and are drained after it.
     manager = TimingManager(health, queue_size=loops + 16, interval_seconds=1.0)
     tracker = GroupTracker("world", 4, "gloo", FutureTiming(manager), health)
+    manager.add_group(tracker)  # each drain forgets its finished collectives, as in a job
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(None)
 
@@ -371,6 +376,15 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     bucket = [torch.empty(25 * 2**20 // 4)]  # one 25 MiB DDP bucket (only its size is read)
     wrapped = FlareProcessGroup(inner, 0, 4, tracker)
     steps = StepTracker(health)
+    # the step hook as attach() installs it with every signal at its defaults: the ILD dispatch sampler's
+    # listener opens a sampling window on one step in ild_dispatch_every_steps and closes it at the next
+    from flare_exporter.config import Config
+    from flare_exporter.identity import RankIdentity
+    from flare_exporter.state import FlareState
+
+    full = FlareState.create(Config(), RankIdentity(0, 0, 1, "micro", "localhost", os.getpid()))
+    assert full.ild is not None
+    full.steps.step_listeners.append(full.ild.dispatch.on_step)
 
     class FakeOptimizer:
         pass
@@ -401,6 +415,11 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         for _ in range(n):
             on_step(optimizer, (), {})
 
+    def step_hook_all_signals(n: int) -> None:
+        on_step = full.steps.on_step
+        for _ in range(n):
+            on_step(optimizer, (), {})
+
     drain_ns: list[float] = []
 
     def drain() -> None:  # the timing manager's share, which runs on its own thread in a real job
@@ -426,7 +445,9 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
 
     # Each repetition times every loop back to back and takes the differences within it, so that a slow
     # moment of a noisy machine weighs on both sides of a difference; the median over repetitions is reported.
-    raw: dict[str, list[float]] = {name: [] for name in ("empty", "hooks", "direct", "wrapper", "step")}
+    raw: dict[str, list[float]] = {
+        name: [] for name in ("empty", "hooks", "direct", "wrapper", "step", "step_all")
+    }
     for _ in range(repeats):
         raw["empty"].append(_time_once(empty, loops))
         raw["hooks"].append(_time_once(hooks, loops))
@@ -435,8 +456,13 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         raw["wrapper"].append(_time_once(through_wrapper, loops))
         drain()
         raw["step"].append(_time_once(step_hook, loops))
-    if health.errors or health.dropped:
-        raise RunError(f"micro: hooks reported errors {dict(health.errors)}, drops {dict(health.dropped)}")
+        raw["step_all"].append(_time_once(step_hook_all_signals, loops))
+    full.ild.dispatch.close()
+    if health.errors or health.dropped or full.health.errors:
+        raise RunError(
+            f"micro: hooks reported errors {dict(health.errors) or dict(full.health.errors)}, "
+            f"drops {dict(health.dropped)}"
+        )
     result: dict[str, float] = {
         "loops": loops,
         "repeats": repeats,
@@ -447,6 +473,7 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         ("collective_hook", "hooks", "empty"),
         ("wrapper_path", "wrapper", "direct"),
         ("step_hook", "step", "empty"),
+        ("step_hook_all_signals", "step_all", "empty"),
     ):
         # median of the differences within a repetition; best case as timeit gives it (min minus min)
         pairs = zip(raw[timed], raw[baseline], strict=True)
@@ -468,6 +495,11 @@ def print_micro(result: dict[str, float]) -> None:
         ),
         ("wrapper path", "FlareProcessGroup.allreduce minus inner.allreduce", "wrapper_path"),
         ("step hook", "StepTracker.on_step (vs. an empty loop)", "step_hook"),
+        (
+            "step hook, all",
+            "the same with every default signal's listener (ILD windows)",
+            "step_hook_all_signals",
+        ),
     ]
     for name, what, key in rows:
         print(f"  {name:16} {what:64} {result[key + '_ns']:7.0f} ns  [{result[key + '_min_ns']:6.0f}]")

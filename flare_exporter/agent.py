@@ -14,13 +14,16 @@ import torch.distributed
 from prometheus_client import CollectorRegistry
 
 from . import config as config_module
-from . import file_sd, identity, process_group
+from . import file_sd, gpu_health, identity, process_group
 from .collectors import Collector
 from .collectors.collectives import CollectivesCollector
 from .collectors.exporter import ExporterCollector
+from .collectors.gpu_health import GpuHealthCollector
 from .collectors.identity import IdentityCollector
+from .collectors.ild import IldCollector
 from .collectors.in_flight import InFlightCollector
 from .collectors.progress import ProgressCollector
+from .collectors.stragglers import StragglersCollector
 from .exposition import FlareCollector, MetricsServer, serve
 from .groups import WORLD
 from .incident import IncidentWriter
@@ -46,11 +49,15 @@ class Attachment:
         exception (then Prometheus keeps the target, sees it down, and `up` names the rank)."""
         self.watcher.stop()
         self.state.steps.remove()
+        if self.state.ild is not None:
+            self.state.ild.remove()
         self.state.manager.stop()
+        if self.state.gpu is not None:
+            self.state.gpu.stop()
+        if self.target_file and self.state.exception is None:  # first: Prometheus drops it before it fails
+            file_sd.remove_target(self.target_file)
         if self.server is not None:
             self.server.close()
-        if self.target_file and self.state.exception is None:
-            file_sd.remove_target(self.target_file)
 
 
 _attachment: Attachment | None = None
@@ -63,13 +70,33 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         IdentityCollector(state),
         CollectivesCollector(state),
         InFlightCollector(state),
+        IldCollector(state),
         ProgressCollector(state),
+        StragglersCollector(state),
+        GpuHealthCollector(state),
         ExporterCollector(state),
     ]
     registry.register(
         FlareCollector(collectors, lambda: (str(state.identity.rank), state.identity.run), state.health)
     )
     return registry
+
+
+def start_gpu_health(state: FlareState) -> None:
+    """Watch the rank's own GPU through NVML if enabled and available; its UUID and PCI bus id go into
+    flare_rank_info so that dcgm-exporter's series join to the rank."""
+    config = state.config
+    if not config.gpu_health:
+        return
+    nvml = gpu_health.load_nvml(config.nvml_module)
+    selector = gpu_health.device_selector(state.identity.local_rank, os.environ)
+    monitor = gpu_health.GpuHealthMonitor(nvml, selector, state.health, config.gpu_health_interval_seconds)
+    state.gpu = monitor
+    if monitor.open():
+        state.identity = dataclasses.replace(
+            state.identity, gpu_uuid=monitor.uuid, pci_bus_id=monitor.pci_bus_id
+        )
+        monitor.start()
 
 
 def attach(config: config_module.Config | None = None) -> Attachment:
@@ -83,6 +110,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         return _attachment
     config = config or config_module.load()
     state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
+    start_gpu_health(state)
     registry = build_registry(state)
 
     def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
@@ -91,6 +119,10 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         # The launcher may not have said who we are; the world group does. Created on the training
         # thread, after torch.cuda.set_device() in a well-behaved script: the rank's GPU is current.
         gpu_uuid, pci_bus_id = identity.gpu_identity(torch.cuda) if backend == "nccl" else ("", "")
+        if state.gpu is not None and gpu_uuid:
+            state.gpu.preferred_uuid = gpu_uuid  # torch's current device wins over the LOCAL_RANK guess
+        elif state.gpu is not None and state.gpu.uuid:
+            gpu_uuid, pci_bus_id = state.gpu.uuid, state.gpu.pci_bus_id
         state.identity = dataclasses.replace(
             state.identity,
             rank=rank,
@@ -108,6 +140,8 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         process_group.Wrapping(state.groups, state.manager, state.health, config.max_groups, on_group)
     )
     state.steps.install()
+    if state.ild is not None:
+        state.ild.install()
     state.manager.start()
     incidents = IncidentWriter(state)
     incidents.install()
@@ -118,7 +152,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     target_file = None
     if config.port:
         port = config.port + state.identity.local_rank
-        server = serve(registry, config.addr, port, state.identity.rank)
+        server = serve(registry, config.addr, port, state.identity.rank, config.web_config_file, state.health)
         if server is not None and config.file_sd_dir:
             target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
     _attachment = Attachment(state, registry, server, target_file, incidents, watcher)

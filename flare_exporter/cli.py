@@ -4,6 +4,7 @@
     flare ranks      ...   one line per rank: step, heartbeat age, in-flight op and its state
     flare hang       ...   each process group: in flight, how long, who is behind
     flare stragglers ...   each rank's step time, collective wait per step and straggler score
+    flare rules [--for D] [--selector M] [--scrape-interval D]   the Prometheus rules for this config
 
 `--prometheus` reads the Prometheus HTTP API (a fixed number of queries, whatever the rank count);
 `--targets` scrapes the ranks' /metrics directly: a file of host:port lines, a file_sd JSON file, or a
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from . import config as config_module
-from . import diagnosis, sources
+from . import diagnosis, rules, scrape, sources
 from .diagnosis import Snapshot, Verdict
 from .promql import PrometheusError
 from .targets import TargetsError, read_targets
@@ -217,7 +219,37 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--window", default="5m", help="Prometheus lookback for rates and gone ranks (default 5m)"
         )
+        secured = command.add_argument_group(
+            "secured ranks (--targets whose endpoints have a web config file; see docs/security.md)"
+        )
+        secured.add_argument("--scheme", choices=("http", "https"), default=None, help="default: http")
+        secured.add_argument(
+            "--ca-file", default="", help="CA certificate that signed the ranks' certificates"
+        )
+        secured.add_argument("--cert-file", default="", help="client certificate, for ranks that require one")
+        secured.add_argument("--key-file", default="", help="the client certificate's key")
+        secured.add_argument(
+            "--basic-auth-user",
+            default="",
+            help=f"user for basic auth; the password is read from {PASSWORD_ENV}",
+        )
+    rules_command = commands.add_parser(
+        "rules", help="print the Prometheus recording and alert rules", description=rules.__doc__
+    )
+    rules.add_arguments(rules_command)
     return parser
+
+
+PASSWORD_ENV = "FLARE_BASIC_AUTH_PASSWORD"
+
+
+def _client(args: argparse.Namespace) -> scrape.Client:
+    """How to scrape the ranks: https when asked for (or when TLS files are given), basic auth if a user."""
+    scheme = args.scheme or ("https" if args.ca_file or args.cert_file else "http")
+    password = os.environ.get(PASSWORD_ENV, "")
+    if args.basic_auth_user and not password:
+        raise config_module.ConfigError(f"flag --basic-auth-user: set the password in {PASSWORD_ENV}")
+    return scrape.client(scheme, args.ca_file, args.cert_file, args.key_file, args.basic_auth_user, password)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,17 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:
         return EXIT_USAGE if exit.code else EXIT_OK
+    if args.command == "rules":
+        return rules.main(args)
     try:
         hang_seconds = config_module.load({"hang_seconds": args.hang_seconds}).hang_seconds
-        if args.timeout <= 0:
-            raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be positive")
+        if not 0 < args.timeout <= 3600:  # also refuses nan
+            raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
         if args.prometheus:
             snapshot = sources.from_prometheus(args.prometheus, args.run, args.window, args.timeout)
             source = f"prometheus {args.prometheus}"
         else:
-            snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout)
+            snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
             source = f"targets {args.targets}"
-    except (config_module.ConfigError, TargetsError, PrometheusError) as error:
+    except (config_module.ConfigError, TargetsError, PrometheusError, scrape.ScrapeError) as error:
         print(f"flare: {error}", file=sys.stderr)
         return EXIT_USAGE
     except sources.SourceError as error:

@@ -105,6 +105,80 @@ class Config:
         *_between(0, 3600),
     )
 
+    straggler_window_steps: int = _setting(
+        5,
+        "Steps per straggler window: each rank exports its mean step time and collective wait per step over "
+        "its last straggler_windows windows of this many steps.",
+        *_between(1, 100_000),
+    )
+    straggler_windows: int = _setting(
+        4,
+        "Straggler windows each rank keeps and exports (label ago); the engine names a straggler when its "
+        "score holds over the last 3 windows the ranks share.",
+        *_between(3, 16),
+    )
+    gpu_health: bool = _setting(
+        True,
+        "Read the rank's own GPU health from NVML (pynvml, the `nvml` extra); without NVML or GPU "
+        "flare_gpu_health_up is 0.",
+    )
+    gpu_health_interval_seconds: float = _setting(
+        5.0,
+        "How often GPU health is read from NVML, on a background thread (XID events arrive as they happen).",
+        *_between(0.05, 3600),
+    )
+    nvml_module: str = _setting(
+        "pynvml",
+        "Python module providing the NVML API; flare_exporter.testing.fake_nvml runs the GPU health "
+        "collector without a GPU (its readings come from FLARE_FAKE_NVML_* variables).",
+        lambda v: bool(v),
+        "non-empty",
+    )
+    web_config_file: str = _setting(
+        "",
+        "Prometheus web config file (exporter-toolkit's web-config.yml: TLS, client certificates, bcrypt "
+        "basic auth) for the metrics endpoint; see docs/security.md. Empty: plain HTTP.",
+    )
+
+    ild_dispatch_every_steps: int = _setting(
+        16,
+        "Host dispatch latency is sampled in one step out of this many (a dispatch mode times every op of "
+        "that step; see docs/ild.md); 0: never.",
+        *_between(0, 1_000_000),
+    )
+    ild_launch_sample_every: int = _setting(
+        8,
+        "One kernel launch in this many is timed for the kernel issue latency (a device event each).",
+        *_between(1, 1_000_000),
+    )
+    ild_warmup_steps: int = _setting(
+        5,
+        "First steps left out of the ILD baseline (allocations, first-iteration set-up).",
+        *_between(0, 1_000_000),
+    )
+    ild_baseline_steps: int = _setting(
+        100,
+        "Steps after the warm-up whose issue latencies form each rank's ILD baseline.",
+        *_between(1, 1_000_000),
+    )
+    ild_window_steps: int = _setting(
+        10,
+        "The ILD drift compares the baseline with the last this many steps that have samples (for host "
+        "dispatch: sampling windows).",
+        *_between(1, 10_000),
+    )
+    ild_min_samples: int = _setting(
+        50,
+        "Samples the baseline and the current window each need before the ILD drift gauges are exported.",
+        *_between(1, 10_000_000),
+    )
+    ild_events: int = _setting(
+        1024,
+        "Device events in the ILD event pool (kernel issue latency); a launch sampled while all are in use "
+        "is counted as dropped.",
+        *_between(1, 1_000_000),
+    )
+
     def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Config:
         """This config with `overrides` (already typed) applied, each checked; errors name `source`."""
         checked = {name: _check(name, value, source) for name, value in overrides.items()}
@@ -148,6 +222,10 @@ def _parse_text(name: str, text: str, source: str) -> Any:
         raise ConfigError(f"key {name!r} in {source}: {text!r} is not a valid {expected.__name__}") from None
 
 
+# What PyYAML's safe constructors raise, besides YAMLError, for values they cannot build
+YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, OverflowError, RecursionError)
+
+
 def read_file(path: str) -> dict[str, Any]:
     """The mapping in a YAML config file, unchecked; errors name the file."""
     try:
@@ -160,6 +238,8 @@ def read_file(path: str) -> dict[str, Any]:
     except yaml.YAMLError as error:
         first_line = str(error).splitlines()[0] if str(error) else "invalid YAML"
         raise ConfigError(f"config file {path}: not valid YAML ({first_line})") from None
+    except YAML_CONSTRUCTION_ERRORS as error:  # e.g. `a: 2024-13-01` or `!!timestamp x`; deep nesting
+        raise ConfigError(f"config file {path}: not valid YAML ({type(error).__name__}: {error})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable
 
 from . import cli, promql, scrape
+from .alertmanager_process import AlertingStack, WebhookReceiver, can_alert
 from .local_job import ObservedJob
 from .prometheus_process import PrometheusProcess, find_binary, wait_for
 from .workloads import train_ddp
@@ -112,10 +113,17 @@ def fault_demo(args: argparse.Namespace) -> int:
             f"started {args.ranks} ranks (gloo, DDP, two per pretend host); fault: {args.fault} on rank "
             f"{args.fault_rank}; hang threshold {FAULT_ENV['FLARE_HANG_SECONDS']} s"
         )
-        prometheus = None
+        prometheus = stack = None
         try:
             with job:
-                if use_prometheus:
+                if use_prometheus and can_alert():
+                    hang_seconds = float(FAULT_ENV["FLARE_HANG_SECONDS"])
+                    stack = AlertingStack(os.path.join(work_dir, "alerting"), job.file_sd_dir, hang_seconds)
+                    stack.wait_ready()
+                    prometheus = stack.prometheus
+                    source = ["--prometheus", prometheus.url]
+                    print(f"prometheus on {prometheus.url} with `flare rules`, alerts to alertmanager")
+                elif use_prometheus:
                     prometheus = PrometheusProcess(os.path.join(work_dir, "prometheus"), job.file_sd_dir)
                     prometheus.wait_ready()
                     source = ["--prometheus", prometheus.url]
@@ -135,6 +143,8 @@ def fault_demo(args: argparse.Namespace) -> int:
                 cli.main(["ranks", *base])
                 print(f"\n$ flare diagnose {' '.join(base)}")
                 cli.main(["diagnose", *base])
+                if stack is not None:
+                    _print_pages(stack.pages)
                 incident_dir = env["FLARE_INCIDENT_DIR"]
                 wait_for(
                     lambda: os.path.isdir(incident_dir) and os.listdir(incident_dir), 60, "incident files"
@@ -145,13 +155,25 @@ def fault_demo(args: argparse.Namespace) -> int:
             print(f"flare-demo: {error}", file=sys.stderr)
             return 1
         finally:
-            if prometheus is not None:
+            if stack is not None:
+                stack.stop()
+            elif prometheus is not None:
                 prometheus.stop()
         incidents = (
             sorted(os.listdir(env["FLARE_INCIDENT_DIR"])) if os.path.isdir(env["FLARE_INCIDENT_DIR"]) else []
         )
         print(f"\nincident files left by the ranks after teardown: {', '.join(incidents) or 'none'}")
     return 0
+
+
+def _print_pages(pages: WebhookReceiver) -> None:
+    """The first page Alertmanager delivered for the run, as the engineer on call receives it."""
+    delivered = wait_for(lambda: pages.alerts(run="demo"), 60, "Alertmanager to deliver a page")
+    print("\npaged by Alertmanager (alerts/alertmanager.yml, rules from `flare rules`):")
+    for _, alert in delivered:
+        labels = alert["labels"]
+        print(f"  [{labels['severity']}] {labels['alertname']}: {alert['annotations']['summary']}")
+        print(f"      {alert['annotations']['description']}")
 
 
 def _all_stepped(targets: list[str], steps: int, prometheus: PrometheusProcess | None) -> bool:

@@ -16,12 +16,16 @@ A Snapshot comes from Prometheus or from scraping the ranks (sources.py); the ru
 5. Several culprits of one verdict on one host -> `host_fault`, domain host.
 Straggler: with no hang, the rank that waits least in collectives per step, far below the median
 (median/MAD) -> `straggler`.
+ILD regression: with no hang, a rank whose issue-latency distribution (kernel issue, host dispatch) shifted
+from its own baseline (KS over a threshold) while most ranks' did not -> `ild_regression`, domain rank (or
+host); shifted on most or all ranks -> `ild_regression`, domain job.
 
 No rank is presumed healthy: decisions go by the evidence and by majority.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import Counter
 from collections.abc import Mapping
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-# Verdict kinds, most severe first. ild_regression is produced once the ILD signals exist (issue 6).
+# Verdict kinds, most severe first.
 KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regression")
 DOMAINS = ("rank", "host", "group", "job")
 
@@ -72,6 +76,13 @@ class RankRecord:
     collective_seconds: float | None = None  # time in collectives over the window (stragglers)
     step_seconds: float | None = None  # time in steps over the window
     step_count: float | None = None  # steps over the window
+    # straggler windows the rank exported: window number -> (mean step seconds, mean wait seconds per step)
+    step_windows: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    best_step_seconds: float | None = None  # the rank's own best window mean step time
+    gpu: GpuState | None = None  # the rank's own GPU health (None: not reported)
+    # ILD drift from the rank's baseline, by distribution (kernel_issue, host_dispatch): KS and W1 seconds
+    ild_ks: Mapping[str, float] = field(default_factory=dict)
+    ild_wasserstein: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def gone(self) -> bool:
@@ -131,6 +142,14 @@ class StragglerPolicy:
     min_steps: float = 10
     robust_z: float = 5.0  # distance below the median wait, in MADs (scaled to a standard deviation)
     min_share_of_step: float = 0.25  # ... and at least this share of the median step time
+    # from the exported straggler windows (preferred when every rank exports them; see window_verdicts)
+    hold_windows: int = 3  # the last this many windows that every rank has closed
+    window_z: float = 2.0  # in each: the rank waits least, this many robust sigmas below the median share
+    window_gap: float = 0.01  # ... and this share of its step below it (load bursts decay, stragglers hold)
+    pooled_z: float = 4.0  # over all of them together: at least this many robust sigmas below ...
+    min_wait_gap: float = 0.03  # ... and at least this share of the step below the median wait share
+    job_slowdown: float = 0.5  # no straggler, every rank this much slower than its own best: job-wide
+    clock_below_max: float = 0.9  # an SM clock below this share of its max is a hardware reason
 
 
 @dataclass(frozen=True)
@@ -144,7 +163,10 @@ class GroupHang:
 
 
 def diagnose(
-    snapshot: Snapshot, hang_seconds: float, stragglers: StragglerPolicy = StragglerPolicy()
+    snapshot: Snapshot,
+    hang_seconds: float,
+    stragglers: StragglerPolicy = StragglerPolicy(),
+    ild: IldPolicy | None = None,
 ) -> list[Verdict]:
     """All verdicts for the snapshot, most severe first."""
     hangs = hung_groups(snapshot, hang_seconds)
@@ -159,6 +181,7 @@ def diagnose(
         verdicts.append(explain_hang(snapshot, hang))
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
+        verdicts.extend(ild_verdicts(snapshot, ild or IldPolicy()))
     verdicts = [host_verdict(snapshot, verdict) for verdict in verdicts]
     return sorted(_unique(verdicts), key=lambda verdict: KINDS.index(verdict.kind))
 
@@ -444,6 +467,220 @@ def straggler_scores(snapshot: Snapshot) -> dict[int, dict[str, float]]:
 
 
 def straggler_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
+    """Stragglers from the exported windows when every live rank with data has them, else from the
+    cumulative step and collective times; a straggler's verdict carries its GPU's hardware reasons."""
+    live = [record for record in snapshot.ranks.values() if record.up and record.step_count]
+    if live and all(record.step_windows for record in live):
+        verdicts = window_verdicts(snapshot, policy)
+    else:
+        verdicts = cumulative_verdicts(snapshot, policy)
+    return [with_hardware_reasons(snapshot, verdict, policy) for verdict in verdicts]
+
+
+def _robust(values: list[float]) -> tuple[float, float]:
+    """Median and MAD scaled to a standard deviation (never 0, so that scores stay finite)."""
+    median = statistics.median(values)
+    return median, 1.4826 * statistics.median(abs(value - median) for value in values) or 1e-9
+
+
+LEAVE_ONE_OUT_RANKS = 64  # up to this many ranks, each is scored against the others only
+MIN_SHARE_SPREAD = 0.005  # ranks that agree closer than 0.5 % of the step do not make a gap of 1 % a score
+
+
+def _scores_below_median(shares: Mapping[int, float]) -> dict[int, tuple[float, float, float]]:
+    """Per rank: (median of the others' shares, robust z of its share below it, the gap).
+
+    In a small group one straggler moves the median and the MAD it is measured with, so each rank is
+    compared with the others only; in a large one its own weight is negligible and one median serves all.
+    """
+    out = {}
+    if len(shares) > LEAVE_ONE_OUT_RANKS:
+        median, spread = _robust(list(shares.values()))
+    for rank, share in shares.items():
+        if len(shares) <= LEAVE_ONE_OUT_RANKS:
+            median, spread = _robust([other for key, other in shares.items() if key != rank])
+        out[rank] = (median, (median - share) / max(spread, MIN_SHARE_SPREAD), median - share)
+    return out
+
+
+def window_scores(snapshot: Snapshot, policy: StragglerPolicy) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    """The last `hold_windows` windows that every live rank has closed, and each rank's scores over them.
+
+    A rank's wait share of a window is its time in collectives over its step time. Per window, its score
+    is how far its share lies below the other ranks' median, in robust sigmas (median/MAD); pooled, the
+    same over the windows together, and `gap` that distance as a share of the step. `slowdown_ratio` is its
+    step time in each window over its own best window's.
+    """
+    rows = {record.rank: record for record in snapshot.ranks.values() if record.up and record.step_windows}
+    if not rows:
+        return [], {}
+    common = set.intersection(*(set(record.step_windows) for record in rows.values()))
+    windows = sorted(common)[-policy.hold_windows :]
+    if len(windows) < policy.hold_windows:
+        return windows, {}
+    scores: dict[int, dict[str, Any]] = {rank: {"window_z": [], "window_gap": []} for rank in sorted(rows)}
+    for window in windows:
+        shares = {rank: _share(*record.step_windows[window]) for rank, record in rows.items()}
+        for rank, (_, z, gap) in _scores_below_median(shares).items():
+            scores[rank]["window_z"].append(round(z, 3))
+            scores[rank]["window_gap"].append(round(gap, 6))
+    pooled = {
+        rank: _share(
+            sum(record.step_windows[window][0] for window in windows),
+            sum(record.step_windows[window][1] for window in windows),
+        )
+        for rank, record in rows.items()
+    }
+    pooled_scores = _scores_below_median(pooled)
+    for rank, record in rows.items():
+        best = record.best_step_seconds or min(step for step, _ in record.step_windows.values())
+        median, z, gap = pooled_scores[rank]
+        scores[rank].update(
+            wait_share=round(pooled[rank], 6),
+            median_wait_share=round(median, 6),
+            pooled_z=round(z, 3),
+            gap=round(gap, 6),
+            best_step_seconds=best,
+            step_seconds=record.step_windows[windows[-1]][0],
+        )
+        scores[rank]["slowdown_ratio"] = [
+            round(record.step_windows[window][0] / best, 4) if best > 0 else 1.0 for window in windows
+        ]
+    return windows, scores
+
+
+def _share(step_seconds: float, wait_seconds: float) -> float:
+    return wait_seconds / step_seconds if step_seconds > 0 else 0.0
+
+
+def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
+    """A straggler is named when its score holds over the last `hold_windows` shared windows: in each, it
+    waits `window_z` robust sigmas and `window_gap` of its step below the median wait share; over all of
+    them, `pooled_z` sigmas and
+    `min_wait_gap` of its step. Fewer than half the ranks may be named. With no straggler, every rank
+    `job_slowdown` slower than its own best window in each of them is the job-wide case: kind straggler,
+    domain job, no culprit rank (every rank slowed alike: software, data, the network, the cluster), as
+    long as no rank's wait share stands out over the windows together (else it is a straggler that did
+    not hold in every window yet, and no verdict is better than the wrong one)."""
+    windows, scores = window_scores(snapshot, policy)
+    if len(scores) < policy.min_ranks:
+        return []
+    stands_out = [
+        rank
+        for rank, row in scores.items()
+        if row["pooled_z"] >= policy.pooled_z and row["gap"] >= policy.min_wait_gap
+    ]
+    slow = [
+        rank
+        for rank in stands_out
+        if min(scores[rank]["window_z"]) >= policy.window_z
+        and min(scores[rank]["window_gap"]) >= policy.window_gap
+    ]
+    if slow and len(slow) * 2 < len(scores):
+        first = scores[slow[0]]
+        evidence = {"windows": windows, "ranks": {str(rank): scores[rank] for rank in slow}}
+        return [
+            Verdict(
+                "straggler",
+                tuple(slow),
+                "rank",
+                f"rank {_names(slow)} waits least in collectives over the last {len(windows)} windows "
+                f"({first['wait_share']:.1%} of its step against a median of "
+                f"{first['median_wait_share']:.1%}, "
+                f"robust z {first['pooled_z']:.1f}): the others wait for it; its step time is "
+                f"{first['slowdown_ratio'][-1]:.2f}x its own best",
+                evidence,
+            )
+        ]
+    threshold = 1 + policy.job_slowdown
+    if not stands_out and all(min(row["slowdown_ratio"]) >= threshold for row in scores.values()):
+        ratios = [row["slowdown_ratio"][-1] for row in scores.values()]
+        evidence = {
+            "windows": windows,
+            "slowdown_ratio": {str(rank): row["slowdown_ratio"] for rank, row in scores.items()},
+            "step_seconds": {str(rank): row["step_seconds"] for rank, row in scores.items()},
+            "best_step_seconds": {str(rank): row["best_step_seconds"] for rank, row in scores.items()},
+            "wait_share": {str(rank): row["wait_share"] for rank, row in scores.items()},
+        }
+        return [
+            Verdict(
+                "straggler",
+                (),
+                "job",
+                f"every rank is slower than its own best, {min(ratios):.2f}x to {max(ratios):.2f}x over the "
+                f"last {len(windows)} windows, and none waits markedly less than the others: a job-wide "
+                "slowdown, not one rank",
+                evidence,
+            )
+        ]
+    return []
+
+
+# The clock-event reasons that slow a busy GPU against the user's wishes (gpu_health.SLOWDOWN_REASONS).
+SLOWDOWN_CLOCK_EVENTS = (
+    "sw_power_cap",
+    "hw_slowdown",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+)
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """A rank's own GPU as its exporter last read it (flare_gpu_*); None where not reported."""
+
+    up: bool = False
+    clock_events: tuple[str, ...] = ()  # the clock-event reasons active now
+    sm_clock_hertz: float | None = None
+    sm_clock_max_hertz: float | None = None
+    pcie_link_generation: float | None = None
+    pcie_link_generation_max: float | None = None
+    pcie_link_width: float | None = None
+    pcie_link_width_max: float | None = None
+    temperature_celsius: float | None = None
+    xid_events: float | None = None
+    last_xid: float | None = None
+    row_remap_failed: float | None = None
+
+
+def hardware_reasons(gpu: GpuState | None, policy: StragglerPolicy = StragglerPolicy()) -> list[str]:
+    """What in a rank's GPU health explains it being slow: throttling, a low clock, a degraded link."""
+    if gpu is None or not gpu.up:
+        return []
+    reasons = [reason for reason in SLOWDOWN_CLOCK_EVENTS if reason in gpu.clock_events]
+    clock, clock_max = gpu.sm_clock_hertz, gpu.sm_clock_max_hertz
+    if clock is not None and clock_max and clock < policy.clock_below_max * clock_max:
+        reasons.append(f"SM clock {clock / 1e6:.0f} MHz of {clock_max / 1e6:.0f} MHz max")
+    generation, width = gpu.pcie_link_generation, gpu.pcie_link_width
+    generation_max, width_max = gpu.pcie_link_generation_max, gpu.pcie_link_width_max
+    if None not in (generation, width, generation_max, width_max) and (
+        generation < generation_max or width < width_max  # type: ignore[operator]
+    ):
+        reasons.append(
+            f"PCIe link Gen{generation:.0f} x{width:.0f} (max Gen{generation_max:.0f} x{width_max:.0f})"
+        )
+    if gpu.xid_events:
+        reasons.append(f"{gpu.xid_events:.0f} XID events (last XID {gpu.last_xid or 0:.0f})")
+    if gpu.row_remap_failed:
+        reasons.append("row remapping failed")
+    return reasons
+
+
+def with_hardware_reasons(snapshot: Snapshot, verdict: Verdict, policy: StragglerPolicy) -> Verdict:
+    """The verdict with each culprit's GPU health reasons in its evidence and summary (if any)."""
+    found = {rank: hardware_reasons(snapshot.ranks[rank].gpu, policy) for rank in verdict.ranks}
+    found = {rank: reasons for rank, reasons in found.items() if reasons}
+    if not found:
+        return verdict
+    evidence = dict(verdict.evidence)
+    evidence["hardware"] = {str(rank): reasons for rank, reasons in found.items()}
+    said = "; ".join(f"rank {rank}'s GPU shows {', '.join(reasons)}" for rank, reasons in found.items())
+    return dataclasses.replace(verdict, summary=f"{verdict.summary}; {said}", evidence=evidence)
+
+
+def cumulative_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
+    """Stragglers from step and collective time summed over the source's window (older exporters)."""
     scores = straggler_scores(snapshot)
     if len(scores) < policy.min_ranks:
         return []
@@ -474,6 +711,134 @@ def straggler_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verd
             evidence,
         )
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue latency
+
+
+@dataclass(frozen=True)
+class IldPolicy:
+    """When a rank's issue-latency distribution counts as shifted from its own baseline."""
+
+    ks: float = 0.3  # Kolmogorov-Smirnov statistic (largest CDF difference) at or above which it shifted
+    min_wasserstein_seconds: float = 1e-7  # ... provided the shift moves it at least this far (W1)
+    # A partial shift (a share of the ops, e.g. those that wait for a contended core or interpreter) that
+    # moves far: KS at least partial_ks and W1 at least far_factor times the ranks' median W1 (3+ ranks).
+    partial_ks: float = 0.12
+    far_factor: float = 50.0
+
+
+def ild_shifted(ks: float, wasserstein: float, median_wasserstein: float | None, policy: IldPolicy) -> bool:
+    """Whether one rank's drift (KS, W1) counts as a shift; `median_wasserstein` of its peers, if 3+ ranks."""
+    if wasserstein < policy.min_wasserstein_seconds:
+        return False
+    if ks >= policy.ks:
+        return True
+    far = median_wasserstein is not None and wasserstein >= policy.far_factor * max(
+        median_wasserstein, policy.min_wasserstein_seconds
+    )
+    return ks >= policy.partial_ks and far
+
+
+def ild_drifts(snapshot: Snapshot) -> dict[str, dict[int, tuple[float, float]]]:
+    """Distribution -> live rank -> (KS, W1 seconds), for the ranks that export a drift."""
+    found: dict[str, dict[int, tuple[float, float]]] = {}
+    for record in sorted(snapshot.ranks.values(), key=lambda r: r.rank):
+        if not record.up:
+            continue
+        for distribution, ks in sorted(record.ild_ks.items()):
+            wasserstein = record.ild_wasserstein.get(distribution, 0.0)
+            found.setdefault(distribution, {})[record.rank] = (ks, wasserstein)
+    return found
+
+
+def ild_verdicts(snapshot: Snapshot, policy: IldPolicy) -> list[Verdict]:
+    """Shifted on a minority of ranks -> those ranks (their host); on most or all -> the job."""
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    job_wide: dict[str, tuple[tuple[int, ...], int]] = {}
+    drifts = ild_drifts(snapshot)
+    for distribution, per_rank in drifts.items():
+        median = statistics.median(w for _, w in per_rank.values()) if len(per_rank) >= 3 else None
+        shifted = tuple(
+            rank
+            for rank, (ks, wasserstein) in per_rank.items()
+            if ild_shifted(ks, wasserstein, median, policy)
+        )
+        if not shifted:
+            continue
+        if len(shifted) * 2 < len(per_rank):
+            by_ranks.setdefault(shifted, []).append(distribution)
+        else:
+            job_wide[distribution] = (shifted, len(per_rank))
+    verdicts = []
+    for ranks, distributions in by_ranks.items():
+        evidence = _ild_evidence(drifts, ranks, distributions, policy)
+        first = drifts[distributions[0]][ranks[0]]
+        verdicts.append(
+            Verdict(
+                "ild_regression",
+                ranks,
+                "rank",
+                f"rank {_names(ranks)}: {' and '.join(_ild_name(d) for d in distributions)} shifted from "
+                f"its baseline (KS {first[0]:.2f}, W1 {_seconds(first[1])}) while the other "
+                f"{len(drifts[distributions[0]]) - len(ranks)} ranks' did not: a host-side slowdown there",
+                evidence,
+            )
+        )
+    for distribution, (ranks, count) in job_wide.items():
+        evidence = _ild_evidence(drifts, ranks, [distribution], policy)
+        evidence["ranks_with_data"] = count
+        which = "every rank" if len(ranks) == count else f"{len(ranks)} of {count} ranks"
+        verdicts.append(
+            Verdict(
+                "ild_regression",
+                (),
+                "job",
+                f"{_ild_name(distribution)} shifted from the baseline on {which}: a job-wide change "
+                "(software, driver, configuration, input)",
+                evidence,
+            )
+        )
+    return verdicts
+
+
+def _ild_evidence(
+    drifts: dict[str, dict[int, tuple[float, float]]],
+    ranks: tuple[int, ...],
+    distributions: list[str],
+    policy: IldPolicy,
+) -> dict[str, Any]:
+    return {
+        "distributions": list(distributions),
+        "ks_threshold": policy.ks,
+        "shifted": {
+            str(rank): {
+                distribution: {
+                    "ks": round(drifts[distribution][rank][0], 4),
+                    "wasserstein_seconds": drifts[distribution][rank][1],
+                }
+                for distribution in distributions
+            }
+            for rank in ranks
+        },
+        "median_ks": {
+            distribution: round(statistics.median(ks for ks, _ in drifts[distribution].values()), 4)
+            for distribution in distributions
+        },
+        "median_wasserstein_seconds": {
+            distribution: statistics.median(w for _, w in drifts[distribution].values())
+            for distribution in distributions
+        },
+    }
+
+
+def _ild_name(distribution: str) -> str:
+    return distribution.replace("_", " ") + " latency"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e6:.1f} µs" if value < 1e-3 else f"{value * 1e3:.2f} ms"
 
 
 # ---------------------------------------------------------------------------------------------------------

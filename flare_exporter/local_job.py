@@ -25,6 +25,9 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+_handed_out: set[int] = set()  # ports this process chose; never chosen twice (a job binds them later)
+
+
 def free_port_block(count: int, attempts: int = 200) -> int:
     """A base port such that base .. base+count-1 are all free on loopback.
 
@@ -35,12 +38,16 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     start, stop = (10000, low - count) if low - count > 10000 else (high + 1, 65535 - count)
     for _ in range(attempts):
         base = random.randint(start, stop)
+        block = range(base, base + count)
+        if _handed_out.intersection(block):  # free now, but promised to a job that has not bound it yet
+            continue
         probes = []
         try:
-            for port in range(base, base + count):
+            for port in block:
                 probe = socket.socket()
                 probes.append(probe)
                 probe.bind(("127.0.0.1", port))
+            _handed_out.update(block)
             return base
         except OSError:
             continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -11,6 +13,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import spec
 from .health import ExporterHealth
 from .histogram import Histogram
+
+# Step boundaries kept for the straggler windows (stragglers.py), which consume them within a drain or two.
+STEP_BOUNDARIES_KEPT = 4096
 
 
 def wall_time(perf_time: float) -> float:
@@ -26,6 +31,10 @@ class StepTracker:
         self.steps = 0
         self.durations = Histogram(spec.STEP_DURATION_BUCKETS)
         self.last_step_at = 0.0  # perf_counter time of the last step: step durations and the heartbeat
+        # (step number, perf_counter time) of recent steps; appended here, read by the straggler windows
+        self.boundaries: deque[tuple[int, float]] = deque(maxlen=STEP_BOUNDARIES_KEPT)
+        # Called with the step count after each counted step, on the training thread (ILD sampling windows)
+        self.step_listeners: list[Callable[[int], None]] = []
         self._optimizer: weakref.ref[Any] | None = None
         self._handle: Any = None
 
@@ -49,5 +58,8 @@ class StepTracker:
                 self.durations.observe(now - self.last_step_at)
             self.last_step_at = now
             self.steps += 1
+            self.boundaries.append((self.steps, now))
+            for listener in self.step_listeners:
+                listener(self.steps)
         except Exception as error:
             self.health.error("step_hook", error)

@@ -1,4 +1,4 @@
-"""A small client for the Prometheus HTTP API (instant queries), with one-line errors."""
+"""A small client for the Prometheus HTTP API (instant and range queries), with one-line errors."""
 
 from __future__ import annotations
 
@@ -18,7 +18,21 @@ def query(base_url: str, expr: str, timeout: float = 10.0, at: float | None = No
     params = {"query": expr}
     if at is not None:
         params["time"] = repr(at)
-    url = base_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params)
+    return _api(base_url, "query", params, timeout)
+
+
+def query_range(
+    base_url: str, expr: str, start: float, end: float, step: float, timeout: float = 30.0
+) -> list[dict[str, Any]]:
+    """The result matrix of a range query: [{"metric": {labels}, "values": [[ts, "v"], ...]}, ...]."""
+    params = {"query": expr, "start": repr(start), "end": repr(end), "step": repr(step)}
+    return _api(base_url, "query_range", params, timeout)
+
+
+def _api(base_url: str, endpoint: str, params: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """The `result` of /api/v1/<endpoint>; PrometheusError (one line) for every way it can fail."""
+    expr = params["query"]
+    url = base_url.rstrip("/") + f"/api/v1/{endpoint}?" + urllib.parse.urlencode(params)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             body = json.load(response)

@@ -1,10 +1,22 @@
-"""Scrape ranks' /metrics directly, with prometheus_client's own parser; no Prometheus needed."""
+"""Scrape ranks' /metrics directly, many at once; no Prometheus needed.
+
+Well-formed lines are read by a strict line parser; anything else goes to prometheus_client's own parser.
+
+Ranks secured by a web config file are scraped over https (a CA file to verify them, a client certificate
+if they require one) with basic auth: see `Client`.
+"""
 
 from __future__ import annotations
 
+import base64
+import http.client
+import re
+import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,42 +32,158 @@ class Sample(NamedTuple):
     value: float
 
 
-def parse(text: str, target: str = "") -> list[Sample]:
-    """Samples of a Prometheus text exposition; ScrapeError if it is malformed."""
+# A rank's exposition is tens of KiB; anything this large is not one, and is not read further.
+MAX_EXPOSITION_BYTES = 64 * 1024 * 1024
+
+
+# One sample line exactly as exporters write it (flare's included): name, labels, value, optional timestamp.
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\n"])*"'
+_SAMPLE_LINE = re.compile(
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)"
+    rf"(?:\{{({_LABEL}(?:,{_LABEL})*)\}})?"
+    r" ([+-]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|Inf|NaN))(?: -?[0-9]+)?"
+)
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\n"])*)"')
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_TYPE_LINE = re.compile(r"# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|untyped)")
+_ESCAPED = re.compile(r'\\[\\n"]')
+_UNESCAPE = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
+
+
+def _parse_plain(text: str, wanted: Callable[[str], bool] | None = None) -> list[Sample] | None:
+    """The samples of a well-formed text exposition, line by line; None at the first line that is not
+    exactly one (prometheus_client's parser then decides). Several times faster: a direct scrape parses
+    every rank of the job. With `wanted`, lines of other sample names are skipped unread."""
+    samples = []
+    for line in text.split("\n"):
+        if not line:
+            continue
+        if line[0] == "#":
+            if line.startswith("# HELP ") or _TYPE_LINE.fullmatch(line):
+                continue
+            return None
+        if wanted is not None:
+            name = line[: line.find("{")] if "{" in line else line.split(" ", 1)[0]
+            if _METRIC_NAME.fullmatch(name) and not wanted(name):
+                continue
+        match = _SAMPLE_LINE.fullmatch(line)
+        if match is None:
+            return None
+        name, label_text, value = match.groups()
+        labels = {}
+        if label_text:
+            pairs = _LABEL_PAIR.findall(label_text)
+            for key, raw in pairs:
+                labels[key] = _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw) if "\\" in raw else raw
+            if len(labels) != len(pairs):
+                return None  # a label given twice
+        samples.append(Sample(name, labels, float(value)))
+    return samples
+
+
+def parse(text: str, target: str = "", wanted: Callable[[str], bool] | None = None) -> list[Sample]:
+    """Samples of a Prometheus text exposition; ScrapeError (and nothing else) if it is malformed.
+
+    `wanted(sample name)` says which samples the caller reads (None: all); the others may be left out."""
+    if text.endswith("\n"):  # a complete exposition; a cut one goes to the careful parser
+        fast = _parse_plain(text, wanted)
+        if fast is not None:
+            return fast
     try:
         return [
             Sample(sample.name, dict(sample.labels), float(sample.value))
             for family in text_string_to_metric_families(text)
             for sample in family.samples
+            if wanted is None or wanted(sample.name)
         ]
-    except (ValueError, TypeError, IndexError, KeyError) as error:
-        raise ScrapeError(f"{target or 'exposition'}: malformed exposition ({error})") from None
+    except Exception as error:  # the parser's errors are not all ValueError; no input may crash the CLI
+        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        raise ScrapeError(f"{target or 'exposition'}: malformed exposition ({reason})") from None
 
 
-def fetch(target: str, timeout: float = 5.0) -> str:
-    """The text at http://target/metrics (target is host:port)."""
-    url = target if "://" in target else f"http://{target}/metrics"
+@dataclass(frozen=True)
+class Client:
+    """How to reach ranks: scheme, TLS context (CA, client certificate) and basic auth credentials."""
+
+    scheme: str = "http"
+    ssl_context: ssl.SSLContext | None = None
+    username: str = ""
+    password: str = ""
+
+    def headers(self) -> dict[str, str]:
+        if not self.username:
+            return {}
+        token = base64.b64encode(f"{self.username}:{self.password}".encode()).decode("ascii")
+        return {"Authorization": "Basic " + token}
+
+
+def client(
+    scheme: str = "http",
+    ca_file: str = "",
+    cert_file: str = "",
+    key_file: str = "",
+    username: str = "",
+    password: str = "",
+) -> Client:
+    """A Client; ScrapeError naming the file if a CA or client certificate cannot be loaded."""
+    context = None
+    if scheme == "https":
+        try:
+            context = ssl.create_default_context(cafile=ca_file or None)
+        except (OSError, ssl.SSLError) as error:
+            raise ScrapeError(f"CA file {ca_file}: cannot load it ({error})") from None
+        if cert_file:
+            try:
+                context.load_cert_chain(cert_file, key_file or None)
+            except (OSError, ssl.SSLError) as error:
+                raise ScrapeError(f"client certificate {cert_file}: cannot load it ({error})") from None
+    elif scheme != "http":
+        raise ScrapeError(f"scheme {scheme!r}: expected http or https")
+    return Client(scheme, context, username, password)
+
+
+def fetch(target: str, timeout: float = 5.0, via: Client | None = None) -> str:
+    """The text at <scheme>://target/metrics (target is host:port)."""
+    via = via or Client()
+    url = target if "://" in target else f"{via.scheme}://{target}/metrics"
+    request = urllib.request.Request(url, headers=via.headers())
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return str(response.read().decode("utf-8"))
+        with urllib.request.urlopen(request, timeout=timeout, context=via.ssl_context) as response:
+            body = response.read(MAX_EXPOSITION_BYTES + 1)
+            missing = response.length  # bytes promised by Content-Length and never sent
     except (urllib.error.URLError, OSError, TimeoutError) as error:
         raise ScrapeError(f"{target}: cannot scrape ({getattr(error, 'reason', error)})") from None
+    except http.client.HTTPException as error:  # e.g. IncompleteRead: the rank closed mid-response
+        raise ScrapeError(f"{target}: cannot scrape (truncated response: {type(error).__name__})") from None
+    if len(body) > MAX_EXPOSITION_BYTES:
+        raise ScrapeError(f"{target}: exposition larger than {MAX_EXPOSITION_BYTES} bytes, not read")
+    if missing:
+        raise ScrapeError(f"{target}: cannot scrape (truncated response: {missing} bytes missing)")
+    try:
+        return body.decode("utf-8")
     except UnicodeDecodeError:
         raise ScrapeError(f"{target}: exposition is not UTF-8") from None
 
 
-def scrape(target: str, timeout: float = 5.0) -> list[Sample]:
-    return parse(fetch(target, timeout), target)
+def scrape(
+    target: str, timeout: float = 5.0, via: Client | None = None, wanted: Callable[[str], bool] | None = None
+) -> list[Sample]:
+    return parse(fetch(target, timeout, via), target, wanted)
 
 
 def scrape_all(
-    targets: list[str], timeout: float = 5.0, workers: int = 64
+    targets: list[str],
+    timeout: float = 5.0,
+    workers: int = 64,
+    via: Client | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> dict[str, list[Sample] | ScrapeError]:
-    """Scrape every target concurrently; each maps to its samples or to the ScrapeError it raised."""
+    """Scrape every target concurrently, at most `workers` at once; each maps to its samples (those
+    `wanted`, see parse) or to the ScrapeError it raised."""
 
     def one(target: str) -> list[Sample] | ScrapeError:
         try:
-            return scrape(target, timeout)
+            return scrape(target, timeout, via, wanted)
         except ScrapeError as error:
             return error
 

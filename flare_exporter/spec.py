@@ -92,6 +92,8 @@ ACTIVITIES = ("collective", "data", "compute")
 
 COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
 STEP_DURATION_BUCKETS = log_buckets(1e-3, 1000.0, 2)  # 1 ms .. 1000 s, 13 bounds
+ISSUE_LATENCY_BUCKETS = log_buckets(1e-7, 10.0, 5)  # 100 ns .. 10 s, 41 bounds (ILD)
+ILD_DISTRIBUTIONS = ("kernel_issue", "host_dispatch")
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -191,6 +193,42 @@ METRICS: tuple[MetricSpec, ...] = (
         "seconds",
         "Unix time at which the exception that is ending this rank was raised out of the training script.",
     ),
+    # issue latency (ILD)
+    MetricSpec(
+        "flare_kernel_issue_latency_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Kernel issue latency of sampled kernel launches: device start minus host launch (a stalling host "
+        "drains the device queue and the distribution collapses toward zero). Present only where a launch "
+        "source exists (CUDA, the fake device).",
+        (),
+        ISSUE_LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "flare_host_dispatch_latency_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Host dispatch latency of framework ops in sampling windows (one step in ild_dispatch_every_steps): "
+        "from the op's dispatch to its return (the launch on GPUs; dispatch plus execution on CPU).",
+        (),
+        ISSUE_LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "flare_ild_drift_ks",
+        GAUGE,
+        "",
+        "Kolmogorov-Smirnov statistic (largest CDF difference, 0..1, over the histogram buckets) between the "
+        "current window of the distribution and this rank's baseline; absent until both have enough samples.",
+        ("distribution",),
+    ),
+    MetricSpec(
+        "flare_ild_drift_wasserstein_seconds",
+        GAUGE,
+        "seconds",
+        "Wasserstein-1 distance (over the histogram buckets' log-midpoints) between the current window of "
+        "the distribution and this rank's baseline; absent until both have enough samples.",
+        ("distribution",),
+    ),
     MetricSpec(
         "flare_steps_total",
         COUNTER,
@@ -210,6 +248,113 @@ METRICS: tuple[MetricSpec, ...] = (
         GAUGE,
         "seconds",
         "Unix time of the training thread's last progress (an optimizer step or a collective issued).",
+    ),
+    # stragglers and GPU health
+    MetricSpec(
+        "flare_straggler_window_step_seconds",
+        GAUGE,
+        "seconds",
+        "Mean step time over one window of straggler_window_steps steps; ago=0 is the last closed window, "
+        "ago=1 the one before, and so on (straggler_windows of them).",
+        ("ago",),
+    ),
+    MetricSpec(
+        "flare_straggler_window_wait_seconds",
+        GAUGE,
+        "seconds",
+        "Mean time per step spent in collectives (issue to completion, summed over the step's collectives) "
+        "over the same window; a straggler waits least, the others wait for it.",
+        ("ago",),
+    ),
+    MetricSpec(
+        "flare_straggler_last_window",
+        GAUGE,
+        "",
+        "Number of the last closed window (window n holds steps n*straggler_window_steps+2 onwards, the same "
+        "steps on every rank), so that ranks' windows can be aligned.",
+    ),
+    MetricSpec(
+        "flare_straggler_best_step_seconds",
+        GAUGE,
+        "seconds",
+        "The rank's own best (lowest) window mean step time since it started.",
+    ),
+    MetricSpec(
+        "flare_straggler_slowdown_ratio",
+        GAUGE,
+        "",
+        "Last window's mean step time over the rank's own best window (1: as fast as it has ever been).",
+    ),
+    MetricSpec(
+        "flare_gpu_health_up",
+        GAUGE,
+        "",
+        "1 if NVML answered for this rank's own GPU at the last poll, 0 if not (no NVML, no GPU, disabled); "
+        "the other flare_gpu_ series are present only when it is 1.",
+    ),
+    MetricSpec(
+        "flare_gpu_clock_event_active",
+        GAUGE,
+        "",
+        "1 while NVML reports this clock-event (throttle) reason on the rank's GPU, else 0; one series per "
+        "reason of a fixed list.",
+        ("reason",),
+    ),
+    MetricSpec("flare_gpu_sm_clock_hertz", GAUGE, "", "Current SM clock of the rank's GPU."),
+    MetricSpec("flare_gpu_sm_clock_max_hertz", GAUGE, "", "Maximum SM clock of the rank's GPU."),
+    MetricSpec("flare_gpu_temperature_celsius", GAUGE, "", "GPU core temperature."),
+    MetricSpec("flare_gpu_power_watts", GAUGE, "", "GPU power draw."),
+    MetricSpec("flare_gpu_power_limit_watts", GAUGE, "", "Enforced GPU power limit."),
+    MetricSpec("flare_gpu_pcie_link_generation", GAUGE, "", "Current PCIe link generation of the GPU."),
+    MetricSpec("flare_gpu_pcie_link_generation_max", GAUGE, "", "Maximum PCIe link generation of the GPU."),
+    MetricSpec("flare_gpu_pcie_link_width", GAUGE, "", "Current PCIe link width (lanes) of the GPU."),
+    MetricSpec("flare_gpu_pcie_link_width_max", GAUGE, "", "Maximum PCIe link width (lanes) of the GPU."),
+    MetricSpec("flare_gpu_pcie_replays_total", COUNTER, "", "PCIe replay counter of the GPU."),
+    MetricSpec(
+        "flare_gpu_ecc_errors_total",
+        COUNTER,
+        "",
+        "ECC errors of the GPU's memory since the driver loaded (volatile), by type: corrected, uncorrected.",
+        ("type",),
+    ),
+    MetricSpec(
+        "flare_gpu_xid_events_total",
+        COUNTER,
+        "",
+        "Critical XID events NVML delivered for the rank's GPU since the exporter started.",
+    ),
+    MetricSpec(
+        "flare_gpu_last_xid",
+        GAUGE,
+        "",
+        "Code of the last critical XID event on the rank's GPU (absent until one happens).",
+    ),
+    MetricSpec(
+        "flare_gpu_nvlink_errors_total",
+        COUNTER,
+        "",
+        "NVLink error counters of the GPU, summed over its active links, by counter: replay, recovery, "
+        "crc_flit, crc_data.",
+        ("counter",),
+    ),
+    MetricSpec(
+        "flare_gpu_remapped_rows",
+        GAUGE,
+        "",
+        "Memory rows remapped on the GPU, by cause: correctable, uncorrectable.",
+        ("cause",),
+    ),
+    MetricSpec(
+        "flare_gpu_row_remap_pending",
+        GAUGE,
+        "",
+        "1 if a row remapping is pending (takes effect at the next GPU reset), else 0.",
+    ),
+    MetricSpec(
+        "flare_gpu_row_remap_failed",
+        GAUGE,
+        "",
+        "1 if a row remapping failed (the GPU should be replaced), else 0.",
     ),
     MetricSpec(
         "flare_exporter_errors_total",

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import Config
+from .gpu_health import GpuHealthMonitor
 from .groups import GroupTracker
 from .health import ExporterHealth
 from .identity import RankIdentity
+from .ild import IldState
 from .progress import StepTracker
 from .stall import StackSample
+from .stragglers import StepWindows
 from .timing import TimingManager
 
 
@@ -22,17 +25,28 @@ class FlareState:
     health: ExporterHealth
     manager: TimingManager
     steps: StepTracker
+    windows: StepWindows  # straggler windows, advanced at every timing-manager drain
     groups: dict[str, GroupTracker] = field(default_factory=dict)
+    gpu: GpuHealthMonitor | None = None  # the rank's own GPU (None: GPU health disabled)
     stack: StackSample | None = None  # the training thread while it makes no progress (stall watcher)
     exception: tuple[str, float] | None = None  # type and Unix time of the exception ending the rank
+    ild: IldState | None = None  # issue-latency distributions and their samplers
 
     @classmethod
     def create(cls, config: Config, identity: RankIdentity) -> FlareState:
         health = ExporterHealth()
+        manager = TimingManager(health, config.queue_size, config.timing_interval_seconds)
+        steps = StepTracker(health)
+        groups: dict[str, GroupTracker] = {}
+        windows = StepWindows(steps, groups, health, config.straggler_window_steps, config.straggler_windows)
+        manager.add_group(windows)  # its forget_finished() runs at the end of every drain
         return cls(
             config=config,
             identity=identity,
             health=health,
-            manager=TimingManager(health, config.queue_size, config.timing_interval_seconds),
-            steps=StepTracker(health),
+            manager=manager,
+            steps=steps,
+            windows=windows,
+            groups=groups,
+            ild=IldState(config, health, manager, steps),
         )

@@ -9,6 +9,12 @@ never waits. Backends behind one interface:
   stream when TORCH_NCCL_ENABLE_TIMING=1; the manager polls `is_completed()` and reads the event
   duration, so no thread ever synchronizes with the device.
 
+Device events (kernel issue latency, ILD) go through a second interface, EventBackend: record an event
+on a stream (training thread, never waits), query it, read the host-clock time at which the device reached
+it (manager thread). Implementations: TorchCudaEvents (`torch.cuda.Event`), CupyEvents (`cupy.cuda.Event`,
+the `cupy` extra, imported lazily) and FakeDeviceEvents (fake_device.py: a CPU thread standing in for the
+device), each drawing its events from a bounded EventPool. The manager resolves them like collectives.
+
 The TimingManager drains completions into per-(group, op) statistics: on its own thread every
 `interval_seconds`, and on every scrape so that what a scrape shows is current. The two never drain at
 once (a lock that only they take; the training thread never touches it).
@@ -19,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from . import spec
@@ -67,6 +74,10 @@ class TimingManager:
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
         self.groups: list[Any] = []  # GroupTrackers, whose in-flight collectives each drain updates
+        # Device events awaiting the device (appended by launch hooks): (backend, event, host time, tag, sink)
+        self.events: deque[tuple[EventBackend, Any, float, int, EventSink]] = deque()
+        self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
+        self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
         self.polls_often = False
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
@@ -102,6 +113,22 @@ class TimingManager:
             return
         self.polled.append((record, work, backend))
 
+    def watch(self, backend: EventBackend, event: Any, host_time: float, tag: int, sink: EventSink) -> None:
+        """Resolve `event` when the device reaches it: sink(tag, device time - host_time). Never blocks."""
+        if len(self.events) >= self.queue_size:
+            self.health.drop("device_events")
+            backend.release(event)
+            return
+        self.polls_often = True
+        self.events.append((backend, event, host_time, tag, sink))
+
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run `task` on the manager at its next drain (any thread; never blocks)."""
+        if len(self.tasks) >= self.queue_size:
+            self.health.drop("timing_tasks")
+            return
+        self.tasks.append(task)
+
     def _run(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_SECONDS if self.polls_often else self.interval_seconds):
             try:
@@ -134,6 +161,31 @@ class TimingManager:
             self._account(self.completed.popleft())
         for group in list(self.groups):
             group.forget_finished()
+        while self.tasks:
+            self._guarded("timing_tasks", self.tasks.popleft())
+        if self.events:
+            self._resolve_events()
+        for hook in list(self.after_drain):
+            self._guarded("timing_after_drain", hook)
+
+    def _guarded(self, component: str, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except Exception as error:  # one bad task must not stop the rest of the drain
+            self.health.error(component, error)
+
+    def _resolve_events(self) -> None:
+        for _ in range(len(self.events)):
+            item = self.events.popleft()
+            backend, event, host_time, tag, sink = item
+            try:
+                if not backend.query(event):
+                    self.events.append(item)
+                    continue
+                sink(tag, backend.timestamp(event) - host_time)
+            except Exception as error:
+                self.health.error("device_events", error)
+            backend.release(event)
 
     def _account(self, record: CollectiveRecord) -> None:
         key = (record.group.name, record.op)
@@ -201,3 +253,191 @@ class CudaEventTiming(TimingBackend):
         except RuntimeError:  # timing not enabled for this group: fall back to host-observed completion
             return time.perf_counter() - record.issued_at
         return milliseconds / 1000.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device events (kernel issue latency)
+
+EventSink = Callable[[int, float], None]  # (tag, seconds from host launch to the device reaching the event)
+
+# A GPU reports only the time between two of its events, as a 32-bit float in milliseconds; events are
+# placed on the host clock through an anchor event, renewed this often so that the float stays sub-µs.
+ANCHOR_SECONDS = 5.0
+
+
+class EventPool:
+    """At most `size` reusable device events; empty -> None and a counted drop, never a wait.
+
+    The training thread acquires, the manager releases; deque appends and pops are atomic, so no lock.
+    """
+
+    def __init__(self, create: Callable[[], Any], size: int, health: ExporterHealth) -> None:
+        self.create = create
+        self.size = size
+        self.health = health
+        self.free: deque[Any] = deque()
+        self.created = 0
+
+    def acquire(self) -> Any | None:
+        try:
+            return self.free.pop()
+        except IndexError:
+            pass
+        if self.created >= self.size:
+            self.health.drop("ild_events")
+            return None
+        self.created += 1
+        return self.create()
+
+    def release(self, event: Any) -> None:
+        self.free.append(event)
+
+
+class EventBackend:
+    """Device events behind one interface, for the timing manager.
+
+    record() runs on the training thread and never waits; query(), timestamp() and elapsed() run on the
+    manager thread. timestamp() is the host `perf_counter` time at which the device reached the event.
+    """
+
+    name = "events"
+
+    def __init__(self, health: ExporterHealth, pool_size: int) -> None:
+        self.pool = EventPool(self._new_event, pool_size, health)
+
+    def record(self, stream: Any = None) -> Any | None:
+        """An event recorded on `stream` (None: the current stream), or None if the pool is empty."""
+        event = self.pool.acquire()
+        if event is not None:
+            try:
+                self._record(event, stream)
+            except BaseException:
+                self.pool.release(event)
+                raise
+        return event
+
+    def release(self, event: Any) -> None:
+        self.pool.release(event)
+
+    def query(self, event: Any) -> bool:
+        raise NotImplementedError
+
+    def timestamp(self, event: Any) -> float:
+        raise NotImplementedError
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds from `start` to `end` on the device (both completed)."""
+        return self.timestamp(end) - self.timestamp(start)
+
+    def _new_event(self) -> Any:
+        raise NotImplementedError
+
+    def _record(self, event: Any, stream: Any) -> None:
+        raise NotImplementedError
+
+
+class AnchoredEvents(EventBackend):
+    """GPU events, which only measure time between each other: an anchor event places them on the host clock.
+
+    The manager records the anchor on a private, idle stream and waits for it (on its own thread); the device
+    reaches it a launch latency after the host time read just before, so every timestamp carries that small
+    constant bias. The anchor is renewed every ANCHOR_SECONDS.
+    """
+
+    def __init__(self, health: ExporterHealth, pool_size: int) -> None:
+        super().__init__(health, pool_size)
+        self._anchor: tuple[float, Any] | None = None  # (host time, anchor event); manager thread only
+        self._anchored_at = 0.0
+
+    def timestamp(self, event: Any) -> float:
+        now = time.perf_counter()
+        if self._anchor is None or now - self._anchored_at > ANCHOR_SECONDS:
+            anchor = self._new_event()
+            stream = self._private_stream()
+            host_time = time.perf_counter()
+            self._record(anchor, stream)
+            self._synchronize(anchor)
+            self._anchor = (host_time, anchor)
+            self._anchored_at = now
+        host_time, anchor = self._anchor
+        return host_time + self._elapsed_ms(anchor, event) / 1000.0
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        return self._elapsed_ms(start, end) / 1000.0
+
+    def _private_stream(self) -> Any:
+        raise NotImplementedError
+
+    def _synchronize(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        raise NotImplementedError
+
+
+class TorchCudaEvents(AnchoredEvents):
+    """CUDA events through torch (`torch.cuda.Event`); `cuda` replaces torch.cuda in tests."""
+
+    name = "torch_cuda"
+
+    def __init__(self, health: ExporterHealth, pool_size: int, cuda: Any = None) -> None:
+        if cuda is None:
+            import torch.cuda as cuda  # only where CUDA events are used
+        self.cuda = cuda
+        self._stream: Any = None
+        super().__init__(health, pool_size)
+
+    def _new_event(self) -> Any:
+        return self.cuda.Event(enable_timing=True)
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream if stream is not None else self.cuda.current_stream())
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def _private_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.cuda.Stream()
+        return self._stream
+
+    def _synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+
+class CupyEvents(AnchoredEvents):
+    """CUDA events through cupy (`cupy.cuda.Event`, the `cupy` extra), imported when first used."""
+
+    name = "cupy"
+
+    def __init__(self, health: ExporterHealth, pool_size: int, cupy: Any = None) -> None:
+        if cupy is None:
+            import cupy as cupy_module  # type: ignore[import-not-found,unused-ignore]  # the `cupy` extra
+
+            cupy = cupy_module
+        self.cupy = cupy
+        self._stream: Any = None
+        super().__init__(health, pool_size)
+
+    def _new_event(self) -> Any:
+        return self.cupy.cuda.Event()
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream if stream is not None else self.cupy.cuda.get_current_stream())
+
+    def query(self, event: Any) -> bool:
+        return bool(event.done)
+
+    def _private_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.cupy.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def _synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(self.cupy.cuda.get_elapsed_time(start, end))

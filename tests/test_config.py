@@ -173,3 +173,44 @@ def test_with_overrides_checks_values():
     assert Config().with_overrides({"port": 0}, "test").port == 0
     with pytest.raises(ConfigError, match="'run' in test"):
         Config().with_overrides({"run": "two\nlines"}, "test")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "run: 2001-13-01\n",  # a date YAML recognises and cannot construct
+        "run: !!timestamp nonsense\n",
+        "port: !!float nonsense\n",
+        "port: !!python/object:os.system ls\n",  # safe_load refuses arbitrary objects
+        "[" * 3000 + "\n",  # nesting beyond the parser's recursion
+    ],
+)
+def test_yaml_that_cannot_be_constructed_is_a_config_error(write_yaml, text):
+    path = write_yaml(text)
+    with pytest.raises(ConfigError, match="not valid YAML") as raised:
+        config.load(flags={"config": path}, environ={})
+    assert path in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "text"),
+    [
+        ("FLARE_TIMING_INTERVAL_SECONDS", "nan"),
+        ("FLARE_STALL_SECONDS", "inf"),
+        ("FLARE_HANG_SECONDS", "-1"),
+        ("FLARE_PORT", "1" * 5000),  # beyond Python's int-from-text digit limit
+        ("FLARE_PORT", "0x2000"),
+        ("FLARE_QUEUE_SIZE", "1e6"),
+        ("FLARE_RUN", "two\nlines"),
+        ("FLARE_RUN", "x" * 129),
+    ],
+)
+def test_garbage_environment_values_are_config_errors(variable, text):
+    with pytest.raises(ConfigError, match=variable):
+        config.load(flags={}, environ={variable: text})
+
+
+def test_web_config_file_key():
+    assert config.load(flags={}, environ={}).web_config_file == ""
+    loaded = config.load(flags={"web_config_file": "/etc/flare/web.yml"}, environ={})
+    assert loaded.web_config_file == "/etc/flare/web.yml"

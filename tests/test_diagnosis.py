@@ -8,6 +8,7 @@ import pytest
 
 from flare_exporter.diagnosis import (
     KINDS,
+    GpuState,
     GroupState,
     InFlight,
     RankRecord,
@@ -16,6 +17,7 @@ from flare_exporter.diagnosis import (
     Verdict,
     diagnose,
     follow_chain,
+    hardware_reasons,
     straggler_scores,
 )
 
@@ -422,3 +424,182 @@ def test_every_verdict_uses_a_known_kind_and_domain():
     for verdict in _many_faults():
         assert verdict.kind in KINDS
         assert verdict.domain in ("rank", "host", "group", "job")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stragglers from the exported windows, the job-wide case, and hardware reasons
+
+
+def windowed(r: int, waits: list[float], steps: list[float] | None = None, best: float = 1.0, **fields):
+    """A rank that exported windows 10, 11, ... with these mean waits (and step times) per step."""
+    steps = steps or [1.0] * len(waits)
+    windows = {10 + i: (step, wait) for i, (step, wait) in enumerate(zip(steps, waits, strict=True))}
+    return RankRecord(
+        r, step_count=100, step_seconds=100.0, collective_seconds=40.0, step_windows=windows,
+        best_step_seconds=best, **fields,
+    )  # fmt: skip
+
+
+def test_windowed_straggler_named_when_it_holds_over_the_windows():
+    records = [windowed(r, [0.40, 0.41, 0.39]) for r in (0, 1, 3)] + [windowed(2, [0.30, 0.31, 0.29])]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("straggler", (2,), "rank")
+    assert verdict.evidence["windows"] == [10, 11, 12]
+    assert verdict.evidence["ranks"]["2"]["gap"] == pytest.approx(0.10, abs=0.01)
+    assert "hardware" not in verdict.evidence
+
+
+def test_windowed_straggler_not_named_when_one_window_does_not_hold():
+    records = [windowed(r, [0.40, 0.41, 0.39]) for r in (0, 1, 3)] + [windowed(2, [0.30, 0.405, 0.29])]
+    assert diag(*records) == []
+
+
+def test_windowed_straggler_needs_the_hold_windows_on_every_rank():
+    records = [windowed(r, [0.40, 0.41, 0.39]) for r in (0, 1, 3)] + [windowed(2, [0.30, 0.31])]
+    assert diag(*records) == []  # rank 2 closed only two of them: nothing is decided yet
+
+
+def test_windows_are_aligned_by_number_not_position():
+    records = [windowed(r, [0.40, 0.41, 0.39, 0.40]) for r in (0, 1, 3)]
+    late = windowed(2, [0.30, 0.31, 0.29])  # windows 10..12 while the others have 10..13
+    verdict = only(diag(*records, late))
+    assert verdict.ranks == (2,) and verdict.evidence["windows"] == [10, 11, 12]
+
+
+def test_small_gap_is_no_windowed_straggler():
+    records = [windowed(r, [0.40, 0.40, 0.40]) for r in (0, 1, 3)] + [windowed(2, [0.39, 0.39, 0.39])]
+    assert diag(*records) == []  # 1% of the step below the others: below min_wait_gap
+
+
+def test_job_wide_slowdown_is_a_job_verdict_without_culprit():
+    records = [windowed(r, [0.40, 0.41, 0.40], steps=[1.7, 1.8, 1.7]) for r in range(4)]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("straggler", (), "job")
+    assert verdict.evidence["slowdown_ratio"]["0"] == [1.7, 1.8, 1.7]
+    assert "job-wide" in verdict.summary
+
+
+def test_job_wide_needs_every_window_slow():
+    records = [windowed(r, [0.40, 0.41, 0.40], steps=[1.7, 1.2, 1.7]) for r in range(4)]
+    assert diag(*records) == []
+
+
+def test_one_straggler_slowing_the_job_is_not_job_wide():
+    records = [windowed(r, [0.40, 0.41, 0.39], steps=[1.7] * 3) for r in (0, 1, 3)]
+    records.append(windowed(2, [0.30, 0.31, 0.29], steps=[1.7] * 3))
+    verdict = only(diag(*records))
+    assert (verdict.ranks, verdict.domain) == ((2,), "rank")
+    assert verdict.evidence["ranks"]["2"]["slowdown_ratio"] == [1.7, 1.7, 1.7]
+
+
+def test_straggler_that_does_not_hold_yet_blocks_the_job_verdict():
+    records = [windowed(r, [0.40, 0.41, 0.39], steps=[1.7] * 3) for r in (0, 1, 3)]
+    records.append(windowed(2, [0.40, 0.20, 0.20], steps=[1.7] * 3))  # stands out, but not in window 10
+    assert diag(*records) == []
+
+
+def test_straggler_verdict_carries_its_gpus_hardware_reasons():
+    hot = GpuState(
+        up=True,
+        clock_events=("gpu_idle", "hw_thermal_slowdown"),
+        sm_clock_hertz=1100e6,
+        sm_clock_max_hertz=1980e6,
+        pcie_link_generation=4,
+        pcie_link_generation_max=5,
+        pcie_link_width=16,
+        pcie_link_width_max=16,
+    )
+    healthy = GpuState(up=True, clock_events=("gpu_idle",), sm_clock_hertz=1980e6, sm_clock_max_hertz=1980e6)
+    records = [windowed(r, [0.40, 0.41, 0.39], gpu=healthy) for r in (0, 1, 3)]
+    records.append(windowed(2, [0.30, 0.31, 0.29], gpu=hot))
+    verdict = only(diag(*records))
+    assert verdict.ranks == (2,)
+    assert verdict.evidence["hardware"] == {
+        "2": ["hw_thermal_slowdown", "SM clock 1100 MHz of 1980 MHz max", "PCIe link Gen4 x16 (max Gen5 x16)"]
+    }
+    assert "rank 2's GPU shows hw_thermal_slowdown" in verdict.summary
+
+
+def test_cumulative_straggler_also_carries_hardware_reasons():
+    records = [worker(r, wait) for r, wait in enumerate([0.40, 0.42, 0.41, 0.05])]
+    records[3] = RankRecord(3, step_count=20, step_seconds=20.0, collective_seconds=1.0, gpu=GpuState(
+        up=True, clock_events=("sw_power_cap",)))  # fmt: skip
+    verdict = only(diag(*records))
+    assert verdict.ranks == (3,) and verdict.evidence["hardware"] == {"3": ["sw_power_cap"]}
+
+
+@pytest.mark.parametrize(
+    ("gpu", "reasons"),
+    [
+        (None, []),
+        (GpuState(up=False, clock_events=("hw_slowdown",)), []),  # not read: no claim
+        (GpuState(up=True, clock_events=("gpu_idle", "applications_clocks_setting", "sync_boost")), []),
+        (GpuState(up=True, sm_clock_hertz=1900e6, sm_clock_max_hertz=1980e6), []),  # within 10 %
+        (
+            GpuState(
+                up=True,
+                pcie_link_generation=5,
+                pcie_link_generation_max=5,
+                pcie_link_width=8,
+                pcie_link_width_max=16,
+            ),
+            ["PCIe link Gen5 x8 (max Gen5 x16)"],
+        ),  # fmt: skip
+        (GpuState(up=True, xid_events=2, last_xid=79), ["2 XID events (last XID 79)"]),
+        (GpuState(up=True, row_remap_failed=1), ["row remapping failed"]),
+    ],
+)
+def test_hardware_reasons(gpu, reasons):
+    assert hardware_reasons(gpu) == reasons
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue latency (ILD)
+
+
+def drifted(r: int, ks: float, wasserstein: float = 1e-3, distribution: str = "host_dispatch", **fields):
+    """A live rank whose `distribution` drifted from its baseline by (ks, wasserstein)."""
+    return RankRecord(r, ild_ks={distribution: ks}, ild_wasserstein={distribution: wasserstein}, **fields)
+
+
+def test_ild_shift_on_one_rank_names_it():
+    verdict = only(
+        diag(drifted(0, 0.02, 1e-6), drifted(1, 0.6), drifted(2, 0.03, 1e-6), drifted(3, 0.01, 1e-6))
+    )
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("ild_regression", (1,), "rank")
+    assert verdict.evidence["shifted"]["1"]["host_dispatch"]["ks"] == 0.6
+
+
+def test_ild_partial_shift_that_moves_far_names_the_rank():
+    records = [drifted(r, 0.05, 2e-5) for r in (0, 2, 3)] + [drifted(1, 0.18, 2e-3)]
+    assert only(diag(*records)).ranks == (1,)
+    near = [drifted(r, 0.05, 2e-5) for r in (0, 2, 3)] + [drifted(1, 0.18, 3e-5)]
+    assert diag(*near) == []  # a partial shift that does not move far is noise
+
+
+def test_ild_shift_on_every_rank_is_job_wide():
+    verdict = only(diag(*[drifted(r, 0.5, distribution="kernel_issue") for r in range(4)]))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("ild_regression", (), "job")
+    assert verdict.evidence["ranks_with_data"] == 4
+
+
+def test_ild_shift_on_two_ranks_of_one_host_is_a_host_fault():
+    records = [drifted(r, 0.01, 1e-6, host=f"node-{r // 2}") for r in range(6)]
+    records[2] = drifted(2, 0.7, host="node-1")
+    records[3] = drifted(3, 0.7, host="node-1")
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.domain, verdict.evidence["kind"]) == (
+        "host_fault",
+        "host",
+        "ild_regression",
+    )
+
+
+def test_no_ild_verdict_without_drift_or_while_hung():
+    assert diag(*[drifted(r, 0.05, 1e-6) for r in range(4)]) == []
+    hung = [
+        rank(r, waiting(5), ild_ks={"host_dispatch": 0.9}, ild_wasserstein={"host_dispatch": 1.0})
+        for r in range(3)
+    ]
+    hung.append(rank(3, done(4)))
+    assert [v.kind for v in diag(*hung)] == ["hang"]

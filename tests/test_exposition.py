@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import socket
+import threading
 import urllib.request
 from wsgiref.util import setup_testing_defaults
 
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flare_exporter.collectors import Families
 from flare_exporter.exposition import FlareCollector, make_app, serve
 from flare_exporter.health import ExporterHealth
+from flare_exporter.prometheus_process import wait_for
 
 
 class StepsCollector:
@@ -164,5 +166,53 @@ def test_serve_on_ipv6_loopback():
     try:
         with urllib.request.urlopen(f"http://[::1]:{server.port}/metrics", timeout=10) as response:
             assert b"flare_steps_total" in response.read()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+def test_app_answers_get_only(method):
+    app = make_app(make_registry(StepsCollector()))
+    environ: dict = {"PATH_INFO": "/metrics", "REQUEST_METHOD": method}
+    setup_testing_defaults(environ)
+    environ["wsgi.input"] = io.BytesIO()
+    response: dict = {}
+    body = b"".join(
+        app(environ, lambda status, headers, exc_info=None: response.update(status=status, h=headers))
+    )
+    assert response["status"].startswith("405") and ("Allow", "GET") in response["h"]
+    assert b"flare_steps_total" not in body
+
+
+def test_serve_beyond_the_last_port_warns_and_returns_none(caplog):
+    with caplog.at_level(logging.WARNING, logger="flare_exporter"):
+        assert serve(make_registry(), "127.0.0.1", 65535 + 7, rank=7) is None  # base port + local rank
+    messages = [r.getMessage() for r in caplog.records if r.name == "flare_exporter"]
+    assert len(messages) == 1 and "is not a valid port" in messages[0] and "rank 7" in messages[0]
+
+
+def test_connections_beyond_the_limit_are_dropped_and_counted():
+    health = ExporterHealth()
+    server = serve(make_registry(StepsCollector()), "127.0.0.1", 0, rank=0, health=health)
+    assert server is not None
+    server._server.slots = threading.BoundedSemaphore(1)  # type: ignore[attr-defined]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:  # holds the slot
+            with pytest.raises(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read()
+            assert health.dropped["http_connections"] >= 1
+            silent.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # its request ends, and frees the slot
+            assert silent.recv(100).startswith(b"HTTP/1.0 200")
+
+        def answered() -> bool:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{server.port}/metrics", timeout=10
+                ) as response:
+                    return b"flare_steps_total" in response.read()
+            except OSError:
+                return False
+
+        assert wait_for(answered, 30, "the endpoint to answer again")
     finally:
         server.close()

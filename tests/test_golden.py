@@ -16,11 +16,13 @@ from prometheus_client import generate_latest
 from flare_exporter import progress, spec
 from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
+from flare_exporter.gpu_health import GpuHealthMonitor
 from flare_exporter.groups import GroupTracker
 from flare_exporter.identity import RankIdentity
 from flare_exporter.scrape import parse
 from flare_exporter.stall import StackSample
 from flare_exporter.state import FlareState
+from flare_exporter.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.timing import CollectiveRecord, FutureTiming
 
 GOLDEN = Path(__file__).parent / "golden" / "rank3.prom"
@@ -65,6 +67,22 @@ def fixed_state() -> FlareState:
     state.steps.last_step_at = 1_700_000_001.0
     state.health.error("step_hook")
     state.health.drop("completed_collectives", 2)
+    # issue latency: a few samples in each distribution, and a drift from the baseline
+    assert state.ild is not None
+    ild = state.ild
+    for latency, samples in ((ild.kernel_issue, (2e-6, 4e-4)), (ild.host_dispatch, (5e-6, 1.2e-5))):
+        latency.active = True
+        latency.add_many(0, samples)
+        latency.drift.current = (0.25, 1.5e-6)
+    # straggler windows: two closed windows of 5 steps; the rank's GPU through the fake NVML, one XID seen
+    for step in range(2, 12):
+        state.windows.ring.add_step(step, 0.125, 0.03125 if step < 7 else 0.0625)
+    nvml = FakeNvml([make_device(1)])
+    state.gpu = GpuHealthMonitor(nvml, 0, state.health)
+    state.gpu.open()
+    state.gpu.poll()
+    nvml.raise_xid(nvml.devices[0], 79)
+    state.gpu.wait_for_events(5.0)
     return state
 
 

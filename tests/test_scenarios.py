@@ -12,14 +12,14 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from flare_exporter import cli, scrape
+from flare_exporter import alertmanager_process, cli, scrape
+from flare_exporter.alertmanager_process import AlertingStack, WebhookReceiver
 from flare_exporter.local_job import ObservedJob
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.workloads import train_ddp
@@ -33,17 +33,24 @@ FAULT_STEP = 15
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """One Prometheus for every scenario, watching one file_sd directory; each scenario is its own run."""
+    """One Prometheus for every scenario, watching one file_sd directory; each scenario is its own run.
+
+    Prometheus evaluates `flare rules` for this test's thresholds (hang after 3 s, every for: 5s) and sends
+    alerts to a real Alertmanager running alerts/alertmanager.yml, which delivers pages to `pages`.
+    """
     work = tmp_path_factory.mktemp("scenarios")
     targets = work / "targets"
     targets.mkdir()
-    prometheus = None
-    if shutil.which("prometheus"):
-        prometheus = PrometheusProcess(str(work / "prometheus"), str(targets))
-        prometheus.wait_ready()
-    yield work, targets, prometheus
-    if prometheus is not None:
-        prometheus.stop()
+    prometheus = pages = None
+    stack = None
+    if alertmanager_process.can_alert():
+        # for: 5s, as production's 1m: one scrape timing out on this busy machine is not a dead rank
+        stack = AlertingStack(str(work / "alerting"), str(targets), HANG_SECONDS, for_="5s")
+        stack.wait_ready()
+        prometheus, pages = stack.prometheus, stack.pages
+    yield work, targets, prometheus, pages
+    if stack is not None:
+        stack.stop()
 
 
 def run_cli(*args: str) -> tuple[int, dict]:
@@ -104,6 +111,33 @@ def await_verdict(
         pytest.fail(f"never named {expected}; last report: {json.dumps(reports[-1:], indent=1)[:3000]}")
 
 
+# Alerts that name culprit ranks; the others (the group-level hang, warnings) are not counted.
+CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
+
+
+def await_page(
+    pages: WebhookReceiver | None, run: str, alertname: str, ranks: list[int], **labels: str
+) -> None:
+    """Alertmanager delivered `alertname` for `ranks` of `run`, and no page of the run names another rank."""
+    if pages is None:
+        return
+    expected = {str(rank) for rank in ranks}
+
+    def delivered() -> bool:
+        named = {
+            alert["labels"].get("rank") for _, alert in pages.alerts(run=run, alertname=alertname, **labels)
+        }
+        return expected <= named
+
+    wait_for(delivered, 60, f"a {alertname} page naming rank {ranks} of run {run}")
+    named = {
+        alert["labels"]["rank"]
+        for _, alert in pages.alerts(run=run)
+        if alert["labels"]["alertname"] in CULPRIT_ALERTS
+    }
+    assert named == expected, [alert["labels"] for _, alert in pages.alerts(run=run)]
+
+
 def sources(targets: Path, prometheus: PrometheusProcess | None) -> list[list[str]]:
     found = [["--targets", str(targets), "--timeout", "2"]]
     if prometheus is not None:
@@ -122,7 +156,7 @@ def incidents(work: Path, run: str) -> dict[int, dict]:
 
 
 def test_rank_stuck_in_python_before_a_collective(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     with start_job(work, targets, "stuck", "--fault", "stuck", "--fault-rank", "0"):
         for source in sources(targets, prometheus):
             verdict = await_verdict(source, "stuck", ("hang", [0]))
@@ -132,6 +166,7 @@ def test_rank_stuck_in_python_before_a_collective(shared):
             assert "stuck_in_compute" in verdict["summary"]
             issued = verdict["evidence"]["last_issued_seq"]
             assert issued["0"] + 1 == issued["1"] == issued["2"] == issued["3"]
+        await_page(pages, "stuck", "FlareCollectiveHangCulprit", [0], group="world", host="node-0")
         wait_for(
             lambda: [i["steps"] for i in incidents(work, "stuck").values()] == [FAULT_STEP] * RANKS,
             30,
@@ -145,13 +180,14 @@ def test_rank_stuck_in_python_before_a_collective(shared):
 
 
 def test_rank_killed_mid_run(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     with start_job(work, targets, "killed") as job:
         await_steps(job, 20, prometheus)
         os.kill(job.processes[2].pid, signal.SIGKILL)
         for source in sources(targets, prometheus):
             verdict = await_verdict(source, "killed", ("rank_down", [2]))
             assert verdict["evidence"]["ranks"]["2"]["host"] == "node-1", (source, verdict)
+        await_page(pages, "killed", "FlareRankDown", [2], host="node-1")
 
         wait_for(lambda: set(incidents(work, "killed")) == {0, 1, 3}, 60, "the survivors' incident files")
     written = incidents(work, "killed")
@@ -163,7 +199,7 @@ def test_rank_killed_mid_run(shared):
 
 
 def test_rank_frozen_inside_a_collective(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     with start_job(work, targets, "frozen") as job:
         await_steps(job, 20, prometheus)
         os.kill(job.processes[1].pid, signal.SIGSTOP)
@@ -174,12 +210,13 @@ def test_rank_frozen_inside_a_collective(shared):
                 )
                 assert verdict["evidence"]["hung_groups"] == ["world"]
                 assert "timed out" in verdict["summary"] or "down" in verdict["summary"]
+            await_page(pages, "frozen", "FlareRankDown", [1], host="node-0")
         finally:
             os.kill(job.processes[1].pid, signal.SIGCONT)
 
 
 def test_rank_issuing_a_different_collective(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     with start_job(work, targets, "mismatch", "--fault", "mismatch", "--fault-rank", "3"):
         for source in sources(targets, prometheus):
             verdict = await_verdict(source, "mismatch", ("mismatch", [3]))
@@ -187,10 +224,11 @@ def test_rank_issuing_a_different_collective(shared):
             assert in_flight["3"]["op"] == "broadcast"
             assert {in_flight[rank]["op"] for rank in "012"} == {"allreduce"}
             assert len({in_flight[rank]["seq"] for rank in "0123"}) == 1
+        await_page(pages, "mismatch", "FlareCollectiveMismatch", [3], mismatch="op_or_size", host="node-1")
 
 
 def test_two_ranks_of_one_host_failing_together(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     with start_job(work, targets, "host") as job:
         await_steps(job, 20, prometheus)
         for rank in (2, 3):  # both ranks of node-1
@@ -199,10 +237,19 @@ def test_two_ranks_of_one_host_failing_together(shared):
             verdict = await_verdict(source, "host", ("host_fault", [2, 3]))
             assert verdict["domain"] == "host" and verdict["evidence"]["host"] == "node-1"
             assert verdict["evidence"]["ranks_on_host"] == [2, 3]
+        if pages is not None:
+            wait_for(
+                lambda: pages.alerts(run="host", alertname="FlareHostDown", host="node-1"),
+                60,
+                "the host page",
+            )
+            # the host's page inhibits its ranks' pages; none names a rank of another host
+            ranks = {alert["labels"].get("rank") for _, alert in pages.alerts(run="host")} - {None}
+            assert ranks <= {"2", "3"}, ranks
 
 
 def test_healthy_run_has_no_verdict_from_start_to_end(shared):
-    work, targets, prometheus = shared
+    work, targets, prometheus, pages = shared
     steps = 150
     job = start_job(work, targets, "healthy", "--steps", str(steps))  # the later --steps wins
     with job:
@@ -220,6 +267,8 @@ def test_healthy_run_has_no_verdict_from_start_to_end(shared):
             )
 
         wait_for(finished, 180, "the healthy run to finish")
+        if pages is not None:  # no page while it trained
+            assert pages.alerts(run="healthy") == []
         job.release()
         assert job.wait(timeout=60) == [0] * RANKS
     assert len(reports) >= 4

@@ -8,21 +8,39 @@
   stuck     R loops in Python before its next collective, forever (a livelock in its own code);
   mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
   raise     R raises an exception out of the training loop and dies.
---step-seconds T paces each step to at least T seconds (a steadier job to watch than a flat-out one).
+  host-stall   R sleeps --stall-seconds in the middle of every step from step S (a GC storm, a slow
+               data loader): with --fake-kernels, between the two halves of the step's launches;
+  contention   R starts --contention-threads busy Python threads at step S (CPU and interpreter contention,
+               as a runaway logging or data thread causes): every op of R is slower to dispatch;
+  host-delay   every op R runs from step S is delayed by --host-delay-seconds (busy-waited on the host).
+--step-seconds T paces each step to at least T seconds (a steadier job to watch than a flat-out one): after
+  the backward pass (whose all-reduce every rank leaves together) each rank sleeps until T seconds after
+  it, so the ranks start each step together as in a real job (pacing from each rank's own start would keep
+  whatever phase offset the ranks started with, and a rank that starts late would wait least in every
+  collective, like a straggler).
+--slow-rank R --slowdown F --slow-from-step S: from step S, rank R (-1: every rank) computes F times longer
+  (busy extra compute of F x its own forward+backward time, measured before training), a fail-slow GPU;
+  with --slow-by sleep the extra time is slept instead (a slow input pipeline; no CPU used, so that every
+  rank of a job on a small machine can be slowed alike).
+--fake-kernels K --fake-kernel-seconds D: each step also launches K kernels of D seconds on a fake device
+  (flare_exporter.fake_device, a CPU thread standing in for a GPU) before its host work, and waits for
+  them at the end of the step, as a GPU job waits on its loss.
 Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
 """
 
 import argparse
 import json
 import os
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WIDTH = 256
-FAULTS = ("none", "stuck", "mismatch", "raise")
+FAULTS = ("none", "stuck", "mismatch", "raise", "host-stall", "contention", "host-delay")
 
 
 def make_model() -> nn.Module:
@@ -40,12 +58,61 @@ def stuck_in_compute() -> None:
         time.sleep(0.01)
 
 
+def compute_seconds(batch: int, repeats: int = 20) -> float:
+    """Median time of one forward+backward of the model on this rank alone (no collectives)."""
+    model = make_model()
+    inputs, targets = torch.randn(batch, WIDTH), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def busy_compute(seconds: float) -> None:
+    """Compute (small matrix products) for `seconds`: a slower GPU or a CPU burner next to the rank."""
+    matrix = torch.randn(64, 64)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        matrix = torch.tanh(matrix @ matrix)
+
+
 def sync_metric(value: torch.Tensor, rank: int, odd_rank: int) -> None:
     """Average a metric over the ranks; the odd rank calls the wrong collective (a classic bug)."""
     if rank == odd_rank:
         dist.broadcast(value, src=0)
     else:
         dist.all_reduce(value)
+
+
+def busy_thread() -> None:
+    """Burns CPU in Python, holding the interpreter whenever it runs."""
+    total = 0
+    while True:
+        total = (total + 1) % 1_000_003
+
+
+class HostDelay(TorchDispatchMode):
+    """Busy-waits `seconds` on the host before every op, as a slowed issue path would."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        until = time.perf_counter() + self.seconds
+        while time.perf_counter() < until:
+            pass
+        return func(*args, **(kwargs or {}))
+
+
+def launch_kernels(device, count: int, seconds: float, stall: float) -> None:  # type: ignore[no-untyped-def]
+    """Launch `count` fake kernels; a stall (if any) between the two halves lets the device queue drain."""
+    for index in range(count):
+        if stall and index == count // 2:
+            time.sleep(stall)
+        device.launch(seconds)
 
 
 def main() -> None:
@@ -58,6 +125,15 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--slow-rank", type=int, default=-2)  # -1: every rank; default: none
+    parser.add_argument("--slowdown", type=float, default=0.0)
+    parser.add_argument("--slow-from-step", type=int, default=0)
+    parser.add_argument("--slow-by", choices=("compute", "sleep"), default="compute")
+    parser.add_argument("--stall-seconds", type=float, default=0.02)
+    parser.add_argument("--contention-threads", type=int, default=2)
+    parser.add_argument("--host-delay-seconds", type=float, default=20e-6)
+    parser.add_argument("--fake-kernels", type=int, default=0)
+    parser.add_argument("--fake-kernel-seconds", type=float, default=0.001)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -66,8 +142,31 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     step_times = []
+    device = None
+    if args.fake_kernels:
+        from flare_exporter.fake_device import FakeDevice
+
+        device = FakeDevice()
+    faulty = rank == args.fault_rank
+    slowed = args.slowdown > 0 and args.slow_rank in (-1, rank)
+    extra_compute = args.slowdown * compute_seconds(args.batch) if slowed else 0.0
     for step in range(args.steps):
         started = time.perf_counter()
+        if extra_compute and step >= args.slow_from_step:
+            (time.sleep if args.slow_by == "sleep" else busy_compute)(extra_compute)
+        if step == args.fault_step and faulty:
+            if args.fault == "contention":
+                for _ in range(args.contention_threads):
+                    threading.Thread(target=busy_thread, daemon=True).start()
+            if args.fault == "host-delay":
+                HostDelay(args.host_delay_seconds).__enter__()  # stays on for the rest of the run
+        stall = (
+            args.stall_seconds if args.fault == "host-stall" and faulty and step >= args.fault_step else 0.0
+        )
+        if device is not None:
+            launch_kernels(device, args.fake_kernels, args.fake_kernel_seconds, stall)
+        elif stall:
+            time.sleep(stall)
         if step == args.fault_step:
             if args.fault == "stuck" and rank == args.fault_rank:
                 stuck_in_compute()
@@ -80,9 +179,12 @@ def main() -> None:
         loss = nn.functional.cross_entropy(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
+        synced = time.perf_counter()  # DDP's all-reduce is done: every rank is here at about this time
         optimizer.step()
+        if device is not None:
+            device.synchronize()
         if args.step_seconds:
-            time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - started)))
+            time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - synced)))
         step_times.append(time.perf_counter() - started)
     if args.report:
         with open(args.report, "w") as out:

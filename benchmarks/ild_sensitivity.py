@@ -1,0 +1,168 @@
+"""ILD sensitivity: the smallest per-op host delay detected within 10 steps, and false positives when healthy.
+
+    .venv/bin/python benchmarks/ild_sensitivity.py [--every 5] [--window 2] [--healthy-steps 1000]
+
+One process trains the small model of flare_exporter/workloads/train_ddp.py on CPU (no process group) with
+the exporter's ILD state attached to the optimizer step hook: host-dispatch sampling windows on one step in
+`--every`, a baseline over `--baseline` steps, a current window of the last `--window` sampled steps. After
+every step the timing manager drains (a real rank drains every few seconds and on each scrape; draining per
+step measures detection in steps) and the engine's per-rank rule (diagnosis.ild_shifted, with the healthy
+peers' median W1 taken from the healthy run) says whether the rank's host-dispatch latency has shifted.
+
+A per-op delay is injected by a dispatch mode under the exporter's (train_ddp's HostDelay: a busy-wait
+before every op), present from the start with 0 s so that healthy and injected steps differ only by the
+delay. The delay is expressed as a share of the healthy step time: delay x ops per step / step time.
+
+Printed: the healthy run's false positives (steps at which the rule fired, out of --healthy-steps), then for
+each delay the share of --trials trials in which it was detected within --within steps, and the smallest
+delay detected in all trials. Speed varies with the machine; the numbers belong in the issue's notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from flare_exporter.config import Config
+    from flare_exporter.identity import RankIdentity
+    from flare_exporter.state import FlareState
+
+    config = Config(
+        ild_dispatch_every_steps=args.every,
+        ild_warmup_steps=5,
+        ild_baseline_steps=args.baseline,
+        ild_window_steps=args.window,
+        ild_min_samples=50,
+        gpu_health=False,
+    )
+    state = FlareState.create(
+        config, RankIdentity(rank=0, local_rank=0, world_size=1, run="bench", host="bench", pid=0)
+    )
+    assert state.ild is not None
+    state.ild.install()
+    state.steps.install()
+    return state
+
+
+class Trainer:
+    def __init__(self) -> None:
+        import torch
+        from torch import nn
+
+        from flare_exporter.workloads import train_ddp
+
+        torch.set_num_threads(1)
+        self.torch, self.nn = torch, nn
+        self.model = train_ddp.make_model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.generator = torch.Generator().manual_seed(0)
+        self.delay = train_ddp.HostDelay(0.0)
+        self.delay.__enter__()  # under the exporter's windows, which are pushed later, at step hooks
+        self.width = train_ddp.WIDTH
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        inputs = self.torch.randn(64, self.width, generator=self.generator)
+        targets = self.torch.randint(0, 10, (64,), generator=self.generator)
+        loss = self.nn.functional.cross_entropy(self.model(inputs), targets)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.delay.__exit__(None, None, None)
+
+
+def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: float | None):  # type: ignore[no-untyped-def]
+    """Train warm-up + baseline steps, then `healthy_steps` with `delay` per op; the drift after each."""
+    from flare_exporter.diagnosis import IldPolicy, ild_shifted
+
+    policy = IldPolicy()
+    state = make_state(args)
+    trainer = Trainer()
+    latency = state.ild.host_dispatch
+    try:
+        lead = 5 + args.baseline
+        for _ in range(lead):
+            trainer.step()
+            state.manager.drain()
+        trainer.delay.seconds = delay
+        drifts, fired, times = [], [], []
+        for _ in range(healthy_steps):
+            times.append(trainer.step())
+            state.manager.drain()
+            current = latency.drift.current
+            drifts.append(current)
+            fired.append(current is not None and ild_shifted(current[0], current[1], median_w1, policy))
+        windows = state.ild.dispatch.windows
+        ops_per_window = sum(latency.histogram.counts) / max(1, windows)
+        return drifts, fired, times, ops_per_window
+    finally:
+        state.steps.remove()
+        state.ild.remove()
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every", type=int, default=5, help="sampling window on one step in N (default 5)")
+    parser.add_argument("--window", type=int, default=2, help="sampled steps in the current window (2)")
+    parser.add_argument("--baseline", type=int, default=100, help="baseline steps after 5 warm-up (100)")
+    parser.add_argument("--healthy-steps", type=int, default=1000, help="healthy steps checked (1000)")
+    parser.add_argument("--within", type=int, default=10, help="steps within which to detect (10)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per delay (default 3)")
+    parser.add_argument(
+        "--shares", default="0.25,0.5,1,2,4,8", help="delays to try, in %% of the step time (comma-separated)"
+    )
+    args = parser.parse_args(argv)
+
+    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, None)
+    healthy_w1 = [d[1] for d in drifts if d is not None]
+    median_w1 = statistics.median(healthy_w1) if healthy_w1 else None
+    # the healthy run again with the peers' median known: false positives of the full rule
+    _, fired, times, ops = run(args, 0.0, args.healthy_steps, median_w1)
+    step_time = statistics.median(times)
+    ks_values = [d[0] for d in drifts if d is not None]
+    print(
+        f"ILD sensitivity (host dispatch latency): window on 1 step in {args.every}, current window "
+        f"{args.window} sampled steps, baseline {args.baseline} steps; {ops:.0f} ops per step, median step "
+        f"{step_time * 1e3:.3f} ms (windows included)"
+    )
+    print(
+        f"healthy: {sum(fired)} false positives in {args.healthy_steps} steps; KS median "
+        f"{statistics.median(ks_values):.3f}, max {max(ks_values):.3f}; W1 median "
+        f"{(median_w1 or 0) * 1e6:.2f} µs"
+    )
+    print(f"{'delay % of step':>16}  {'per op':>9}  detected within {args.within} steps  steps to detect")
+    smallest = None
+    for share in [float(text) for text in args.shares.split(",")]:
+        per_op = share / 100 * step_time / ops
+        detected_at = []
+        for _ in range(args.trials):
+            _, fired_now, _, _ = run(args, per_op, args.within, median_w1)
+            detected_at.append(fired_now.index(True) + 1 if True in fired_now else None)
+        hits = [at for at in detected_at if at is not None]
+        print(
+            f"{share:15.2f}%  {per_op * 1e6:7.3f}µs  {len(hits)}/{args.trials}{'':27}"
+            f"{', '.join(str(at) for at in detected_at)}"
+        )
+        if smallest is None and len(hits) == args.trials:
+            smallest = share
+    print(
+        f"smallest delay detected in every trial within {args.within} steps: "
+        + (f"{smallest:g}% of the step time" if smallest is not None else "none of those tried")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

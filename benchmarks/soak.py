@@ -1,0 +1,175 @@
+"""Soak: a million collectives through the real hooks, the rank's resident memory sampled all along.
+
+    python benchmarks/soak.py [--collectives 1000000] [--collectives-per-step 100] [--scrape-interval 1]
+                              [--json OUT]
+
+One rank (gloo, world size 1) runs under the flare launcher and issues `--collectives` tiny all-reduces
+(one float each) through the wrapped process group, as fast as it can, with an optimizer step after every
+`--collectives-per-step` of them (0: no step at all, like an evaluation loop). This process scrapes the rank's
+/metrics every `--scrape-interval` seconds (as Prometheus would) and reads its resident memory (VmRSS in
+/proc/PID/status) at each scrape, with the collectives issued so far (flare_collective_last_issued_seq).
+
+Printed: collectives issued and completed, errors and dropped events the exporter counted, RSS at 10 %
+of the collectives (start: torch and the exporter are warm) and at the end, and the least-squares slope
+of RSS over the second half of the run, in KiB per million collectives. Memory is flat when that slope is
+near zero. Exit status: 0 when the rank completed every collective, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from flare_exporter import scrape  # noqa: E402
+from flare_exporter.local_job import free_port  # noqa: E402
+
+
+def worker(collectives: int, per_step: int, done_file: str) -> None:
+    """The rank: `collectives` all-reduces of one float, an optimizer step after every `per_step` of them
+    (none if 0), then wait for `done_file`."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(1)
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=0.0)
+    for issued in range(1, collectives + 1):
+        dist.all_reduce(tensor)
+        if per_step and issued % per_step == 0:
+            parameter.grad = tensor
+            optimizer.step()
+    while not os.path.exists(done_file):
+        time.sleep(0.05)
+    dist.destroy_process_group()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collectives", type=int, default=1_000_000)
+    parser.add_argument("--collectives-per-step", type=int, default=100, help="0: no optimizer steps")
+    parser.add_argument("--scrape-interval", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--done-file", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.collectives, args.collectives_per_step, args.done_file)
+        return 0
+
+    work = tempfile.mkdtemp(prefix="flare-soak-")
+    done_file = os.path.join(work, "done")
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": "1",
+            "FLARE_PORT": str(port),
+            "FLARE_ADDR": "127.0.0.1",
+            "FLARE_RUN": "soak",
+        }
+    )
+    command = [sys.executable, "-m", "flare_exporter.launch", __file__, "--worker"]
+    command += ["--collectives", str(args.collectives), "--done-file", done_file]
+    command += ["--collectives-per-step", str(args.collectives_per_step)]
+    log = open(os.path.join(work, "rank0.log"), "wb")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+    target = f"127.0.0.1:{port}"
+    samples: list[tuple[float, float, float]] = []  # (seconds, collectives issued, rss bytes)
+    started = time.monotonic()
+    last: list[scrape.Sample] = []
+    completed = 0.0
+    try:
+        while time.monotonic() - started < args.timeout:
+            if process.poll() is not None:
+                print(f"soak: error: the rank exited with {process.returncode}; see {work}/rank0.log")
+                return 1
+            try:
+                last = scrape.scrape(target, timeout=5)
+            except scrape.ScrapeError:
+                time.sleep(args.scrape_interval)
+                continue
+            issued = scrape.value(last, "flare_collective_last_issued_seq", group="world") or 0.0
+            completed = scrape.value(last, "flare_collective_last_completed_seq", group="world") or 0.0
+            samples.append((time.monotonic() - started, issued, float(rss_bytes(process.pid))))
+            if completed >= args.collectives:
+                break
+            time.sleep(args.scrape_interval)
+        else:
+            print(f"soak: error: timed out after {args.timeout:.0f} s")
+            return 1
+    finally:
+        open(done_file, "w").close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+    errors = sum(s.value for s in last if s.name == "flare_exporter_errors_total")
+    dropped = sum(s.value for s in last if s.name == "flare_exporter_dropped_events_total")
+    start = next(s for s in samples if s[1] >= 0.1 * args.collectives)
+    end = samples[-1]
+    second_half = [(issued, rss) for _, issued, rss in samples if issued >= 0.5 * args.collectives]
+    kib_per_million = slope(second_half) * 1_000_000 / 1024
+    seconds = end[0] - samples[0][0]
+    result = {
+        "collectives_issued": int(end[1]),
+        "collectives_completed": int(completed),
+        "seconds": round(seconds, 1),
+        "collectives_per_second": round(end[1] / seconds) if seconds else None,
+        "scrapes": len(samples),
+        "exporter_errors": errors,
+        "dropped_events": dropped,
+        "rss_start_mib": round(start[2] / 2**20, 2),
+        "rss_end_mib": round(end[2] / 2**20, 2),
+        "rss_max_mib": round(max(s[2] for s in samples) / 2**20, 2),
+        "rss_slope_kib_per_million_collectives_second_half": round(kib_per_million, 1),
+    }
+    print(f"soak: {result['collectives_issued']} collectives issued, {int(completed)} completed")
+    print(f"  in {result['seconds']} s ({result['collectives_per_second']}/s), {result['scrapes']} scrapes")
+    print(f"  exporter errors {errors:.0f}, dropped events {dropped:.0f}")
+    print(
+        f"  RSS at 10 %: {result['rss_start_mib']} MiB, at the end: {result['rss_end_mib']} MiB, "
+        f"max {result['rss_max_mib']} MiB"
+    )
+    print(f"  RSS slope over the second half: {kib_per_million:.1f} KiB per million collectives")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"result": result, "samples": samples}, out, indent=1)
+    return 0 if completed >= args.collectives else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

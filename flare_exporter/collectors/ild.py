@@ -1,0 +1,41 @@
+"""Issue-latency distributions (ILD): the two histograms and their drift from the rank's baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import Metric
+
+from ..state import FlareState
+from . import Families
+
+
+class IldCollector:
+    name = "ild"
+    metrics = (
+        "flare_kernel_issue_latency_seconds",
+        "flare_host_dispatch_latency_seconds",
+        "flare_ild_drift_ks",
+        "flare_ild_drift_wasserstein_seconds",
+    )
+
+    def __init__(self, state: FlareState) -> None:
+        self.state = state
+
+    def collect(self, families: Families) -> Iterable[Metric]:
+        ild = self.state.ild
+        kernel = families.new("flare_kernel_issue_latency_seconds")
+        dispatch = families.new("flare_host_dispatch_latency_seconds")
+        ks = families.new("flare_ild_drift_ks")
+        wasserstein = families.new("flare_ild_drift_wasserstein_seconds")
+        if ild is None:
+            return [kernel, dispatch, ks, wasserstein]
+        self.state.manager.drain()  # resolved device events and closed windows count in this scrape
+        for family, latency in ((kernel, ild.kernel_issue), (dispatch, ild.host_dispatch)):
+            if latency.active:  # a source exists (a launch seen, a window opened): absent otherwise
+                families.add_histogram(family, (), latency.histogram)
+            current = latency.drift.current
+            if current is not None:
+                ks.add_metric(families.labels(latency.distribution), current[0])
+                wasserstein.add_metric(families.labels(latency.distribution), current[1])
+        return [kernel, dispatch, ks, wasserstein]

@@ -1,0 +1,1 @@
+"""Fakes that run flare-exporter's real code paths without the hardware they stand in for."""

@@ -1,0 +1,214 @@
+"""ILD: drift math on buckets, the baseline and window ring, the samplers, and the collector, on CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from flare_exporter import spec
+from flare_exporter.agent import build_registry
+from flare_exporter.config import Config
+from flare_exporter.fake_device import FakeDevice
+from flare_exporter.identity import RankIdentity
+from flare_exporter.ild import Drift, bucket_points, drift
+from flare_exporter.scrape import parse
+from flare_exporter.state import FlareState
+
+BOUNDS = spec.ISSUE_LATENCY_BUCKETS
+
+
+def test_bucket_points_are_log_midpoints():
+    points = bucket_points((1.0, 10.0, 100.0))
+    assert points == pytest.approx([10**-0.5, 10**0.5, 10**1.5, 100.0])
+
+
+def test_identical_distributions_have_no_drift():
+    counts = [0, 5, 10, 5, 0]
+    assert drift(counts, [0, 10, 20, 10, 0], bucket_points((1.0, 2.0, 4.0, 8.0))) == (0.0, 0.0)
+
+
+def test_a_shift_by_one_bucket_moves_ks_to_one_and_w1_to_the_bucket_step():
+    points = bucket_points((1.0, 2.0, 4.0, 8.0))
+    ks, wasserstein = drift([0, 10, 0, 0, 0], [0, 0, 10, 0, 0], points)
+    assert ks == 1.0
+    assert wasserstein == pytest.approx(points[2] - points[1])
+
+
+def test_half_the_mass_moving_gives_ks_one_half():
+    ks, _ = drift([0, 10, 10, 0, 0], [0, 20, 0, 0, 0], bucket_points((1.0, 2.0, 4.0, 8.0)))
+    assert ks == pytest.approx(0.5)
+
+
+def test_drift_needs_samples_on_both_sides():
+    with pytest.raises(ValueError):
+        drift([0, 0], [1, 0], [1.0, 2.0])
+
+
+def test_baseline_then_a_ring_of_the_last_steps():
+    tracker = Drift((1.0, 2.0), warmup_steps=2, baseline_steps=3, window_steps=2, min_samples=2)
+    for step in range(5):
+        tracker.add(step, 0, count=4)
+    assert tracker.baseline == [12, 0, 0]  # steps 2, 3, 4
+    tracker.refresh()
+    assert tracker.current is None  # no window yet
+    tracker.add(5, 1, count=4)
+    tracker.add(6, 1, count=4)
+    tracker.refresh()
+    assert tracker.current is not None and tracker.current[0] == 1.0
+    tracker.add(7, 0, count=4)  # step 5 leaves the window
+    tracker.add(5, 2, count=100)  # a late sample of a step that left: ignored
+    assert sorted(tracker.windows) == [6, 7]
+    tracker.refresh()
+    assert tracker.current[0] == pytest.approx(0.5)
+
+
+def test_too_few_samples_export_no_drift():
+    tracker = Drift((1.0,), warmup_steps=0, baseline_steps=1, window_steps=4, min_samples=10)
+    tracker.add(0, 0, count=50)
+    tracker.add(1, 1, count=9)
+    tracker.refresh()
+    assert tracker.current is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the samplers, in a rank's state
+
+
+def make_state(**overrides) -> FlareState:
+    settings = dict(
+        ild_launch_sample_every=1,
+        ild_dispatch_every_steps=1,
+        ild_warmup_steps=2,
+        ild_baseline_steps=10,
+        ild_window_steps=3,
+        ild_min_samples=20,
+        gpu_health=False,
+    )
+    settings.update(overrides)
+    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="ild", host="h", pid=1)
+    return FlareState.create(Config(**settings), identity)
+
+
+@pytest.fixture
+def state():
+    state = make_state()
+    state.ild.install()
+    state.steps.install()
+    yield state
+    state.steps.remove()
+    state.ild.remove()
+    state.manager.stop()
+
+
+def fake_step(
+    state: FlareState, device: FakeDevice, optimizer, kernels: int = 16, stall: float = 0.0
+) -> None:
+    """One step of a host that launches ahead of a busy device; a stall mid-way lets the queue drain."""
+    for _ in range(8):  # some host ops for the dispatch windows to time
+        torch.ones(4).add_(1)
+    for index in range(kernels):
+        if stall and index == kernels // 2:
+            time.sleep(stall)
+        device.launch(0.002)
+    optimizer.step()
+    device.synchronize(timeout=30)
+    state.manager.drain()
+
+
+def test_a_host_stall_every_step_collapses_kernel_issue_latency(state):
+    device = FakeDevice()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    try:
+        for _ in range(12):  # warm-up and baseline
+            fake_step(state, device, optimizer)
+        for _ in range(3):
+            fake_step(state, device, optimizer)
+        healthy = state.ild.kernel_issue.drift.current
+        for _ in range(3):  # the whole window now stalls half-way through its launches
+            fake_step(state, device, optimizer, stall=0.03)
+        stalled = state.ild.kernel_issue.drift.current
+    finally:
+        device.close()
+    assert healthy is not None and stalled is not None
+    assert healthy[0] < 0.3
+    assert stalled[0] >= 0.4  # half the kernels now find an empty queue
+    assert stalled[1] > 5e-3  # and start ~8 queued kernels (2 ms each) sooner
+    assert state.health.errors == {}
+
+
+def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op():
+    state = make_state(ild_dispatch_every_steps=3)
+    state.ild.install()
+    state.steps.install()
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    try:
+        for _ in range(9):
+            (weight * 2).sum().backward()
+            optimizer.step()
+        state.manager.drain()
+        # opened when 3, 6 and 9 steps were done, each closed at the next step; the last is still open
+        assert state.ild.dispatch.windows == 2 and state.ild.dispatch.window is not None
+        assert state.ild.host_dispatch.active
+        assert 0 < sum(state.ild.host_dispatch.histogram.counts) < 1000
+    finally:
+        state.steps.remove()
+        state.ild.remove()
+    assert state.ild.dispatch.window is None and state.ild.dispatch.windows == 3
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_window_under_a_user_mode_is_disabled_and_popped_later():
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    state = make_state()
+    sampler = state.ild.dispatch
+    sampler.on_step(1)  # opens a window
+    user = TorchDispatchMode()
+    user.__enter__()
+    sampler.on_step(2)  # the user's mode is above ours: ours is disabled, kept, and a new window opens
+    assert sampler.stale and not sampler.stale[0].enabled
+    sampler.close()
+    user.__exit__(None, None, None)
+    sampler.on_step(3)
+    sampler.close()
+    assert _get_current_dispatch_mode() is None and not sampler.stale
+    assert state.health.errors == {}
+
+
+def test_collector_exports_histograms_and_drift_gauges(state):
+    device = FakeDevice()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    try:
+        for _ in range(16):
+            fake_step(state, device, optimizer)
+    finally:
+        device.close()
+    samples = parse(generate_latest(build_registry(state)).decode())
+    names = {sample.name for sample in samples}
+    assert "flare_kernel_issue_latency_seconds_bucket" in names
+    assert "flare_host_dispatch_latency_seconds_count" in names
+    drifts = {s.labels["distribution"] for s in samples if s.name == "flare_ild_drift_ks"}
+    assert drifts == {"kernel_issue", "host_dispatch"}
+    assert all(s.labels["rank"] == "0" for s in samples if s.name.startswith("flare_ild_"))
+
+
+def test_no_source_no_histograms():
+    state = make_state(ild_dispatch_every_steps=0)
+    samples = parse(generate_latest(build_registry(state)).decode())
+    assert not [s for s in samples if "issue_latency" in s.name or "dispatch_latency" in s.name]
+
+
+def test_kernel_sampler_samples_one_launch_in_n_and_never_raises():
+    state = make_state(ild_launch_sample_every=4)
+
+    class Broken:
+        def record(self, stream=None):
+            raise RuntimeError("no device")
+
+    for _ in range(8):
+        state.ild.kernels.on_launch(Broken())
+    assert state.health.errors["kernel_sampler"] == 2

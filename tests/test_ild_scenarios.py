@@ -1,0 +1,162 @@
+"""ILD regressions injected into real 4-rank gloo DDP jobs, diagnosed by `flare diagnose` from the ranks.
+
+- a host stall every step on one rank, with the fake device: its kernel issue latency collapses;
+- CPU and interpreter contention on one rank: its host dispatch latency shifts;
+- no injection: no verdict from the first step to the last.
+
+Baselines and windows are short (a few dozen steps) so that the runs stay small; the injected faults are
+large, so that a busy machine does not decide the outcome. Sensitivity belongs in benchmarks/.
+
+Where Prometheus and Alertmanager are installed, a Prometheus evaluating `flare rules` scrapes every run:
+the engine must name the same rank from it, and Alertmanager must page FlareIssueLatencyShifted for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from flare_exporter import alertmanager_process, cli, scrape
+from flare_exporter.alertmanager_process import AlertingStack
+from flare_exporter.local_job import ObservedJob
+from flare_exporter.prometheus_process import wait_for
+from flare_exporter.workloads import train_ddp
+
+pytestmark = pytest.mark.multirank
+
+RANKS = 4
+FAULT_STEP = 40
+ILD_ENV = {
+    "FLARE_ILD_LAUNCH_SAMPLE_EVERY": "1",
+    "FLARE_ILD_DISPATCH_EVERY_STEPS": "2",
+    "FLARE_ILD_WARMUP_STEPS": "3",
+    "FLARE_ILD_BASELINE_STEPS": "30",
+    "FLARE_ILD_WINDOW_STEPS": "5",
+    "FLARE_TIMING_INTERVAL_SECONDS": "0.2",
+    "FLARE_LINGER_SECONDS": "0",
+}
+FAKE_KERNELS = ["--fake-kernels", "16", "--fake-kernel-seconds", "0.001"]
+
+
+@pytest.fixture(scope="module")
+def alerting(tmp_path_factory):
+    """A file_sd directory for every run, and the alerting stack watching it (None if not installed)."""
+    work = tmp_path_factory.mktemp("ild_alerting")
+    targets = work / "targets"
+    targets.mkdir()
+    stack = None
+    if alertmanager_process.can_alert():
+        stack = AlertingStack(str(work / "stack"), str(targets), hang_seconds=60, for_="5s")
+        stack.wait_ready()
+    yield targets, stack
+    if stack is not None:
+        stack.stop()
+
+
+def start(work: Path, targets: Path, run: str, *script_args: str) -> ObservedJob:
+    hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
+    (work / run).mkdir()
+    args = ["--fault-step", str(FAULT_STEP), *FAKE_KERNELS, *script_args]
+    env = dict(ILD_ENV, FLARE_FILE_SD_DIR=str(targets))
+    return ObservedJob(str(work / run), train_ddp.__file__, args, RANKS, run, env=env, rank_env=hosts)
+
+
+def diagnose(source: list[str], run: str) -> tuple[int, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(["diagnose", *source, "--run", run, "--json"])
+    return code, json.loads(out.getvalue()) if out.getvalue() else {}
+
+
+def await_ild_verdict(source: list[str], run: str, ranks: list[int]) -> dict:
+    reports = []
+
+    def named() -> dict | None:
+        code, report = diagnose(source, run)
+        reports.append(report)
+        ild = [v for v in report.get("verdicts", []) if v["kind"] == "ild_regression"]
+        return ild[0] if code == cli.EXIT_ANOMALY and ild and ild[0]["ranks"] == ranks else None
+
+    try:
+        return wait_for(named, 150, f"diagnose {source[0]} to name rank {ranks} for an ILD regression")
+    except TimeoutError:
+        pytest.fail(f"never named {ranks}; last report: {json.dumps(reports[-1:], indent=1)[:3000]}")
+
+
+def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str) -> dict:
+    targets, stack = alerting
+    with start(tmp_path, targets, run, "--steps", "100000", "--fault-rank", str(rank), *fault):
+        verdict = await_ild_verdict(["--targets", str(targets), "--timeout", "2"], run, [rank])
+        if stack is not None:  # the same verdict from Prometheus, and the page names the same rank
+            await_ild_verdict(["--prometheus", stack.prometheus.url, "--window", "1m"], run, [rank])
+            distribution = verdict["evidence"]["distributions"][0]
+            paged = wait_for(
+                lambda: stack.pages.alerts(
+                    run=run, alertname="FlareIssueLatencyShifted", distribution=distribution
+                ),
+                90,
+                f"the FlareIssueLatencyShifted page of run {run}",
+            )
+            assert {alert["labels"]["rank"] for _, alert in paged} == {str(rank)}
+            assert paged[0][1]["labels"]["host"] == f"node-{rank // 2}"
+        return verdict
+
+
+def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, alerting):
+    verdict = _run_fault(tmp_path, alerting, "stall", 2, "--fault", "host-stall", "--stall-seconds", "0.03")
+    assert verdict["domain"] == "rank"
+    assert "kernel_issue" in verdict["evidence"]["distributions"]
+    shifted = verdict["evidence"]["shifted"]["2"]["kernel_issue"]
+    assert shifted["ks"] >= 0.3 and shifted["wasserstein_seconds"] > 1e-3
+
+
+def test_contention_on_one_rank_is_named_by_its_host_dispatch_latency(tmp_path, alerting):
+    verdict = _run_fault(
+        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "2"
+    )
+    assert verdict["domain"] == "rank"
+    assert "host_dispatch" in verdict["evidence"]["distributions"]
+    shifted = verdict["evidence"]["shifted"]["1"]["host_dispatch"]
+    median = verdict["evidence"]["median_wasserstein_seconds"]["host_dispatch"]
+    assert shifted["wasserstein_seconds"] > 10 * median
+
+
+def test_healthy_run_has_no_ild_verdict_from_start_to_end(tmp_path, alerting):
+    targets, stack = alerting
+    steps = 150
+    with start(tmp_path, targets, "healthy", "--steps", str(steps)) as job:
+
+        def every_rank_answers() -> bool:
+            results = scrape.scrape_all(job.targets, timeout=2)
+            return all(isinstance(samples, list) for samples in results.values())
+
+        wait_for(every_rank_answers, 120, "every rank's endpoint")
+        reports = []
+
+        def finished() -> bool:
+            reports.append(diagnose(["--targets", str(targets), "--timeout", "2"], "healthy"))
+            results = scrape.scrape_all(job.targets, timeout=2)
+            return all(
+                isinstance(samples, list) and scrape.value(samples, "flare_steps_total") == steps
+                for samples in results.values()
+            )
+
+        wait_for(finished, 180, "the healthy run to finish")
+        final = scrape.scrape_all(job.targets, timeout=2)
+        if stack is not None:
+            assert stack.pages.alerts(run="healthy") == []
+        job.release()
+        assert job.wait(timeout=60) == [0] * RANKS
+    assert len(reports) >= 3
+    verdicts = [report.get("verdicts") for _, report in reports]
+    assert verdicts == [[]] * len(reports), json.dumps([v for v in verdicts if v != []][:2], indent=1)[:3000]
+    for samples in final.values():  # the drift was measured, and every rank exported it
+        assert isinstance(samples, list)
+        assert {s.labels["distribution"] for s in samples if s.name == "flare_ild_drift_ks"} == {
+            "kernel_issue",
+            "host_dispatch",
+        }

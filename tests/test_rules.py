@@ -1,0 +1,203 @@
+"""The Prometheus rules (`flare rules`, alerts/): current, valid, unit-tested per alert, and in step with the
+spec and the runbook. End to end (a real Prometheus and Alertmanager paging on real faults) they are
+exercised by tests/test_scenarios.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flare_exporter import cli, dashboards, rules
+from flare_exporter.alertmanager_process import EXAMPLE_CONFIG
+
+ALERTS = Path(__file__).resolve().parents[1] / "alerts"
+RULES_FILE = ALERTS / "flare.rules.yml"
+UNIT_TESTS = sorted((ALERTS / "tests").glob("*.test.yml"))
+RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
+
+needs_promtool = pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
+
+
+def flare_rules(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["rules", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def alert_rules(document: dict) -> list[dict]:
+    return [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def test_committed_rules_are_the_output_for_the_defaults(monkeypatch):
+    monkeypatch.delenv("FLARE_HANG_SECONDS", raising=False)
+    monkeypatch.delenv("FLARE_CONFIG", raising=False)
+    code, out, _ = flare_rules()
+    assert code == 0
+    assert out == RULES_FILE.read_text(), "alerts/ is stale: run `flare rules > alerts/flare.rules.yml`"
+
+
+@needs_promtool
+def test_promtool_checks_the_rules():
+    result = subprocess.run(["promtool", "check", "rules", str(RULES_FILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_pass():
+    result = subprocess.run(
+        ["promtool", "test", "rules", *map(str, UNIT_TESTS)], capture_output=True, text=True, cwd=ALERTS
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _seconds(text: str) -> float:
+    return rules.duration_seconds(text, "test")
+
+
+def test_every_alert_is_unit_tested_firing_and_one_interval_before_it_fires():
+    """Each alert has a promtool case in which it fires, and one evaluation interval earlier, in the same
+    test, a case in which it must not (the step before for: expires, or before its threshold is met)."""
+    covered = set()
+    for path in UNIT_TESTS:
+        document = yaml.safe_load(path.read_text())
+        interval = _seconds(document["evaluation_interval"])
+        for test in document["tests"]:
+            cases = test.get("alert_rule_test", [])
+            silent = {
+                (case["alertname"], _seconds(case["eval_time"])) for case in cases if not case["exp_alerts"]
+            }
+            for case in cases:
+                if (
+                    case["exp_alerts"]
+                    and (case["alertname"], _seconds(case["eval_time"]) - interval) in silent
+                ):
+                    covered.add(case["alertname"])
+                for expected in case["exp_alerts"]:
+                    assert set(expected["exp_annotations"]) == {
+                        "summary",
+                        "description",
+                        "runbook_url",
+                        "dashboard_url",
+                    }
+                    assert "severity" in expected["exp_labels"]
+    named = {rule["alert"] for rule in alert_rules(yaml.safe_load(RULES_FILE.read_text()))}
+    assert named - covered == set()
+
+
+def test_unit_tests_evaluate_recording_rules_first_and_every_group():
+    groups = [group["name"] for group in yaml.safe_load(RULES_FILE.read_text())["groups"]]
+    for path in UNIT_TESTS:
+        assert yaml.safe_load(path.read_text())["group_eval_order"] == groups, path.name
+
+
+def test_every_alert_has_severity_annotations_and_a_runbook_section():
+    sections = {
+        re.sub(r"[^a-z0-9-]", "", heading.lower().replace(" ", "-"))
+        for heading in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.M)
+    }
+    for rule in alert_rules(rules.rules_document(rules.Thresholds())):
+        assert rule["labels"]["severity"] in ("critical", "warning")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert anchor in sections, f"{rule['alert']}: docs/runbook.md has no section #{anchor}"
+        assert re.match(r"^Flare[A-Z][A-Za-z]+$", rule["alert"])
+
+
+def test_rules_name_only_metrics_the_spec_defines():
+    document = rules.rules_document(rules.Thresholds())
+    assert rules.unknown_metrics(document) == set()
+    document["groups"][1]["rules"][0]["expr"] += " or flare_no_such_metric_total"
+    document["groups"][0]["rules"][0]["expr"] += " or run:flare_undefined:rate5m"
+    assert rules.unknown_metrics(document) == {"flare_no_such_metric_total", "run:flare_undefined:rate5m"}
+
+
+def test_recording_rules_follow_level_metric_operation():
+    for group in rules.rules_document(rules.Thresholds())["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule:
+                level, metric, operation = rule["record"].split(":")
+                assert set(level.split("_")) <= {
+                    "run",
+                    "group",
+                    "rank",
+                    "op",
+                    "host",
+                    "distribution",
+                    "ago",
+                }, rule["record"]
+                assert metric.startswith("flare_") and operation
+
+
+def test_short_thresholds_for_tests_follow_the_config(monkeypatch):
+    monkeypatch.setenv("FLARE_HANG_SECONDS", "5")
+    code, out, _ = flare_rules("--for", "0s", "--scrape-interval", "1s")
+    assert code == 0
+    document = yaml.safe_load(out)
+    assert {rule["for"] for rule in alert_rules(document)} == {"0s"}
+    hang = next(rule for rule in alert_rules(document) if rule["alert"] == "FlareCollectiveHang")
+    assert hang["expr"].endswith(">= 5")
+    failed = next(rule for rule in alert_rules(document) if rule["alert"] == "FlareRankFailed")
+    assert ">= 2)" in failed["expr"]  # two scrape intervals to settle
+    code, out, _ = flare_rules("--hang-seconds", "42")  # the flag beats the environment
+    assert "max_age_seconds >= 42" in out
+
+
+def test_selector_scopes_every_series(tmp_path):
+    code, out, _ = flare_rules("--selector", 'cluster="eu-1"')
+    assert code == 0
+    for rule in yaml.safe_load(out)["groups"][0]["rules"] + alert_rules(yaml.safe_load(out)):
+        for name in re.findall(r"(?<![\w:])(flare_[a-z0-9_]+|up)(?![\w:])(\{[^}]*\})?", rule["expr"]):
+            assert 'cluster="eu-1"' in name[1], (rule, name)
+    if shutil.which("promtool"):
+        (tmp_path / "rules.yml").write_text(out)
+        check = subprocess.run(
+            ["promtool", "check", "rules", str(tmp_path / "rules.yml")], capture_output=True
+        )
+        assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--for", "5 minutes"], "flag --for: '5 minutes' is not a Prometheus duration"),
+        (["--scrape-interval", "fast"], "flag --scrape-interval: 'fast' is not a Prometheus duration"),
+        (["--hang-seconds", "-1"], "--hang-seconds"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(args, message):
+    code, out, err = flare_rules(*args)
+    assert code == cli.EXIT_USAGE and out == ""
+    assert message in err and err.strip().count("\n") <= 2  # argparse adds its usage line
+
+
+@pytest.mark.skipif(not shutil.which("amtool"), reason="amtool is not installed")
+def test_alertmanager_example_is_valid_and_names_real_alerts():
+    result = subprocess.run(["amtool", "check-config", str(EXAMPLE_CONFIG)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    assert config["route"]["group_by"] == ["run"]
+    names = {rule["alert"] for rule in alert_rules(rules.rules_document(rules.Thresholds()))}
+    for inhibit in config["inhibit_rules"]:
+        for matcher in inhibit["source_matchers"] + inhibit["target_matchers"]:
+            if matcher.startswith("alertname"):
+                pattern = matcher.split("=", 1)[1].lstrip("~").strip('"')
+                assert set(pattern.split("|")) <= names, matcher
+
+
+def test_dashboard_urls_open_generated_dashboards():
+    generated = {dashboard.path for dashboard in dashboards.dashboards()}
+    assert set(rules.DASHBOARD_PATHS.values()) <= generated
+    for rule in alert_rules(rules.rules_document(rules.Thresholds(grafana_url="https://grafana.example"))):
+        url = rule["annotations"]["dashboard_url"]
+        assert url.startswith("https://grafana.example/d/") and "var-run={{ $labels.run }}" in url
+        for name in re.findall(r"var-(\w+)=", url):
+            assert name in ("run", "rank", "group") and name in dashboards.VARIABLES
