@@ -10,13 +10,12 @@ benchmarks/straggler.py.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from collections import deque
 from pathlib import Path
 
 import pytest
+from conftest import flare_json
 
 from flare_exporter import alertmanager_process, cli, promql, scrape
 from flare_exporter.alertmanager_process import AlertingStack
@@ -147,10 +146,7 @@ def start_job(work: Path, targets: Path, run: str, *script_args: str, rank_env=N
 
 
 def diagnose(source: list[str], run: str) -> tuple[int, dict]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        code = cli.main(["diagnose", *source, "--run", run, "--json"])
-    return code, json.loads(out.getvalue()) if out.getvalue() else {}
+    return flare_json("diagnose", *source, "--run", run)
 
 
 def sources(targets: Path, stack: AlertingStack | None) -> list[list[str]]:
