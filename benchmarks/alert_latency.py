@@ -16,8 +16,9 @@ Per repeat, two 4-rank runs of the unmodified DDP workload under the launcher (2
 
 Prometheus scrapes every `--scrape-interval` seconds and evaluates the rules at the same interval; the
 rules are `flare rules --for FOR --hang-seconds H --scrape-interval I`; Alertmanager runs
-alerts/alertmanager.yml with group_wait and group_interval of one scrape interval and a webhook receiver in
-this process (alertmanager_process.AlertingStack). The page's time is its arrival at the webhook.
+alerts/alertmanager/alertmanager.yml with group_wait and group_interval of one scrape interval and a
+webhook receiver in this process (alertmanager_process.AlertingStack). The page's time is its arrival at
+the webhook.
 
 Exit status: 0 when every page named the right rank, 1 otherwise, 2 for bad arguments.
 """

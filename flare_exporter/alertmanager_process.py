@@ -1,8 +1,8 @@
 """Run a real Alertmanager on loopback, and a webhook receiver that collects its pages (demo and tests).
 
-The Alertmanager runs the example configuration in alerts/alertmanager.yml (routes, grouping by run,
-inhibitions) with its receivers pointed at the local webhook and its waits shortened, so that what the
-tests see delivered is what that configuration pages.
+The Alertmanager runs the example configuration in alerts/alertmanager/alertmanager.yml (routes,
+grouping by run, inhibitions) with its receivers pointed at the local webhook and its waits shortened, so
+that what the tests see delivered is what that configuration pages.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import rules
 from .prometheus_process import PrometheusProcess, ServerProcess
 from .prometheus_process import find_binary as find_prometheus
 
-EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "alerts" / "alertmanager.yml"
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "alerts" / "alertmanager" / "alertmanager.yml"
 BINARIES = ("prometheus-alertmanager", "alertmanager")  # Debian's name, then upstream's
 
 

@@ -169,7 +169,7 @@ def fault_demo(args: argparse.Namespace) -> int:
 def _print_pages(pages: WebhookReceiver) -> None:
     """The first page Alertmanager delivered for the run, as the engineer on call receives it."""
     delivered = wait_for(lambda: pages.alerts(run="demo"), 60, "Alertmanager to deliver a page")
-    print("\npaged by Alertmanager (alerts/alertmanager.yml, rules from `flare rules`):")
+    print("\npaged by Alertmanager (alerts/alertmanager/alertmanager.yml, rules from `flare rules`):")
     for _, alert in delivered:
         labels = alert["labels"]
         print(f"  [{labels['severity']}] {labels['alertname']}: {alert['annotations']['summary']}")

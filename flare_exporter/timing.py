@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -293,7 +294,7 @@ class EventPool:
         self.free.append(event)
 
 
-class EventBackend:
+class EventBackend(ABC):
     """Device events behind one interface, for the timing manager.
 
     record() runs on the training thread and never waits; query(), timestamp() and elapsed() run on the
@@ -319,21 +320,21 @@ class EventBackend:
     def release(self, event: Any) -> None:
         self.pool.release(event)
 
-    def query(self, event: Any) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def query(self, event: Any) -> bool: ...
 
-    def timestamp(self, event: Any) -> float:
-        raise NotImplementedError
+    @abstractmethod
+    def timestamp(self, event: Any) -> float: ...
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds from `start` to `end` on the device (both completed)."""
         return self.timestamp(end) - self.timestamp(start)
 
-    def _new_event(self) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def _new_event(self) -> Any: ...
 
-    def _record(self, event: Any, stream: Any) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _record(self, event: Any, stream: Any) -> None: ...
 
 
 class AnchoredEvents(EventBackend):
@@ -365,14 +366,14 @@ class AnchoredEvents(EventBackend):
     def elapsed(self, start: Any, end: Any) -> float:
         return self._elapsed_ms(start, end) / 1000.0
 
-    def _private_stream(self) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def _private_stream(self) -> Any: ...
 
-    def _synchronize(self, event: Any) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _synchronize(self, event: Any) -> None: ...
 
-    def _elapsed_ms(self, start: Any, end: Any) -> float:
-        raise NotImplementedError
+    @abstractmethod
+    def _elapsed_ms(self, start: Any, end: Any) -> float: ...
 
 
 class TorchCudaEvents(AnchoredEvents):

@@ -35,7 +35,7 @@ def shared(tmp_path_factory):
     """One Prometheus for every scenario, watching one file_sd directory; each scenario is its own run.
 
     Prometheus evaluates `flare rules` for this test's thresholds (hang after 3 s, every for: 5s) and sends
-    alerts to a real Alertmanager running alerts/alertmanager.yml, which delivers pages to `pages`.
+    alerts to a real Alertmanager running alerts/alertmanager/alertmanager.yml, which pages `pages`.
     """
     work = tmp_path_factory.mktemp("scenarios")
     targets = work / "targets"
