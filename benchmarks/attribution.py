@@ -35,13 +35,10 @@ Exit status: 0 when every verdict was right (whatever the times), 1 for a wrong 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
@@ -56,6 +53,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from cli_runs import BenchError, command, in_process, one_line, verdicts_of  # noqa: E402  (benchmarks/)
+
 from flare_exporter import cli, diagnosis, promql, sources  # noqa: E402
 from flare_exporter.groups import WORLD  # noqa: E402
 from flare_exporter.prometheus_process import PrometheusProcess, find_binary, wait_for  # noqa: E402
@@ -68,10 +67,6 @@ HUNG_FOR_SECONDS = 600.0  # how long before the start the others issued the coll
 DEFAULT_CULPRIT = 777
 RUN = "bench-attribution"
 SUBPROCESS_TIMEOUT_S = 120.0
-
-
-class BenchError(Exception):
-    """A failure of the benchmark or a wrong verdict; the message is one line."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -97,12 +92,8 @@ def render_cluster(ranks: int, culprit: int, run: str) -> list[bytes]:
 
 def check_verdict(code: int, output: str, ranks: int, culprit: int, where: str) -> None:
     """The CLI's JSON must be exactly one verdict: hang, ranks [culprit], group world, from every rank."""
-    try:
-        result = json.loads(output)
-    except ValueError:
-        raise BenchError(f"{where}: exit code {code}, output is not JSON: {_one_line(output)}") from None
+    result, summary = verdicts_of(code, output, where)
     verdicts = result.get("verdicts", [])
-    summary = "; ".join(f"{v.get('kind')} {v.get('ranks')} [{v.get('group')}]" for v in verdicts) or "none"
     if code != cli.EXIT_ANOMALY:
         raise BenchError(
             f"{where}: exit code {code} (expected {cli.EXIT_ANOMALY}, anomaly); verdicts: {summary}"
@@ -118,32 +109,6 @@ def check_verdict(code: int, output: str, ranks: int, culprit: int, where: str) 
         WORLD,
     ):
         raise BenchError(f"{where}: wrong verdict: {summary} (expected hang [{culprit}] [world])")
-
-
-def _one_line(text: str, chars: int = 300) -> str:
-    line = " | ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "(empty)"
-    return line if len(line) <= chars else line[:chars] + "..."
-
-
-def time_in_process(argv: list[str]) -> tuple[float, int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    started = time.perf_counter()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    elapsed = time.perf_counter() - started
-    return elapsed, code, out.getvalue() or err.getvalue()
-
-
-def time_subprocess(command: list[str]) -> tuple[float, int, str]:
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise BenchError(
-            f"{' '.join(command[:4])} ... timed out after {SUBPROCESS_TIMEOUT_S:.0f} s"
-        ) from None
-    elapsed = time.perf_counter() - started
-    return elapsed, done.returncode, done.stdout or done.stderr
 
 
 def time_calls(call: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
@@ -281,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attribution: error: {error}", file=sys.stderr)
         return 1
     except (promql.PrometheusError, TimeoutError, RuntimeError, OSError) as error:
-        print(f"attribution: error: {_one_line(str(error))}", file=sys.stderr)
+        print(f"attribution: error: {one_line(str(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("attribution: interrupted", file=sys.stderr)
@@ -401,12 +366,12 @@ def measure(
     discovery = "--run given: no run discovery" if args.pass_run else "1 of them run discovery"
     print(f"flare {' '.join(cli_args).replace(url, 'URL')}  ({queries} Prometheus queries, {discovery})")
 
-    in_process = []
+    in_process_times = []
     for index in range(args.repeats):
-        elapsed, code, output = time_in_process(cli_args)
+        elapsed, code, output = in_process(cli_args)
         check_verdict(code, output, ranks, culprit, f"in-process run {index + 1}")
-        in_process.append(elapsed)
-    print(_row("in-process", f"cli.main, {args.repeats} runs", in_process))
+        in_process_times.append(elapsed)
+    print(_row("in-process", f"cli.main, {args.repeats} runs", in_process_times))
     query_times, snapshot = time_calls(lambda: sources.from_prometheus(url, run, "5m", 5.0), args.repeats)
     print(_row("  queries", "sources.from_prometheus alone", query_times))
     engine_times, verdicts = time_calls(lambda: diagnosis.diagnose(snapshot, HANG_SECONDS), args.repeats)
@@ -415,18 +380,17 @@ def measure(
     print(_row("  engine", "diagnosis.diagnose alone", engine_times))
 
     whole, whole_cpu, startup = [], [], []
-    command = [sys.executable, "-m", "flare_exporter.cli", *cli_args]
     window = (time.perf_counter(), time.process_time(), process_cpu(prometheus.process.pid))
     for index in range(args.subprocess_repeats):
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        elapsed, code, output = time_subprocess(command)
+        elapsed, code, output, cpu_seconds = command(
+            ["-m", "flare_exporter.cli", *cli_args], SUBPROCESS_TIMEOUT_S
+        )
         check_verdict(code, output, ranks, culprit, f"subprocess run {index + 1}")
         whole.append(elapsed)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        whole_cpu.append(after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime)
-        elapsed, code, output = time_subprocess([sys.executable, "-c", "import flare_exporter.cli"])
+        whole_cpu.append(cpu_seconds)
+        elapsed, code, output, _ = command(["-c", "import flare_exporter.cli"], SUBPROCESS_TIMEOUT_S)
         if code != 0:
-            raise BenchError(f"python -c 'import flare_exporter.cli' exited with {code}: {_one_line(output)}")
+            raise BenchError(f"python -c 'import flare_exporter.cli' exited with {code}: {one_line(output)}")
         startup.append(elapsed)
     background: dict[str, float] = {"load_average_1m": os.getloadavg()[0]}
     if whole:
@@ -443,11 +407,11 @@ def measure(
         )
     print(f"verdict, every run: HANG rank {culprit} in group world, {ranks} of {ranks} ranks seen")
 
-    goal = {"in_process": statistics.median(in_process) < GOAL_SECONDS}
+    goal = {"in_process": statistics.median(in_process_times) < GOAL_SECONDS}
     if whole:
         goal["whole_command"] = statistics.median(whole) < GOAL_SECONDS
     headline = "whole_command" if whole else "in_process"
-    parts = [f"in-process median {_seconds(statistics.median(in_process))}"]
+    parts = [f"in-process median {_seconds(statistics.median(in_process_times))}"]
     if whole:
         parts.insert(0, f"whole command median {_seconds(statistics.median(whole))}")
     print(
@@ -455,7 +419,7 @@ def measure(
         f"{'PASS' if goal[headline] else 'MISS'} ({', '.join(parts)})"
     )
     times = {
-        "in_process": in_process,
+        "in_process": in_process_times,
         "queries_alone": query_times,
         "engine_alone": engine_times,
         "whole_command": whole,

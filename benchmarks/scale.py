@@ -33,8 +33,6 @@ Exit status: 0 when every verdict and page was right (whatever the times), 1 oth
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import platform
@@ -42,7 +40,6 @@ import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +50,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402  (benchmarks/)
+
 from flare_exporter import cli, promql, scrape  # noqa: E402
 from flare_exporter.alertmanager_process import AlertingStack, can_alert  # noqa: E402
 from flare_exporter.prometheus_process import wait_for  # noqa: E402
@@ -62,10 +61,6 @@ RUN = "bench-scale"
 PROMETHEUS_GOAL_S = 1.0  # via Prometheus, at 6,144 ranks
 DIRECT_GOAL_S = 3.0  # via direct scrape, at 1,024 ranks
 CLI_TIMEOUT_S = 300.0
-
-
-class BenchError(Exception):
-    """A failure or a wrong verdict; the message is one line."""
 
 
 def default_interval(ranks: int) -> int:
@@ -137,12 +132,8 @@ def prometheus_load(url: str, seconds: float) -> dict[str, Any]:
 
 def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
     """The first verdict must be `kind` naming exactly `rank`; returns a one-line summary of all."""
-    try:
-        result = json.loads(output)
-    except ValueError:
-        raise BenchError(f"{where}: exit code {code}, not JSON: {' '.join(output.split())[:300]}") from None
+    result, summary = verdicts_of(code, output, where)
     verdicts = result.get("verdicts", [])
-    summary = "; ".join(f"{v.get('kind')} {v.get('ranks')} [{v.get('group')}]" for v in verdicts) or "none"
     if (
         code != cli.EXIT_ANOMALY
         or not verdicts
@@ -152,32 +143,9 @@ def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
     return f"{summary}; {result.get('ranks_seen')} ranks seen"
 
 
-def in_process(argv: list[str]) -> tuple[float, int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    started = time.perf_counter()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return time.perf_counter() - started, code, out.getvalue() or err.getvalue()
-
-
 def as_subprocess(argv: list[str]) -> tuple[float, int, str, float]:
     """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.cli ARGV`."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "flare_exporter.cli", *argv],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=CLI_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"flare {' '.join(argv[:3])} timed out after {CLI_TIMEOUT_S:.0f} s") from None
-    elapsed = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return elapsed, done.returncode, done.stdout or done.stderr, cpu
+    return command(["-m", "flare_exporter.cli", *argv], CLI_TIMEOUT_S)
 
 
 def attribution(

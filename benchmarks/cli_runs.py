@@ -1,0 +1,63 @@
+"""Running `flare` for the benchmarks (attribution.py, scale.py): timed, in-process or as a command, and
+its JSON verdicts read back with one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flare_exporter import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class BenchError(Exception):
+    """A failure of a benchmark or a wrong verdict; the message is one line."""
+
+
+def one_line(text: str, chars: int = 300) -> str:
+    line = " | ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "(empty)"
+    return line if len(line) <= chars else line[:chars] + "..."
+
+
+def verdicts_of(code: int, output: str, where: str) -> tuple[dict[str, Any], str]:
+    """`flare ... --json`'s result and a one-line summary of its verdicts; BenchError if it is not JSON."""
+    try:
+        result = json.loads(output)
+    except ValueError:
+        raise BenchError(f"{where}: exit code {code}, output is not JSON: {one_line(output)}") from None
+    verdicts = result.get("verdicts", [])
+    summary = "; ".join(f"{v.get('kind')} {v.get('ranks')} [{v.get('group')}]" for v in verdicts) or "none"
+    return result, summary
+
+
+def in_process(argv: list[str]) -> tuple[float, int, str]:
+    """(wall seconds, exit code, output) of `flare ARGV` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return time.perf_counter() - started, code, out.getvalue() or err.getvalue()
+
+
+def command(arguments: list[str], timeout: float) -> tuple[float, int, str, float]:
+    """(wall seconds, exit code, output, CPU seconds) of `python ARGUMENTS` run from the repository."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, *arguments], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"python {' '.join(arguments[:4])} ... timed out after {timeout:.0f} s") from None
+    elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return elapsed, done.returncode, done.stdout or done.stderr, cpu
