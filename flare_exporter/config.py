@@ -226,20 +226,25 @@ def _parse_text(name: str, text: str, source: str) -> Any:
 YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, OverflowError, RecursionError)
 
 
-def read_file(path: str) -> dict[str, Any]:
-    """The mapping in a YAML config file, unchecked; errors name the file."""
+def read_yaml(path: str, what: str, error_type: type[ConfigError] = ConfigError) -> Any:
+    """The YAML document in file `path`; `error_type` with one line naming `what` and the file otherwise."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            return yaml.safe_load(handle)
     except OSError as error:
-        raise ConfigError(f"config file {path}: cannot read it ({error.strerror or error})") from None
+        raise error_type(f"{what} {path}: cannot read it ({error.strerror or error})") from None
     except UnicodeDecodeError as error:
-        raise ConfigError(f"config file {path}: not UTF-8 text ({error.reason})") from None
+        raise error_type(f"{what} {path}: not UTF-8 text ({error.reason})") from None
     except yaml.YAMLError as error:
         first_line = str(error).splitlines()[0] if str(error) else "invalid YAML"
-        raise ConfigError(f"config file {path}: not valid YAML ({first_line})") from None
+        raise error_type(f"{what} {path}: not valid YAML ({first_line})") from None
     except YAML_CONSTRUCTION_ERRORS as error:  # e.g. `a: 2024-13-01` or `!!timestamp x`; deep nesting
-        raise ConfigError(f"config file {path}: not valid YAML ({type(error).__name__}: {error})") from None
+        raise error_type(f"{what} {path}: not valid YAML ({type(error).__name__}: {error})") from None
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The mapping in a YAML config file, unchecked; errors name the file."""
+    data = read_yaml(path, "config file")
     if data is None:
         return {}
     if not isinstance(data, dict):

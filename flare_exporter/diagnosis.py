@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from .gpu_health import SLOWDOWN_REASONS
+
 # Verdict kinds, most severe first.
 KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regression")
 DOMAINS = ("rank", "host", "group", "job")
@@ -616,16 +618,6 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
     return []
 
 
-# The clock-event reasons that slow a busy GPU against the user's wishes (gpu_health.SLOWDOWN_REASONS).
-SLOWDOWN_CLOCK_EVENTS = (
-    "sw_power_cap",
-    "hw_slowdown",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-)
-
-
 @dataclass(frozen=True)
 class GpuState:
     """A rank's own GPU as its exporter last read it (flare_gpu_*); None where not reported."""
@@ -648,7 +640,7 @@ def hardware_reasons(gpu: GpuState | None, policy: StragglerPolicy = StragglerPo
     """What in a rank's GPU health explains it being slow: throttling, a low clock, a degraded link."""
     if gpu is None or not gpu.up:
         return []
-    reasons = [reason for reason in SLOWDOWN_CLOCK_EVENTS if reason in gpu.clock_events]
+    reasons = [reason for reason in SLOWDOWN_REASONS if reason in gpu.clock_events]
     clock, clock_max = gpu.sm_clock_hertz, gpu.sm_clock_max_hertz
     if clock is not None and clock_max and clock < policy.clock_below_max * clock_max:
         reasons.append(f"SM clock {clock / 1e6:.0f} MHz of {clock_max / 1e6:.0f} MHz max")

@@ -359,9 +359,11 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
 
 
 def collective_alerts(t: Thresholds) -> list[Alert]:
-    behind_is_minority = (
-        "run_group:flare_collective_issued:behind_ranks * 2 <= run_group:flare_collective_issued:ranks"
-    )
+    def behind(comparison: str) -> str:  # how the ranks behind compare with half the group
+        ranks = "run_group:flare_collective_issued"
+        return f"{ranks}:behind_ranks * 2 {comparison} {ranks}:ranks"
+
+    behind_is_minority = behind("<=")
     odd_op = (
         "run_group_rank_op:flare_collective_in_flight:at_front\n"
         "  and on (run, group, op) (run_group_op:flare_collective_in_flight:at_front_ranks\n"
@@ -408,7 +410,7 @@ def collective_alerts(t: Thresholds) -> list[Alert]:
             _with_host(
                 "max by (run, rank, group) (run_group_rank:flare_collective_issued:behind == 0)\n"
                 f"  and on (run, group) ({_hung(t)})\n"
-                f"  and on (run, group) ({behind_is_minority.replace('<=', '>')})"
+                f"  and on (run, group) ({behind('>')})"
             ),
             t.mismatch_for,
             "critical",
@@ -441,7 +443,11 @@ def collective_alerts(t: Thresholds) -> list[Alert]:
 
 
 def issue_latency_alerts(t: Thresholds) -> list[Alert]:
-    minority = "run_distribution:flare_ild_drift:shifted_ranks * 2 < run_distribution:flare_ild_drift:ranks"
+    def shifted(comparison: str) -> str:  # how the shifted ranks compare with half the ranks
+        ranks = "run_distribution:flare_ild_drift"
+        return f"{ranks}:shifted_ranks * 2 {comparison} {ranks}:ranks"
+
+    minority = shifted("<")
     return [
         Alert(
             "FlareIssueLatencyShifted",
@@ -460,8 +466,7 @@ def issue_latency_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareIssueLatencyShiftedJobWide",
-            "run_distribution:flare_ild_drift:shifted_ranks\n"
-            f"  and on (run, distribution) ({minority.replace(' < ', ' >= ')})",
+            f"run_distribution:flare_ild_drift:shifted_ranks\n  and on (run, distribution) ({shifted('>=')})",
             t.ild_for,
             "warning",
             "The {{ $labels.distribution }} latency of run {{ $labels.run }} shifted on most ranks",

@@ -33,9 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from .config import YAML_CONSTRUCTION_ERRORS, ConfigError
+from .config import ConfigError, read_yaml
 
 
 class WebConfigError(ConfigError):
@@ -101,20 +99,7 @@ class WebConfig:
 
 def load(path: str) -> tuple[WebConfig, ssl.SSLContext | None]:
     """Read, check and apply the web config file at `path`: the config and its TLS context."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
-    except OSError as error:
-        raise WebConfigError(f"web config file {path}: cannot read it ({error.strerror or error})") from None
-    except UnicodeDecodeError as error:
-        raise WebConfigError(f"web config file {path}: not UTF-8 text ({error.reason})") from None
-    except yaml.YAMLError as error:
-        first_line = str(error).splitlines()[0] if str(error) else "invalid YAML"
-        raise WebConfigError(f"web config file {path}: not valid YAML ({first_line})") from None
-    except YAML_CONSTRUCTION_ERRORS as error:
-        reason = f"{type(error).__name__}: {error}"
-        raise WebConfigError(f"web config file {path}: not valid YAML ({reason})") from None
-    config = parse(document, path)
+    config = parse(read_yaml(path, "web config file", WebConfigError), path)
     return config, config.ssl_context()
 
 

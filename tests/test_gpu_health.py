@@ -11,7 +11,6 @@ from flare_exporter import gpu_health, spec
 from flare_exporter.agent import build_registry, start_gpu_health
 from flare_exporter.collectors.gpu_health import GpuHealthCollector
 from flare_exporter.config import Config
-from flare_exporter.diagnosis import SLOWDOWN_CLOCK_EVENTS
 from flare_exporter.identity import RankIdentity
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.scrape import parse
@@ -88,10 +87,6 @@ def test_reason_bits_are_nvml_constants():
             "ApplicationsClocksSetting": "nvmlClocksEventReasonApplicationsClocksSetting",
         }.get(camel, f"nvmlClocksEventReason{camel}")
         assert getattr(fake_nvml, constant) == bit, name
-
-
-def test_engine_and_collector_agree_on_slowdown_reasons():
-    assert set(SLOWDOWN_CLOCK_EVENTS) == gpu_health.SLOWDOWN_REASONS
 
 
 @pytest.mark.parametrize(
