@@ -514,7 +514,7 @@ def window_scores(snapshot: Snapshot, policy: StragglerPolicy) -> tuple[list[int
     step time in each window over its own best window's.
     """
     rows = {record.rank: record for record in snapshot.ranks.values() if record.up and record.step_windows}
-    if not rows:
+    if len(rows) < policy.min_ranks:  # a rank is scored against the others: too few, nothing to compare
         return [], {}
     common = set.intersection(*(set(record.step_windows) for record in rows.values()))
     windows = sorted(common)[-policy.hold_windows :]

@@ -440,6 +440,12 @@ def windowed(r: int, waits: list[float], steps: list[float] | None = None, best:
     )  # fmt: skip
 
 
+def test_windows_of_a_single_rank_are_compared_with_no_one():
+    # early in a run only one live rank may have closed windows yet: nothing to score it against
+    records = [windowed(0, [0.40, 0.41, 0.39]), rank(1, step_count=0)]
+    assert diag(*records) == []
+
+
 def test_windowed_straggler_named_when_it_holds_over_the_windows():
     records = [windowed(r, [0.40, 0.41, 0.39]) for r in (0, 1, 3)] + [windowed(2, [0.30, 0.31, 0.29])]
     verdict = only(diag(*records))
