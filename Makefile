@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo demo-fault test lint system-deps bench
+.PHONY: demo demo-fault test lint system-deps bench op-timer
 FAULT ?= stuck
 FAULT_RANK ?= 2
 
@@ -19,16 +19,20 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 system-deps:
 	scripts/install-system-deps.sh
 
-demo: $(VENV)/.installed system-deps
+# the native host-dispatch timer (a torch C++ extension, ~20 s once per torch version; see docs/ild.md)
+op-timer: $(VENV)/.installed
+	$(PY) -m flare_exporter.op_timer
+
+demo: $(VENV)/.installed system-deps op-timer
 	$(PY) -m flare_exporter.demo
 
-demo-fault: $(VENV)/.installed system-deps
+demo-fault: $(VENV)/.installed system-deps op-timer
 	$(PY) -m flare_exporter.demo --fault $(FAULT) --fault-rank $(FAULT_RANK)
 
-test: $(VENV)/.installed system-deps
+test: $(VENV)/.installed system-deps op-timer
 	$(PY) -m ruff check
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed op-timer
 	$(PY) benchmarks/overhead.py

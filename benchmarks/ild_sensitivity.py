@@ -1,17 +1,21 @@
 """ILD sensitivity: the smallest per-op host delay detected within 10 steps, and false positives when healthy.
 
-    .venv/bin/python benchmarks/ild_sensitivity.py [--every 5] [--window 2] [--healthy-steps 1000]
+    .venv/bin/python benchmarks/ild_sensitivity.py [--timer native|python] [--every N] [--window 2]
 
 One process trains the small model of flare_exporter/workloads/train_ddp.py on CPU (no process group) with
 the exporter's ILD state attached to the optimizer step hook: host-dispatch sampling windows on one step in
-`--every`, a baseline over `--baseline` steps, a current window of the last `--window` sampled steps. After
+`--every` (default: the exporter's default), a baseline over `--baseline` steps, a current window of the
+last `--window` sampled steps, timed by `--timer` (native: the RecordFunction observer, built if needed;
+python: the dispatch mode). After
 every step the timing manager drains (a real rank drains every few seconds and on each scrape; draining per
 step measures detection in steps) and the engine's per-rank rule (diagnosis.ild_shifted, with the healthy
 peers' median W1 taken from the healthy run) says whether the rank's host-dispatch latency has shifted.
 
-A per-op delay is injected by a dispatch mode under the exporter's (train_ddp's HostDelay: a busy-wait
-before every op), present from the start with 0 s so that healthy and injected steps differ only by the
-delay. The delay is expressed as a share of the healthy step time: delay x ops per step / step time.
+A per-op delay is a busy-wait in every aten op: with the native timer, the op timer's own injector (a
+second RecordFunction observer that waits at each op's end, inside the op's timed interval); with the
+python timer, a dispatch mode under the exporter's (train_ddp's HostDelay), present from the start with 0 s
+so that healthy and injected steps differ only by the delay. The delay is expressed as a share of the
+healthy step time: delay x ops per step / step time, ops being those the delay is applied to.
 
 Printed: the healthy run's false positives (steps at which the rule fired, out of --healthy-steps), then for
 each delay the share of --trials trials in which it was detected within --within steps, and the smallest
@@ -29,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from flare_exporter import op_timer  # noqa: E402
+
 
 def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from flare_exporter.config import Config
@@ -36,7 +42,7 @@ def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from flare_exporter.state import FlareState
 
     config = Config(
-        ild_dispatch_every_steps=args.every,
+        ild_dispatch_every_steps=state_every(args),
         ild_warmup_steps=5,
         ild_baseline_steps=args.baseline,
         ild_window_steps=args.window,
@@ -53,7 +59,7 @@ def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 class Trainer:
-    def __init__(self) -> None:
+    def __init__(self, timer: str) -> None:
         import torch
         from torch import nn
 
@@ -64,9 +70,20 @@ class Trainer:
         self.model = train_ddp.make_model()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.generator = torch.Generator().manual_seed(0)
-        self.delay = train_ddp.HostDelay(0.0)
-        self.delay.__enter__()  # under the exporter's windows, which are pushed later, at step hooks
+        self.native = op_timer.load() if timer == "native" else None
+        self.mode = None
+        if self.native is None:
+            self.mode = train_ddp.HostDelay(0.0)
+            self.mode.__enter__()  # under the exporter's windows, which are pushed later, at step hooks
         self.width = train_ddp.WIDTH
+
+    def delay(self, seconds: float) -> None:
+        """Busy-wait `seconds` in every aten op from now on."""
+        if self.native is not None:
+            self.native.inject_delay(seconds)
+        else:
+            assert self.mode is not None
+            self.mode.seconds = seconds
 
     def step(self) -> float:
         started = time.perf_counter()
@@ -79,7 +96,9 @@ class Trainer:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        self.delay.__exit__(None, None, None)
+        self.delay(0.0)
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
 
 
 def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: float | None):  # type: ignore[no-untyped-def]
@@ -88,14 +107,15 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: f
 
     policy = IldPolicy()
     state = make_state(args)
-    trainer = Trainer()
+    trainer = Trainer(args.timer)
+    assert (state.ild.dispatch.native is not None) == (args.timer == "native")
     latency = state.ild.host_dispatch
     try:
         lead = 5 + args.baseline
         for _ in range(lead):
             trainer.step()
             state.manager.drain()
-        trainer.delay.seconds = delay
+        trainer.delay(delay)
         drifts, fired, times = [], [], []
         for _ in range(healthy_steps):
             times.append(trainer.step())
@@ -112,9 +132,18 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: f
         trainer.close()
 
 
+def state_every(args: argparse.Namespace) -> int:
+    from flare_exporter.config import Config
+
+    return args.every or Config().ild_dispatch_every_steps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--every", type=int, default=5, help="sampling window on one step in N (default 5)")
+    parser.add_argument("--timer", choices=("native", "python"), default="native", help="(default native)")
+    parser.add_argument(
+        "--every", type=int, default=0, help="window on one step in N (the exporter's default)"
+    )
     parser.add_argument("--window", type=int, default=2, help="sampled steps in the current window (2)")
     parser.add_argument("--baseline", type=int, default=100, help="baseline steps after 5 warm-up (100)")
     parser.add_argument("--healthy-steps", type=int, default=1000, help="healthy steps checked (1000)")
@@ -124,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         "--shares", default="0.25,0.5,1,2,4,8", help="delays to try, in %% of the step time (comma-separated)"
     )
     args = parser.parse_args(argv)
+    if args.timer == "native":
+        op_timer.build()  # once per torch version, ~10-30 s
+    else:
+        op_timer.load = lambda: None  # the exporter's dispatch-mode windows
 
     drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, None)
     healthy_w1 = [d[1] for d in drifts if d is not None]
@@ -133,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     step_time = statistics.median(times)
     ks_values = [d[0] for d in drifts if d is not None]
     print(
-        f"ILD sensitivity (host dispatch latency): window on 1 step in {args.every}, current window "
+        f"ILD sensitivity (host dispatch latency, {args.timer} timer): window on 1 step in "
+        f"{state_every(args)}, current window "
         f"{args.window} sampled steps, baseline {args.baseline} steps; {ops:.0f} ops per step, median step "
         f"{step_time * 1e3:.3f} ms (windows included)"
     )

@@ -1,16 +1,20 @@
-"""Host dispatch latency: a dispatch mode that times every framework op of one step in N.
+"""Host dispatch latency: every framework op of one step in N, timed from its dispatch to its return.
 
-A TorchDispatchMode sees each aten op after autograd, on the thread that runs it; the time from entering
-the op's dispatch to its return is the host issue path. On a GPU the op returns once its kernel is launched,
-so this is dispatch plus launch; on CPU there is no launch and the op runs to completion before it returns,
-so what is measured is the op's dispatch plus its execution on the host. Either grows when the host is
-slowed (CPU contention, a busy interpreter, a noisy neighbour).
+The step hook opens a sampling window on one step in `ild_dispatch_every_steps` and closes it at the next
+step. Two timers, the same samples (one per op, tagged with the window's step):
 
-Timing every op costs a few microseconds each, so the mode is active only in sampling windows: the step hook
-opens a window on one step in `ild_dispatch_every_steps` and closes it at the next step. The mode appends
-durations to a bounded list; at the window's close the list is handed to the timing manager, which turns it
-into histogram counts off the training thread. On GPUs the window also times kernel issue latency: every op
-counts as a launch for the kernel sampler, which records a CUDA event on the current stream for one in N.
+- the native timer (op_timer.py, csrc/op_timer.cpp), when built: a torch RecordFunction observer, enabled
+  only in windows, that times each aten op (nested ones too) in C++ for ~0.3 µs per op and leaves the
+  samples in a bounded ring that the timing manager takes (collect()); nothing is handed over at close;
+- otherwise, and in processes that use CUDA (whose window also samples kernel launches, below), a
+  TorchDispatchMode that sees each aten op after autograd and appends its duration to a bounded list,
+  handed to the timing manager at the window's close. It costs several µs per op.
+
+On a GPU an op returns once its kernel is launched, so this is dispatch plus launch; on CPU there is no
+launch and the op runs to completion before it returns, so what is measured is the op's dispatch plus its
+execution on the host. Either grows when the host is slowed (CPU contention, a busy interpreter, a noisy
+neighbour). On GPUs the dispatch-mode window also times kernel issue latency: every op counts as a launch for
+the kernel sampler, which records a CUDA event on the current stream for one in N.
 
 Caveats: the mode is pushed and popped from the optimizer step hook, so ops between the last step and the
 exporter's shutdown run through it (bounded: at most `MAX_SAMPLES` are kept); a mode pushed by user code
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from . import op_timer
 from .health import ExporterHealth
 from .timing import EventBackend, TimingManager
 
@@ -80,6 +85,9 @@ class DispatchSampler:
         self.window_step = 0
         self.windows = 0
         self.stale: list[DispatchWindow] = []  # disabled windows that another mode kept us from popping
+        self.native = op_timer.load() if every else None  # None: dispatch-mode windows only
+        self.native_window_open = False
+        self._native_dropped = 0
         self._cuda_events: EventBackend | None = None
         self._cuda_checked = False
 
@@ -109,14 +117,40 @@ class DispatchSampler:
                 self._cuda_checked = True
         return self._cuda_events
 
+    @property
+    def window_open(self) -> bool:
+        return self.native_window_open or self.window is not None
+
+    def collect(self) -> None:
+        """Move the native timer's samples into the histogram (the timing manager's thread)."""
+        if self.native is None:
+            return
+        steps, seconds = self.native.take()
+        for step, sample in zip(steps, seconds, strict=True):
+            self.latency.add(step, sample)
+        dropped = self.native.dropped_samples()
+        if dropped > self._native_dropped:
+            self.health.drop("ild_dispatch_samples", dropped - self._native_dropped)
+            self._native_dropped = dropped
+
     def _open(self, step: int) -> None:
         self.latency.active = True
-        window = DispatchWindow(self.kernels, self.cuda_events())
+        self.window_step = step
+        cuda_events = self.cuda_events()
+        if self.native is not None and cuda_events is None:
+            self.native.open_window(step)
+            self.native_window_open = True
+            return
+        window = DispatchWindow(self.kernels, cuda_events)
         window.__enter__()
         self.window = window
-        self.window_step = step
 
     def _close(self) -> None:
+        if self.native_window_open:
+            self.native_window_open = False
+            self.native.close_window()  # type: ignore[union-attr]  # open only with a native timer
+            self.windows += 1
+            return
         self._pop_stale()
         window = self.window
         if window is None:

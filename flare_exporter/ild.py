@@ -219,6 +219,7 @@ class IldState:
         return (self.kernel_issue, self.host_dispatch)
 
     def refresh(self) -> None:
+        self.dispatch.collect()
         for latency in self.distributions:
             latency.drift.refresh()
 

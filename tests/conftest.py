@@ -111,3 +111,16 @@ def one_rank_env(port: int, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+@pytest.fixture(params=["native", "python"])
+def dispatch_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both host-dispatch timers: the native RecordFunction observer (built here) and the dispatch mode."""
+    from flare_exporter import op_timer
+
+    if request.param == "native":
+        op_timer.build()
+        assert op_timer.load() is not None, op_timer.load_error
+    else:
+        monkeypatch.setattr(op_timer, "load", lambda: None)
+    return request.param
