@@ -12,7 +12,8 @@ def metrics_table() -> str:
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for metric in spec.METRICS:
         labels = ", ".join(spec.COMMON_LABELS + metric.labels)
-        lines.append(f"| `{metric.name}` | {metric.type} | {labels} | {metric.help} |")
+        meaning = f"{metric.help} {metric.detail}".strip()
+        lines.append(f"| `{metric.name}` | {metric.type} | {labels} | {meaning} |")
     return "\n".join(lines)
 
 

@@ -30,7 +30,10 @@ def log_buckets(lowest: float, highest: float, per_decade: int) -> tuple[float, 
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric: its exposed name, type, unit, help text, labels beyond rank/run, and buckets."""
+    """One metric: its exposed name, type, unit, help text, labels beyond rank/run, and buckets.
+
+    `help` is served on every scrape, so it is one short sentence; `detail` says the rest, in the docs only.
+    """
 
     name: str
     type: str
@@ -38,6 +41,7 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    detail: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -100,61 +104,66 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_rank_info",
         INFO,
         "",
-        "Identity of this rank; join other series on rank with group_left to get these labels.",
+        "Identity of this rank; join on rank with group_left for these labels.",
         ("host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"),
     ),
     MetricSpec(
         "flare_process_group_info",
         INFO,
         "",
-        "A process group this rank belongs to: its stable name, its role and its size.",
+        "A process group of this rank: its stable name, role and size.",
         ("group", "role", "size"),
     ),
     MetricSpec(
         "flare_collective_duration_seconds",
         HISTOGRAM,
         "seconds",
-        "Time from issuing a collective to its completion (device time from CUDA events on GPUs, "
-        "completion of the work on CPU/gloo).",
+        "Time from issuing a collective to its completion.",
         ("group", "op"),
         COLLECTIVE_DURATION_BUCKETS,
+        detail="Device time from CUDA events on GPUs, completion of the work on CPU/gloo.",
     ),
     MetricSpec(
         "flare_collective_bytes_total",
         COUNTER,
         "bytes",
-        "Bytes this rank contributed to completed collectives (its input; for scatter and receives, "
-        "what it received).",
+        "Bytes this rank contributed to completed collectives.",
         ("group", "op"),
+        detail="Its input; for scatter and receives, what it received.",
     ),
     MetricSpec(
         "flare_collective_last_issued_seq",
         GAUGE,
         "",
-        "Sequence number of the last collective this rank issued in the group (starts at 1).",
+        "Sequence number of the last collective this rank issued in the group.",
         ("group",),
+        detail="Starts at 1.",
     ),
     MetricSpec(
         "flare_collective_last_completed_seq",
         GAUGE,
         "",
-        "Highest sequence number of a collective that completed on this rank in the group.",
+        "Highest sequence number of a collective completed in the group.",
         ("group",),
     ),
     MetricSpec(
         "flare_collective_in_flight_info",
         INFO,
         "",
-        "The oldest unfinished collective of the group on this rank: its op and state (issued: handed to the "
-        "backend; started: running on the device). Absent when nothing is in flight.",
+        "The group's oldest unfinished collective on this rank: op and state.",
         ("group", "op", "state"),
+        detail=(
+            "State issued: handed to the backend; started: running on the device. Absent when nothing is in "
+            "flight."
+        ),
     ),
     MetricSpec(
         "flare_collective_in_flight_seq",
         GAUGE,
         "",
-        "Sequence number of the group's oldest unfinished collective on this rank (0 for send/recv).",
+        "Sequence number of the group's oldest unfinished collective.",
         ("group",),
+        detail="0 for send/recv.",
     ),
     MetricSpec(
         "flare_collective_in_flight_bytes",
@@ -167,73 +176,88 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_in_flight_started_timestamp_seconds",
         GAUGE,
         "seconds",
-        "Unix time at which the group's oldest unfinished collective was issued on this rank.",
+        "Unix time the group's oldest unfinished collective was issued.",
         ("group",),
     ),
     MetricSpec(
         "flare_rank_stack_info",
         INFO,
         "",
-        "Present while the training thread has made no progress for stall_seconds: what it is doing "
-        "(activity: collective, data or compute) and its innermost Python frames (file:line function, "
-        "innermost first, at most 3 and 240 characters).",
+        "What the training thread is doing while it makes no progress.",
         ("activity", "frames"),
+        detail=(
+            "Present after stall_seconds without progress: its activity (collective, data or compute) and "
+            "innermost Python frames (file:line function, innermost first, at most 3 and 240 characters)."
+        ),
     ),
     MetricSpec(
         "flare_rank_exception_info",
         INFO,
         "",
-        "The exception that is ending this rank (its type only), present from the moment it is raised "
-        "out of the training script.",
+        "The exception (its type only) that is ending this rank.",
         ("type",),
+        detail="Present from the moment it is raised out of the training script.",
     ),
     MetricSpec(
         "flare_rank_exception_timestamp_seconds",
         GAUGE,
         "seconds",
-        "Unix time at which the exception that is ending this rank was raised out of the training script.",
+        "Unix time the exception ending this rank was raised.",
+        detail="Raised out of the training script.",
     ),
     # issue latency (ILD)
     MetricSpec(
         "flare_kernel_issue_latency_seconds",
         HISTOGRAM,
         "seconds",
-        "Kernel issue latency of sampled kernel launches: device start minus host launch (a stalling host "
-        "drains the device queue and the distribution collapses toward zero). Present only where a launch "
-        "source exists (CUDA, the fake device).",
+        "Device start minus host launch of sampled kernel launches.",
         (),
         ISSUE_LATENCY_BUCKETS,
+        detail=(
+            "A stalling host drains the device queue and the distribution collapses toward zero. Present "
+            "only where a launch source exists (CUDA, the fake device)."
+        ),
     ),
     MetricSpec(
         "flare_host_dispatch_latency_seconds",
         HISTOGRAM,
         "seconds",
-        "Host dispatch latency of framework ops in sampling windows (one step in ild_dispatch_every_steps): "
-        "from the op's dispatch to its return (the launch on GPUs; dispatch plus execution on CPU).",
+        "Time of framework ops from dispatch to return, in sampling windows.",
         (),
         ISSUE_LATENCY_BUCKETS,
+        detail=(
+            "One step in ild_dispatch_every_steps; on GPUs an op returns at its launch, on CPU after its "
+            "execution."
+        ),
     ),
     MetricSpec(
         "flare_ild_drift_ks",
         GAUGE,
         "",
-        "Kolmogorov-Smirnov statistic (largest CDF difference, 0..1, over the histogram buckets) between the "
-        "current window of the distribution and this rank's baseline; absent until both have enough samples.",
+        "Kolmogorov-Smirnov statistic of the current window vs the baseline.",
         ("distribution",),
+        detail=(
+            "Largest CDF difference (0..1) over the histogram buckets, against this rank's own baseline; "
+            "absent until both have enough samples."
+        ),
     ),
     MetricSpec(
         "flare_ild_drift_wasserstein_seconds",
         GAUGE,
         "seconds",
-        "Wasserstein-1 distance (over the histogram buckets' log-midpoints) between the current window of "
-        "the distribution and this rank's baseline; absent until both have enough samples.",
+        "Wasserstein-1 distance of the current window from the baseline.",
         ("distribution",),
+        detail=(
+            "Over the histogram buckets' log-midpoints, against this rank's own baseline; absent until both "
+            "have enough samples."
+        ),
     ),
     MetricSpec(
         "flare_steps_total",
         COUNTER,
         "",
-        "Optimizer steps taken by this rank (the first optimizer that steps counts).",
+        "Optimizer steps taken by this rank.",
+        detail="The first optimizer that steps counts.",
     ),
     MetricSpec(
         "flare_step_duration_seconds",
@@ -247,31 +271,35 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_heartbeat_timestamp_seconds",
         GAUGE,
         "seconds",
-        "Unix time of the training thread's last progress (an optimizer step or a collective issued).",
+        "Unix time of the training thread's last progress.",
+        detail="An optimizer step or a collective issued.",
     ),
     # stragglers and GPU health
     MetricSpec(
         "flare_straggler_window_step_seconds",
         GAUGE,
         "seconds",
-        "Mean step time over one window of straggler_window_steps steps; ago=0 is the last closed window, "
-        "ago=1 the one before, and so on (straggler_windows of them).",
+        "Mean step time over one window of straggler_window_steps steps.",
         ("ago",),
+        detail="ago=0 is the last closed window, ago=1 the one before, ... (straggler_windows of them).",
     ),
     MetricSpec(
         "flare_straggler_window_wait_seconds",
         GAUGE,
         "seconds",
-        "Mean time per step spent in collectives (issue to completion, summed over the step's collectives) "
-        "over the same window; a straggler waits least, the others wait for it.",
+        "Mean time per step spent in collectives over the same window.",
         ("ago",),
+        detail=(
+            "Issue to completion, summed over the step's collectives; a straggler waits least, the others "
+            "wait for it."
+        ),
     ),
     MetricSpec(
         "flare_straggler_last_window",
         GAUGE,
         "",
-        "Number of the last closed window (window n holds steps n*straggler_window_steps+2 onwards, the same "
-        "steps on every rank), so that ranks' windows can be aligned.",
+        "Number of the last closed window, to align the ranks' windows.",
+        detail="Window n holds steps n*straggler_window_steps+2 onwards, the same steps on every rank.",
     ),
     MetricSpec(
         "flare_straggler_best_step_seconds",
@@ -283,22 +311,26 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_straggler_slowdown_ratio",
         GAUGE,
         "",
-        "Last window's mean step time over the rank's own best window (1: as fast as it has ever been).",
+        "Last window's mean step time over the rank's own best window.",
+        detail="1: as fast as it has ever been.",
     ),
     MetricSpec(
         "flare_gpu_health_up",
         GAUGE,
         "",
-        "1 if NVML answered for this rank's own GPU at the last poll, 0 if not (no NVML, no GPU, disabled); "
-        "the other flare_gpu_ series are present only when it is 1.",
+        "1 if NVML answered for this rank's GPU at the last poll, else 0.",
+        detail=(
+            "0 with no NVML, no GPU, or GPU health disabled; the other flare_gpu_ series are present only "
+            "when it is 1."
+        ),
     ),
     MetricSpec(
         "flare_gpu_clock_event_active",
         GAUGE,
         "",
-        "1 while NVML reports this clock-event (throttle) reason on the rank's GPU, else 0; one series per "
-        "reason of a fixed list.",
+        "1 while NVML reports this clock-event (throttle) reason, else 0.",
         ("reason",),
+        detail="One series per reason of a fixed list.",
     ),
     MetricSpec("flare_gpu_sm_clock_hertz", GAUGE, "", "Current SM clock of the rank's GPU."),
     MetricSpec("flare_gpu_sm_clock_max_hertz", GAUGE, "", "Maximum SM clock of the rank's GPU."),
@@ -314,28 +346,31 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_ecc_errors_total",
         COUNTER,
         "",
-        "ECC errors of the GPU's memory since the driver loaded (volatile), by type: corrected, uncorrected.",
+        "ECC errors of the GPU's memory since the driver loaded, by type.",
         ("type",),
+        detail="Volatile counts, by type: corrected, uncorrected.",
     ),
     MetricSpec(
         "flare_gpu_xid_events_total",
         COUNTER,
         "",
-        "Critical XID events NVML delivered for the rank's GPU since the exporter started.",
+        "Critical XID events NVML delivered for the rank's GPU.",
+        detail="Since the exporter started.",
     ),
     MetricSpec(
         "flare_gpu_last_xid",
         GAUGE,
         "",
-        "Code of the last critical XID event on the rank's GPU (absent until one happens).",
+        "Code of the last critical XID event on the rank's GPU.",
+        detail="Absent until one happens.",
     ),
     MetricSpec(
         "flare_gpu_nvlink_errors_total",
         COUNTER,
         "",
-        "NVLink error counters of the GPU, summed over its active links, by counter: replay, recovery, "
-        "crc_flit, crc_data.",
+        "NVLink error counters of the GPU, summed over its active links.",
         ("counter",),
+        detail="By counter: replay, recovery, crc_flit, crc_data.",
     ),
     MetricSpec(
         "flare_gpu_remapped_rows",
@@ -348,7 +383,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_row_remap_pending",
         GAUGE,
         "",
-        "1 if a row remapping is pending (takes effect at the next GPU reset), else 0.",
+        "1 if a row remapping is pending, else 0.",
+        detail="It takes effect at the next GPU reset.",
     ),
     MetricSpec(
         "flare_gpu_row_remap_failed",
@@ -367,9 +403,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_exporter_dropped_events_total",
         COUNTER,
         "",
-        "Events not turned into metrics, by queue: a bounded queue or table was full (completed_collectives, "
-        "polled_collectives, process_groups), or the collective failed (failed_collectives).",
+        "Events not turned into metrics, by queue.",
         ("queue",),
+        detail=(
+            "A bounded queue or table was full (completed_collectives, polled_collectives, process_groups, "
+            "ild_events, ...), or the collective failed (failed_collectives)."
+        ),
     ),
     MetricSpec(
         "flare_exporter_collector_success",

@@ -110,7 +110,7 @@ def test_app_serves_metrics():
     status, headers, body = call_app(make_app(make_registry(StepsCollector())), "/metrics")
     assert status.startswith("200")
     assert headers["Content-Type"].startswith("text/plain")
-    assert b'flare_steps_total{rank="3",run="run-1"} 12.0' in body
+    assert b'flare_steps_total{rank="3",run="run-1"} 12\n' in body
 
 
 def test_app_serves_healthz():

@@ -283,7 +283,7 @@ def test_tls_and_basic_auth_endpoint(secured_server, certs):
     assert get(secured_server.port, "/healthz", context)[0] == 401  # every path needs the credentials
     status, headers, body = get(secured_server.port, "/metrics", context, "prometheus", PASSWORD)
     assert status == 200
-    assert b'flare_steps_total{rank="3",run="run-1"} 12.0' in body
+    assert b'flare_steps_total{rank="3",run="run-1"} 12\n' in body
     assert headers["X-Frame-Options"] == "deny"
     assert get(secured_server.port, "/healthz", context, "prometheus", PASSWORD)[:3:2] == (200, b"ok\n")
     assert get(secured_server.port, "/debug", context, "prometheus", PASSWORD)[0] == 404
