@@ -1,12 +1,18 @@
 """Scrape load A/B: does a scraper hammering one rank's /metrics slow training down?
 
-    python benchmarks/scrape_load.py [--pairs 6] [--ranks 2] [--steps 800] [--warmup 50] [--rate 200]
+    python benchmarks/scrape_load.py [--pairs 6] [--ranks 2] [--steps 800] [--warmup 50] [--rate 200] \
+                                     [--new-connections]
 
 Each pair runs the same gloo DDP job (flare_exporter/workloads/train_ddp.py on `--ranks` local ranks,
 under the flare launcher) twice: once unscraped (A) and once with rank 0 scraped by a separate process at
-`--rate` requests per second for the whole run (B), from before the rank's endpoint first answers until
-training has ended. Odd pairs run A then B, even pairs B then A. A run's step time is the median over ranks
-of each rank's median step time, the first `--warmup` steps left out; a pair's ratio is B / A.
+`--rate` requests per second for the whole run (B; SCRAPER_THREADS threads, on keep-alive connections as
+Prometheus scrapes, or a new connection per request with --new-connections), from before the rank's
+endpoint first answers until training has ended. Odd pairs run A then B, even pairs B then A. A run's step
+time is the median over ranks of each rank's median step time, the first `--warmup` steps left out; a
+pair's ratio is B / A.
+
+On a machine whose cores the ranks already fill (2 ranks on 2 cores), the scraper's own CPU slows them
+whatever the exporter does: run `--ranks 1` there to leave the scraper a core.
 
 Printed per pair and in the summary: the step times, the ratio, the scraper's achieved rate over the
 training window, and its failed scrapes (any request that did not return HTTP 200 with flare metrics
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,41 +39,64 @@ sys.path.insert(0, str(REPO))
 from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
+SCRAPER_THREADS = 8  # requests in flight at once: one slow answer does not lower the offered rate
 
-def scraper(port: int, rate: float, stop_file: str, out: str) -> None:
-    """Scrape 127.0.0.1:port/metrics at `rate` per second until `stop_file` exists; write the counts."""
-    interval = 1.0 / rate
-    first_ok = None
-    ok = failed = not_yet = 0
+
+def scraper(port: int, rate: float, stop_file: str, out: str, new_connections: bool) -> None:
+    """Scrape 127.0.0.1:port/metrics at `rate` per second until `stop_file` exists; write the counts.
+
+    SCRAPER_THREADS threads, each paced at rate / SCRAPER_THREADS and started a fraction of an interval
+    apart, each keeping its connection open between requests as Prometheus does, or with
+    `new_connections` opening one per request (curl in a loop)."""
+    counts = {"ok": 0, "failed": 0, "not_yet": 0}
     times: list[float] = []
-    next_at = time.monotonic()
-    while not os.path.exists(stop_file):
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/metrics")
-            response = connection.getresponse()
-            body = response.read()
-            connection.close()
-            success = response.status == 200 and b"flare_steps_total" in body
-        except OSError:
-            success = False
-        now = time.monotonic()
-        if success:
-            ok += 1
-            times.append(now)
-            first_ok = first_ok or now
-        elif first_ok is None:
-            not_yet += 1  # the rank is still importing torch
-        else:
-            failed += 1
-        next_at += interval
-        delay = next_at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)  # pacing the load, not synchronising
-        else:
-            next_at = time.monotonic()  # behind: go on at once, never burst to catch up
+    lock = threading.Lock()
+    interval = SCRAPER_THREADS / rate
+
+    def scrape_paced(offset: float) -> None:
+        next_at = time.monotonic() + offset
+        connection = None
+        while not os.path.exists(stop_file):
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # pacing the load, not synchronising
+            elif delay < -1.0:
+                next_at = time.monotonic()  # a second behind: give up on the backlog rather than burst
+            next_at += interval  # behind by less: go on at once and keep the offered rate
+            try:
+                if connection is None:
+                    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", "/metrics")
+                response = connection.getresponse()
+                body = response.read()
+                success = response.status == 200 and b"flare_steps_total" in body
+                if new_connections or response.will_close:
+                    connection.close()
+                    connection = None
+            except (OSError, http.client.HTTPException):
+                success = False
+                if connection is not None:
+                    connection.close()
+                    connection = None
+            with lock:
+                if success:
+                    counts["ok"] += 1
+                    times.append(time.monotonic())
+                elif not times:
+                    counts["not_yet"] += 1  # the rank is still importing torch
+                else:
+                    counts["failed"] += 1
+
+    threads = [
+        threading.Thread(target=scrape_paced, args=(index * interval / SCRAPER_THREADS,))
+        for index in range(SCRAPER_THREADS)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     with open(out, "w") as handle:
-        json.dump({"ok": ok, "failed": failed, "not_yet": not_yet, "times": times}, handle)
+        json.dump({**counts, "times": sorted(times)}, handle)
 
 
 def run_job(work: str, args: argparse.Namespace, scraped: bool) -> dict:
@@ -80,6 +110,7 @@ def run_job(work: str, args: argparse.Namespace, scraped: bool) -> dict:
     if scraped:
         scraper_process = subprocess.Popen(
             [sys.executable, __file__, "--scraper", str(base_port), "--rate", str(args.rate)]
+            + (["--new-connections"] if args.new_connections else [])
             + ["--stop-file", stop_file, "--out", scraper_out]
         )
     ranks = []
@@ -157,16 +188,21 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--new-connections", action="store_true", help="a connection per request (default: keep-alive)"
+    )
     parser.add_argument("--scraper", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--stop-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scraper:
-        scraper(args.scraper, args.rate, args.stop_file, args.out)
+        scraper(args.scraper, args.rate, args.stop_file, args.out, args.new_connections)
         return 0
     work = tempfile.mkdtemp(prefix="flare-scrape-load-")
     print(
         f"scrape_load: {args.pairs} pairs, {args.ranks} ranks, {args.steps} steps, rank 0 at {args.rate:g}/s"
+        f" by {SCRAPER_THREADS} threads, "
+        + ("a new connection per request" if args.new_connections else "keep-alive connections")
     )
     ratios, rates, failures, oks = [], [], 0, 0
     for pair in range(1, args.pairs + 1):

@@ -11,15 +11,11 @@ import errno
 import gzip
 import logging
 import re
-import selectors
-import socket
 import ssl
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
@@ -28,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 from . import web_config
 from .collectors import Collector, Families
 from .health import ExporterHealth
+from .http_server import HttpServer
 from .web_config import BasicAuth, WebConfig, WebConfigError
 
 log = logging.getLogger("flare_exporter")
@@ -153,70 +150,45 @@ def metrics_body(
     return body, headers
 
 
-# A connection's TLS handshake, request and response must each finish within this, so a client that
-# connects and goes silent holds one thread for a while, never the endpoint.
+# Scrapes that arrive within this long of a render get the same body: a scraper hammering a rank (a dozen
+# dashboards, a misconfigured Prometheus) costs it at most 1 / RENDER_REUSE_SECONDS renders a second,
+# and no scrape interval is short enough to notice values half a second old.
+RENDER_REUSE_SECONDS = 0.5
+
+
+class RenderCache:
+    """The last /metrics body per encoding, reused by scrapes within RENDER_REUSE_SECONDS of its render.
+
+    Its lock is taken by scrape threads only, and makes concurrent scrapes wait for one render rather than
+    each rendering the same thing; the training thread never touches it.
+    """
+
+    def __init__(self, registry: CollectorRegistry, max_age: float = RENDER_REUSE_SECONDS) -> None:
+        self.registry = registry
+        self.max_age = max_age
+        self.renders = 0
+        self._bodies: dict[bool, tuple[float, tuple[bytes, list[tuple[str, str]]]]] = {}
+        self._lock = threading.Lock()
+
+    def body(self, accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
+        gzipped = "gzip" in accept_encoding
+        with self._lock:
+            now = time.monotonic()
+            cached = self._bodies.get(gzipped)
+            if cached is not None and now - cached[0] < self.max_age:
+                return cached[1]
+            body = metrics_body(self.registry, "gzip" if gzipped else "")
+            self._bodies[gzipped] = (now, body)
+            self.renders += 1
+            return body
+
+
+# A connection's TLS handshake, request and response must all finish within this, so a client that
+# connects and goes silent holds a connection slot for a while, never the endpoint.
 REQUEST_TIMEOUT_SECONDS = 10.0
 # Connections served at once; beyond it a connection is closed unanswered and counted as dropped, so a
-# flood of connections costs the rank bounded threads and memory.
+# flood of connections costs the rank bounded memory.
 MAX_CONNECTIONS = 64
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    ssl_context: ssl.SSLContext | None = None
-    health: ExporterHealth | None = None
-    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # replaced per server in MetricsServer
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            if self.health is not None:
-                self.health.drop("http_connections")
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)  # starts the connection's thread
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)  # type: ignore[misc]
-        finally:
-            self.slots.release()
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        """Serve one connection on its own thread; the TLS handshake happens here, not in accept()."""
-        request.settimeout(REQUEST_TIMEOUT_SECONDS)
-        if self.ssl_context is None:
-            super().finish_request(request, client_address)
-            return
-        try:
-            secured = self.ssl_context.wrap_socket(request, server_side=True)
-        except OSError as error:  # ssl.SSLError included: a plain-HTTP client, a bad or missing cert
-            if self.health is not None:
-                self.health.error("http_tls_handshake", error)
-            return
-        try:
-            super().finish_request(secured, client_address)
-        finally:
-            secured.close()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:  # count, never print a traceback
-        if self.health is not None:
-            self.health.error("http_server")
-
-
-class _ThreadingServerIPv6(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_SECONDS
-
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes must not flood the job's log
-        pass
 
 
 def make_app(
@@ -228,6 +200,7 @@ def make_app(
     `headers` are added to every response (a web config's http_server_config.headers).
     """
     extra_headers = list((headers or {}).items())
+    bodies = RenderCache(registry)
 
     def app(environ: dict, start_response: Any) -> Iterable[bytes]:
         def respond(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -244,7 +217,7 @@ def make_app(
             respond("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
             return [b"flare-exporter answers GET only\n"]
         if path == "/metrics":
-            body, metric_headers = metrics_body(registry, environ.get("HTTP_ACCEPT_ENCODING", ""))
+            body, metric_headers = bodies.body(environ.get("HTTP_ACCEPT_ENCODING", ""))
             respond("200 OK", metric_headers)
             return [body]
         respond("200 OK", [("Content-Type", "text/plain")])
@@ -254,13 +227,7 @@ def make_app(
 
 
 class MetricsServer:
-    """The rank's HTTP endpoint, on a daemon thread that sleeps until a request comes.
-
-    Unlike socketserver's serve_forever, which wakes every 0.5 s to look for a shutdown request, the
-    loop blocks in select() until a connection arrives: an idle endpoint costs the host nothing, and on
-    a machine with no core to spare it never preempts training. close() wakes it with a connection.
-    Each connection is served on its own thread (TLS handshake included), at most MAX_CONNECTIONS at once.
-    """
+    """The rank's HTTP(S) endpoint: make_app served by an HttpServer (one thread, asleep until a request)."""
 
     def __init__(
         self,
@@ -273,35 +240,13 @@ class MetricsServer:
     ) -> None:
         self.addr = addr
         self.scheme = "https" if ssl_context is not None else "http"
-        server_class = _ThreadingServerIPv6 if ":" in addr else _ThreadingServer
         self.auth = web.authenticator() if web is not None else None
         app = make_app(registry, self.auth, web.headers if web is not None else None)
-        self._server = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
-        self._server.ssl_context = ssl_context  # type: ignore[attr-defined]
-        self._server.health = health  # type: ignore[attr-defined]
-        self._server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # type: ignore[attr-defined]
-        self.port = self._server.server_port
-        self._closing = False
-        self._thread = threading.Thread(target=self._serve, name="flare-http", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._server, selectors.EVENT_READ)
-            while not self._closing:
-                if selector.select(timeout=None) and not self._closing:
-                    self._server._handle_request_noblock()  # type: ignore[attr-defined]
+        self.http = HttpServer(addr, port, app, ssl_context, health, MAX_CONNECTIONS, REQUEST_TIMEOUT_SECONDS)
+        self.port = self.http.port
 
     def close(self) -> None:
-        self._closing = True
-        wake_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.addr, self.addr)
-        try:
-            with socket.create_connection((wake_host, self.port), timeout=1):
-                pass
-        except OSError:  # cannot wake it: it is a daemon thread and ends with the process
-            pass
-        self._thread.join(timeout=2)
-        self._server.server_close()
+        self.http.close()
 
 
 def serve(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import logging
 import socket
-import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from wsgiref.util import setup_testing_defaults
 
 import pytest
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flare_exporter.collectors import Families
-from flare_exporter.exposition import FlareCollector, make_app, serve
+from flare_exporter.exposition import FlareCollector, RenderCache, make_app, serve
 from flare_exporter.health import ExporterHealth
 from flare_exporter.prometheus_process import wait_for
 
@@ -113,6 +114,47 @@ def test_app_serves_metrics():
     assert b'flare_steps_total{rank="3",run="run-1"} 12\n' in body
 
 
+class CountingCollector(StepsCollector):
+    """flare_steps_total = the number of times it was collected."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def collect(self, families: Families):
+        self.calls += 1
+        total = families.new("flare_steps_total")
+        total.add_metric(families.labels(), self.calls)
+        return [total]
+
+
+def test_scrapes_close_together_share_one_render_per_encoding():
+    collector = CountingCollector()
+    cache = RenderCache(make_registry(collector), max_age=60)
+    plain = [cache.body("") for _ in range(5)]
+    gzipped = [cache.body("gzip, deflate") for _ in range(5)]
+    assert collector.calls == 2 and cache.renders == 2  # one render per encoding
+    assert all(body == plain[0] for body in plain) and all(body == gzipped[0] for body in gzipped)
+    assert b'flare_steps_total{rank="3",run="run-1"} 1\n' in plain[0][0]
+    assert b'flare_steps_total{rank="3",run="run-1"} 2\n' in gzip.decompress(gzipped[0][0])
+    assert ("Content-Encoding", "gzip") in gzipped[0][1]
+
+
+def test_a_render_older_than_its_max_age_is_redone():
+    collector = CountingCollector()
+    cache = RenderCache(make_registry(collector), max_age=0.0)
+    first, second = cache.body(""), cache.body("")
+    assert collector.calls == 2
+    assert b"} 1\n" in first[0] and b"} 2\n" in second[0]
+
+
+def test_concurrent_scrapes_wait_for_one_render():
+    collector = CountingCollector()
+    cache = RenderCache(make_registry(collector), max_age=60)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        bodies = list(pool.map(lambda _: cache.body("gzip"), range(32)))
+    assert collector.calls == 1 and len({body for body, _ in bodies}) == 1
+
+
 def test_app_serves_healthz():
     status, _, body = call_app(make_app(make_registry()), "/healthz")
     assert status.startswith("200")
@@ -195,7 +237,7 @@ def test_connections_beyond_the_limit_are_dropped_and_counted():
     health = ExporterHealth()
     server = serve(make_registry(StepsCollector()), "127.0.0.1", 0, rank=0, health=health)
     assert server is not None
-    server._server.slots = threading.BoundedSemaphore(1)  # type: ignore[attr-defined]
+    server.http.max_connections = 1
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:  # holds the slot
             with pytest.raises(OSError):
