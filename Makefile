@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo demo-fault test lint system-deps bench op-timer
+.PHONY: demo demo-fault test lint system-deps bench native op-timer
 FAULT ?= stuck
 FAULT_RANK ?= 2
 
@@ -36,3 +36,7 @@ test: $(VENV)/.installed system-deps op-timer
 
 bench: $(VENV)/.installed op-timer
 	$(PY) benchmarks/overhead.py
+
+# the optional native launch shim (docs/native.md): cuda_hooks/build/libflare_hooks.so, for flare-run --native
+native:
+	$(MAKE) -C cuda_hooks

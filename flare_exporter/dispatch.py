@@ -6,8 +6,8 @@ step. Two timers, the same samples (one per op, tagged with the window's step):
 - the native timer (op_timer.py, csrc/op_timer.cpp), when built: a torch RecordFunction observer, enabled
   only in windows, that times each aten op (nested ones too) in C++ for ~0.3 µs per op and leaves the
   samples in a bounded ring that the timing manager takes (collect()); nothing is handed over at close;
-- otherwise, and in processes that use CUDA (whose window also samples kernel launches, below), a
-  TorchDispatchMode that sees each aten op after autograd and appends its duration to a bounded list,
+- otherwise, and in processes that use CUDA without the native shim (cuda_hooks/, which samples kernel
+  launches below Python; without it the window does, below), a TorchDispatchMode that sees each aten op after autograd and appends its duration to a bounded list,
   handed to the timing manager at the window's close. It costs several µs per op.
 
 On a GPU an op returns once its kernel is launched, so this is dispatch plus launch; on CPU there is no
@@ -87,6 +87,7 @@ class DispatchSampler:
         self.stale: list[DispatchWindow] = []  # disabled windows that another mode kept us from popping
         self.native = op_timer.load() if every else None  # None: dispatch-mode windows only
         self.native_window_open = False
+        self.launches_from_shim = False  # the native shim samples kernel launches: no need for the mode
         self._native_dropped = 0
         self._cuda_events: EventBackend | None = None
         self._cuda_checked = False
@@ -137,7 +138,7 @@ class DispatchSampler:
         self.latency.active = True
         self.window_step = step
         cuda_events = self.cuda_events()
-        if self.native is not None and cuda_events is None:
+        if self.native is not None and (cuda_events is None or self.launches_from_shim):
             self.native.open_window(step)
             self.native_window_open = True
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import runpy
 import sys
 
@@ -24,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a PyTorch training script with a flare-exporter on every rank.",
     )
     config_module.add_flags(parser)
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="re-run this command with the native launch shim (cuda_hooks/, docs/native.md) in LD_PRELOAD",
+    )
     parser.add_argument(
         "-m", dest="module", default=None, help="run a module (like python -m) instead of a script"
     )
@@ -46,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print("flare-run: error: give a script to run (or -m module)", file=sys.stderr)
         return 2
+    if args.native:
+        problem = preload_native(argv)  # returns only if the shim is loaded already, or cannot be
+        if problem:
+            print(f"flare-run: {problem}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from .agent import attach  # torch is imported only once the arguments are known to be good
 
@@ -64,9 +75,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _script_dir(script: str) -> str:
-    import os
+# Set in the re-executed command, so that a shim that failed to load is reported rather than re-tried.
+NATIVE_REEXEC_ENV = "FLARE_NATIVE_REEXEC"
 
+
+def preload_native(argv: list[str] | None) -> str | None:
+    """Re-execute this command with the native shim in LD_PRELOAD; an error line if it cannot be loaded.
+
+    Returns None without re-executing when the shim is already loaded (the re-executed command itself).
+    """
+    from . import native
+
+    if native.shim_loaded():
+        os.environ.pop(NATIVE_REEXEC_ENV, None)
+        return None
+    library = native.library_path().resolve()
+    if os.environ.get(NATIVE_REEXEC_ENV):
+        return f"--native: {library} was in LD_PRELOAD but did not load (see the dynamic loader's message)"
+    if not library.is_file():
+        return (
+            f"--native: the shim {library} is not built; build it with `make -C cuda_hooks` "
+            f"(needs gcc) or point {native.LIBRARY_ENV} at it"
+        )
+    environ = dict(os.environ)
+    existing = environ.get("LD_PRELOAD", "")
+    environ["LD_PRELOAD"] = f"{library}:{existing}" if existing else str(library)
+    environ[NATIVE_REEXEC_ENV] = "1"
+    # The command as started (interpreter options, flare-run or -m, arguments), unless main() was handed
+    # its arguments directly.
+    if argv is None:
+        command = [sys.executable, *sys.orig_argv[1:]]
+    else:
+        command = [sys.executable, "-m", "flare_exporter.launch", *argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, environ)
+    return None  # not reached: execve replaces this process or raises
+
+
+def _script_dir(script: str) -> str:
     return os.path.dirname(os.path.abspath(script))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from . import promql, scrape
+from . import promql, scrape, spec
 from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
 from .targets import Target
 
@@ -41,7 +41,8 @@ def build_snapshot(
     def per_rank(name: str) -> dict[int, float]:
         values: dict[int, float] = defaultdict(float)
         for labels, value in series.get(name, []):
-            values[int(labels["rank"])] += value
+            if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
+                values[int(labels["rank"])] += value
         return values
 
     def per_group(name: str) -> dict[tuple[int, str], float]:
@@ -270,8 +271,9 @@ def _unusable(samples: list[scrape.Sample], now: float) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Prometheus
 
-# Queries, one per metric whatever the number of ranks. `{sel}` is the run selector, `{window}` the
-# lookback. Identity and exceptions look back (a dead rank's last word); the rest is the current state.
+# Queries, one per metric whatever the number of ranks. `{sel}` is the run selector (`{sel_not_native}`
+# the same without the native shim's collectives), `{window}` the lookback. Identity and exceptions look
+# back (a dead rank's last word); the rest is the current state.
 PROMETHEUS_QUERIES = {
     "flare_rank_info": "last_over_time(flare_rank_info{sel}[{window}])",
     "flare_process_group_info": "last_over_time(flare_process_group_info{sel}[{window}])",
@@ -291,7 +293,7 @@ PROMETHEUS_QUERIES = {
     "flare_steps_total": "flare_steps_total{sel}",
     "flare_heartbeat_timestamp_seconds": "flare_heartbeat_timestamp_seconds{sel}",
     "flare_collective_duration_seconds_sum": (
-        "sum by (rank, run) (increase(flare_collective_duration_seconds_sum{sel}[{window}]))"
+        "sum by (rank, run) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
     ),
     "flare_step_duration_seconds_sum": "increase(flare_step_duration_seconds_sum{sel}[{window}])",
     "flare_step_duration_seconds_count": "increase(flare_step_duration_seconds_count{sel}[{window}])",
@@ -325,8 +327,11 @@ def from_prometheus(base_url: str, run: str = "", window: str = "5m", timeout: f
         )
         run = _one_run([item["metric"].get("run", "") for item in runs], run, f"Prometheus at {base_url}")
     selector = _selector(run)
+    not_native = f'{selector[:-1]},group!="{spec.NATIVE_GROUP}"}}'
     exprs = {
-        name: template.replace("{sel}", selector).replace("{window}", window)
+        name: template.replace("{sel}", selector)
+        .replace("{sel_not_native}", not_native)
+        .replace("{window}", window)
         for name, template in PROMETHEUS_QUERIES.items()
     }
     with ThreadPoolExecutor(max_workers=8) as pool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import native
 from .config import Config
 from .gpu_health import GpuHealthMonitor
 from .groups import GroupTracker
@@ -40,6 +41,8 @@ class FlareState:
         groups: dict[str, GroupTracker] = {}
         windows = StepWindows(steps, groups, health, config.straggler_window_steps, config.straggler_windows)
         manager.add_group(windows)  # its forget_finished() runs at the end of every drain
+        ild = IldState(config, health, manager, steps)
+        native.attach(ild, manager, steps, health)  # reads the native shim's ring if it is preloaded
         return cls(
             config=config,
             identity=identity,
@@ -48,5 +51,5 @@ class FlareState:
             steps=steps,
             windows=windows,
             groups=groups,
-            ild=IldState(config, health, manager, steps),
+            ild=ild,
         )

@@ -147,16 +147,21 @@ class StepWindows:
         if len(self._waits) > MAX_WAITING:  # a long stretch without steps (evaluation): one sum for it
             self._waits = [(max(issued for issued, _ in self._waits), sum(d for _, d in self._waits))]
         oldest_unfinished = min((record.issued_at for record in still), default=math.inf)
+        waits = sorted(self._waits)  # by issue time: each boundary takes the ones issued before it
+        taken = 0
         for step, at in boundaries:
             if step <= self._last_step:
                 continue
             if at >= oldest_unfinished:
                 break  # a collective of this step is still running
-            wait = sum(duration for issued, duration in self._waits if issued <= at)
-            self._waits = [(issued, duration) for issued, duration in self._waits if issued > at]
+            wait = 0.0
+            while taken < len(waits) and waits[taken][0] <= at:
+                wait += waits[taken][1]
+                taken += 1
             if step == self._last_step + 1 and self._last_boundary is not None:
                 self.ring.add_step(step, at - self._last_boundary, wait)
             self._last_step, self._last_boundary = step, at
+        self._waits = waits[taken:]
 
     def _see_new_collectives(self) -> None:
         """Add the records queued since the last drain (pending only grows at the right between drains)."""

@@ -1,0 +1,216 @@
+"""The native shim's ring from Python: parsing bytes, reading a file, feeding the histograms (no gcc)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flare_exporter import launch, native, spec
+from flare_exporter.config import Config
+from flare_exporter.health import ExporterHealth
+from flare_exporter.identity import RankIdentity
+from flare_exporter.ild import IssueLatency
+from flare_exporter.native import HEADER, RECORD, NativeRecord, RingFormatError, RingReader, ShimFeed
+from flare_exporter.progress import StepTracker
+from flare_exporter.state import FlareState
+from flare_exporter.timing import TimingManager
+
+CUDA_LAUNCH_KERNEL, NCCL_ALL_REDUCE, NCCL_SEND = 1, 16, 21
+
+
+def ring_bytes(capacity: int, records: dict[int, tuple], write_index: int, **counters: int) -> bytearray:
+    """A ring as the shim lays it out; `records`: record number -> (api, result, host, start, end, bytes)."""
+    buffer = bytearray(HEADER.size + capacity * RECORD.size)
+    HEADER.pack_into(
+        buffer,
+        0,
+        native.RING_MAGIC,
+        native.RING_VERSION,
+        HEADER.size,
+        RECORD.size,
+        capacity,
+        write_index,
+        counters.get("sampled", 0),
+        counters.get("dropped", 0),
+        counters.get("overwritten", 0),
+        counters.get("errors", 0),
+        4321,  # pid
+        1,  # events ready
+        64,
+        1,
+        counters.get("created_ns", 123),
+        3,  # device
+        0,
+    )
+    for index, (api, result, host, start, end, nbytes) in records.items():
+        offset = HEADER.size + (index % capacity) * RECORD.size
+        RECORD.pack_into(buffer, offset, index + 1, api, 0, result, host, start, end, nbytes, 0x77, 99, 0)
+    return buffer
+
+
+def kernel(host_ns: int, latency_ns: int, result: int = 0) -> tuple:
+    return (CUDA_LAUNCH_KERNEL, result, host_ns, host_ns + latency_ns, host_ns + latency_ns, 0)
+
+
+def test_the_header_is_parsed_field_by_field():
+    header = native.parse_header(ring_bytes(8, {}, 5, sampled=9, dropped=3, overwritten=1, errors=2))
+    assert (header.capacity, header.write_index, header.sampled, header.dropped) == (8, 5, 9, 3)
+    assert (header.overwritten, header.errors, header.pid, header.events_state) == (1, 2, 4321, "ready")
+    assert (header.kernel_sample_every, header.nccl_sample_every) == (64, 1)
+    assert (header.created_ns, header.device) == (123, 3)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda ring: ring.__setitem__(slice(0, 8), b"NOTARING"), "bad magic"),
+        (lambda ring: ring.__setitem__(slice(8, 12), (2).to_bytes(4, "little")), "unsupported"),
+        (lambda ring: ring.__setitem__(slice(20, 24), (6).to_bytes(4, "little")), "capacity 6"),
+        (lambda ring: ring.__delitem__(slice(HEADER.size + RECORD.size, None)), "capacity 8"),
+        (lambda ring: ring.__delitem__(slice(100, None)), "shorter than its header"),
+    ],
+)
+def test_a_damaged_header_is_refused(damage, message):
+    ring = ring_bytes(8, {}, 0)
+    damage(ring)
+    with pytest.raises(RingFormatError, match=message):
+        native.parse_header(ring)
+
+
+def test_records_are_typed_and_read_from_a_position():
+    ring = ring_bytes(8, {0: kernel(1000, 500), 1: (NCCL_ALL_REDUCE, 0, 2000, 2100, 5100, 4096)}, 2)
+    header = native.parse_header(ring)
+    records, lost, position = native.parse_records(ring, header, 0)
+    assert (lost, position) == (0, 2)
+    assert records[0] == NativeRecord(0, "cudaLaunchKernel", 0, 0, 1000, 1500, 1500, 0, 0x77, 99)
+    assert records[0].is_kernel and records[0].issue_latency_seconds == pytest.approx(500e-9)
+    assert not records[1].is_kernel and records[1].duration_seconds == pytest.approx(3000e-9)
+    assert records[1].nbytes == 4096
+    assert native.parse_records(ring, header, 1)[0] == records[1:]
+
+
+def test_records_overwritten_before_the_read_count_as_lost():
+    capacity = 8
+    write_index = capacity + 3  # records 0..2 were overwritten by 8..10
+    ring = ring_bytes(capacity, {index: kernel(index, 10) for index in range(3, write_index)}, write_index)
+    records, lost, position = native.parse_records(ring, native.parse_header(ring), 0)
+    assert lost == 3 and position == write_index
+    assert [record.number for record in records] == list(range(3, write_index))
+
+
+def test_a_slot_being_rewritten_is_skipped_and_counted():
+    ring = ring_bytes(8, {index: kernel(index, 10) for index in range(4)}, 4)
+    RECORD.pack_into(ring, HEADER.size + 2 * RECORD.size, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # seq 0: writing
+    records, lost, _ = native.parse_records(ring, native.parse_header(ring), 0)
+    assert lost == 1 and [record.number for record in records] == [0, 1, 3]
+
+
+def test_step_at_counts_the_steps_completed_before_the_launch():
+    steps, times = [5, 6, 7], [10.0, 11.0, 12.0]
+    assert native.step_at(steps, times, 10.5, current_step=9) == 5
+    assert native.step_at(steps, times, 12.0, current_step=9) == 7
+    assert native.step_at(steps, times, 9.0, current_step=9) == 4  # before the oldest kept boundary
+    assert native.step_at([], [], 9.0, current_step=9) == 9
+
+
+def test_every_nccl_function_maps_to_a_spec_op():
+    assert set(native.NCCL_OPS) == set(native.NCCL_APIS.values())
+    assert set(native.NCCL_OPS.values()) <= set(spec.COLLECTIVE_OPS)
+
+
+def test_the_reader_waits_for_the_file_then_reads_only_new_records(tmp_path):
+    path = tmp_path / "flare-hooks-1"
+    health = ExporterHealth()
+    reader = RingReader(path, health)
+    assert reader.read() == []  # the shim creates the ring at its first sampled call
+    path.write_bytes(ring_bytes(8, {0: kernel(0, 10), 1: kernel(1, 10)}, 2, sampled=5, dropped=3, errors=1))
+    assert [record.number for record in reader.read()] == [0, 1]
+    assert health.dropped == {"native_ring": 3} and health.errors == {"native_shim": 1}
+    records = {index: kernel(index, 10) for index in range(2, 13)}
+    path.write_bytes(ring_bytes(8, records, 13, sampled=20, dropped=7, errors=4))
+    assert [record.number for record in reader.read()] == list(range(5, 13))
+    assert reader.lost == 3  # records 2..4 were overwritten before this read
+    assert health.dropped == {"native_ring": 7, "native_ring_overrun": 3}
+    assert health.errors == {"native_shim": 4}
+    assert reader.read() == []
+    reader.close()
+
+
+def test_a_ring_recreated_under_our_pid_is_read_from_its_start(tmp_path):
+    path = tmp_path / "flare-hooks-1"
+    path.write_bytes(ring_bytes(8, {index: kernel(index, 10) for index in range(2, 10)}, 10, dropped=5))
+    reader = RingReader(path, ExporterHealth())
+    assert len(reader.read()) == 8 and reader.position == 10
+    with open(path, "r+b") as ring:  # in place, as the shim's O_TRUNC + ftruncate leaves the same file
+        ring.write(ring_bytes(8, {0: kernel(0, 10), 1: kernel(1, 10)}, 2, dropped=1, created_ns=456))
+    assert [record.number for record in reader.read()] == [0, 1]
+    assert reader.health.dropped["native_ring"] == 6
+
+
+def test_kernel_samples_are_tagged_with_the_step_they_were_launched_in(tmp_path):
+    health = ExporterHealth()
+    steps = StepTracker(health)
+    steps.boundaries.extend([(1, 1.0), (2, 2.0), (3, 3.0)])
+    steps.steps = 3
+    latency = IssueLatency("kernel_issue", Config())
+    tagged: list[tuple[int, float]] = []
+    latency.add = lambda step, seconds: tagged.append((step, seconds))  # type: ignore[method-assign]
+    path = tmp_path / "ring"
+    path.write_bytes(ring_bytes(8, {0: kernel(500_000_000, 1000), 1: kernel(2_500_000_000, 2000)}, 2))
+    ShimFeed(RingReader(path, health), latency, TimingManager(health, 16, 1.0), steps)()
+    assert tagged == [(0, pytest.approx(1e-6)), (2, pytest.approx(2e-6))]
+
+
+def test_the_feed_puts_kernels_into_ild_and_nccl_calls_into_collective_stats(tmp_path):
+    health = ExporterHealth()
+    manager = TimingManager(health, queue_size=16, interval_seconds=1.0)
+    latency = IssueLatency("kernel_issue", Config())
+    records = {
+        0: kernel(1_000, 2_000_000),
+        1: kernel(2_000, 3_000_000),
+        2: kernel(3_000, 50_000, result=98),  # a failed launch: its timing means nothing
+        3: (NCCL_ALL_REDUCE, 0, 5_000, 6_000, 4_006_000, 4096),
+        4: (NCCL_SEND, 0, 7_000, 8_000, 1_008_000, 512),
+    }
+    path = tmp_path / "ring"
+    path.write_bytes(ring_bytes(8, records, 5))
+    feed = ShimFeed(RingReader(path, health), latency, manager)
+    feed()
+    assert sum(latency.histogram.counts) == 2 and latency.active
+    assert latency.histogram.sum == pytest.approx(5e-3)
+    assert feed.failed_calls == 1
+    allreduce = manager.stats[("native", "allreduce")]
+    assert sum(allreduce.durations.counts) == 1 and allreduce.durations.sum == pytest.approx(4e-3)
+    assert allreduce.bytes_total == 4096
+    assert manager.stats[("native", "send")].bytes_total == 512
+    assert set(manager.stats) == {("native", "allreduce"), ("native", "send")}
+
+
+def test_attach_does_nothing_without_the_shim():
+    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="r", host="h", pid=os.getpid())
+    state = FlareState.create(Config(), identity)
+    assert state.ild is not None
+    assert not native.shim_loaded()
+    assert not any(isinstance(hook, ShimFeed) for hook in state.manager.after_drain)
+    feed = native.attach(state.ild, state.manager, state.steps, state.health, loaded=True)
+    hooks = state.manager.after_drain
+    assert feed is not None and hooks.index(feed) == hooks.index(state.ild.refresh) - 1  # before the drift
+
+
+def test_shim_loaded_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /opt/flare/cuda_hooks/build/libflare_hooks.so\n")
+    assert native.shim_loaded(str(maps))
+    other = tmp_path / "other-maps"
+    other.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert not native.shim_loaded(str(other))
+    assert not native.shim_loaded(str(tmp_path / "absent"))
+
+
+def test_native_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing" / native.LIBRARY_NAME))
+    assert launch.main(["--native", str(tmp_path / "train.py")]) == 2
+    error = capsys.readouterr().err
+    assert "make -C cuda_hooks" in error and str(tmp_path / "missing") in error
+    assert len(error.strip().splitlines()) == 1
