@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr uint64_t kCapacity = 1 << 15;  // samples between two takes (a window has a few thousand ops)
+constexpr uint64_t kCapacity = 1 << 17;  // samples between two takes: 5 s of windows of a fast job
 constexpr int kMaxDepth = 64;            // nesting of ops on one thread that is timed
 
 struct Slot {
