@@ -1,7 +1,7 @@
 """Scrape load A/B: does a scraper hammering one rank's /metrics slow training down?
 
-    python benchmarks/scrape_load.py [--pairs 6] [--ranks 2] [--steps 800] [--warmup 50] [--rate 200] \
-                                     [--new-connections]
+    python benchmarks/scrape_load.py [--pairs 6] [--ranks 2] [--steps 800] [--batch 64] [--warmup 50] \
+                                     [--rate 200] [--new-connections]
 
 Each pair runs the same gloo DDP job (flare_exporter/workloads/train_ddp.py on `--ranks` local ranks,
 under the flare launcher) twice: once unscraped (A) and once with rank 0 scraped by a separate process at
@@ -137,6 +137,8 @@ def run_job(work: str, args: argparse.Namespace, scraped: bool) -> dict:
             train_ddp.__file__,
             "--steps",
             str(args.steps),
+            "--batch",
+            str(args.batch),
         ]
         command += ["--report", report, "--wait-for", done_file]
         log = open(os.path.join(work, f"rank{rank}.log"), "wb")
@@ -184,6 +186,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--batch", type=int, default=64, help="the workload's batch: its step time")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--timeout", type=float, default=600)
@@ -200,7 +203,8 @@ def main() -> int:
         return 0
     work = tempfile.mkdtemp(prefix="flare-scrape-load-")
     print(
-        f"scrape_load: {args.pairs} pairs, {args.ranks} ranks, {args.steps} steps, rank 0 at {args.rate:g}/s"
+        f"scrape_load: {args.pairs} pairs, {args.ranks} ranks, {args.steps} steps of batch {args.batch}, "
+        f"rank 0 at {args.rate:g}/s"
         f" by {SCRAPER_THREADS} threads, "
         + ("a new connection per request" if args.new_connections else "keep-alive connections")
     )
