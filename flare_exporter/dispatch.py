@@ -3,12 +3,13 @@
 The step hook opens a sampling window on one step in `ild_dispatch_every_steps` and closes it at the next
 step. Two timers, the same samples (one per op, tagged with the window's step):
 
-- the native timer (op_timer.py, csrc/op_timer.cpp), when built: a torch RecordFunction observer, enabled
+- the native timer (op_timer.py, csrc/op_timer.cpp), when built: a torch RecordFunction observer, present
   only in windows, that times each aten op (nested ones too) in C++ for ~0.3 µs per op and leaves the
   samples in a bounded ring that the timing manager takes (collect()); nothing is handed over at close;
 - otherwise, and in processes that use CUDA without the native shim (cuda_hooks/, which samples kernel
-  launches below Python; without it the window does, below), a TorchDispatchMode that sees each aten op after autograd and appends its duration to a bounded list,
-  handed to the timing manager at the window's close. It costs several µs per op.
+  launches below Python; without it the window does, below), a TorchDispatchMode that sees each aten op
+  after autograd and appends its duration to a bounded list, handed to the timing manager at the window's
+  close. It costs several µs per op.
 
 On a GPU an op returns once its kernel is launched, so this is dispatch plus launch; on CPU there is no
 launch and the op runs to completion before it returns, so what is measured is the op's dispatch plus its

@@ -203,7 +203,13 @@ class HttpServer:
             name, colon, value = line.partition(":")
             if colon:
                 environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
-        keep_alive = version == "HTTP/1.1" and environ.get("HTTP_CONNECTION", "").lower() != "close"
+        keep_alive = (
+            version == "HTTP/1.1"
+            and environ.get("HTTP_CONNECTION", "").lower() != "close"
+            # a request with a body (never one we serve) is answered and closed, its body unread
+            and environ.get("HTTP_CONTENT_LENGTH", "0") == "0"
+            and "HTTP_TRANSFER_ENCODING" not in environ
+        )
         answer: dict[str, Any] = {}
 
         def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:

@@ -64,6 +64,14 @@ def test_an_http_1_1_connection_is_kept_for_the_next_requests_until_it_says_clos
     assert b"Connection: close" in rest.split(b"GET /two  -")[1]
 
 
+def test_a_request_with_a_body_is_answered_and_closed_its_body_never_read_as_a_request(server):
+    body = b"GET /smuggled HTTP/1.1\r\n\r\n"
+    request = b"POST /metrics HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    answer = exchange(server.port, request)
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in answer
+    assert answer.endswith(b"POST /metrics  -") and b"smuggled" not in answer
+
+
 def test_a_request_in_pieces_is_answered_once_whole(server):
     answer = exchange(
         server.port, b"GET /a", b"%20b HTTP/1.0\r\nAccept-", b"Encoding: br\r\n\r\n", pause=0.05
