@@ -20,8 +20,9 @@
   collective, like a straggler).
 --slow-rank R --slowdown F --slow-from-step S: from step S, rank R (-1: every rank) computes F times longer
   (busy extra compute of F x its own forward+backward time, measured before training), a fail-slow GPU;
-  with --slow-by sleep the extra time is slept instead (a slow input pipeline; no CPU used, so that every
-  rank of a job on a small machine can be slowed alike).
+  with --slow-by sleep, F x a nominal 1 ms is slept instead (a slow input pipeline; no CPU used, and the
+  same on every rank, so that every rank of a job on a small machine can be slowed alike: a compute time
+  measured on a busy machine differs from rank to rank and would make one of them a real straggler).
 --fake-kernels K --fake-kernel-seconds D: each step also launches K kernels of D seconds on a fake device
   (flare_exporter.fake_device, a CPU thread standing in for a GPU) before its host work, and waits for
   them at the end of the step, as a GPU job waits on its loss.
@@ -56,6 +57,9 @@ def stuck_in_compute() -> None:
     while True:
         total += sum(range(1000))
         time.sleep(0.01)
+
+
+NOMINAL_COMPUTE_SECONDS = 0.001  # the model's forward+backward at batch 64 on one core, about
 
 
 def compute_seconds(batch: int, repeats: int = 20) -> float:
@@ -149,7 +153,12 @@ def main() -> None:
         device = FakeDevice()
     faulty = rank == args.fault_rank
     slowed = args.slowdown > 0 and args.slow_rank in (-1, rank)
-    extra_compute = args.slowdown * compute_seconds(args.batch) if slowed else 0.0
+    if not slowed:
+        extra_compute = 0.0
+    elif args.slow_by == "sleep":
+        extra_compute = args.slowdown * NOMINAL_COMPUTE_SECONDS
+    else:
+        extra_compute = args.slowdown * compute_seconds(args.batch)
     for step in range(args.steps):
         started = time.perf_counter()
         if extra_compute and step >= args.slow_from_step:
