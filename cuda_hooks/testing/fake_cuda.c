@@ -7,15 +7,6 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-typedef struct {
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    void *hStream;
-    void *attrs;
-    unsigned int numAttrs;
-} launch_config;
-
 static _Atomic int launch_result;
 static _Atomic uint64_t launches;
 static __thread struct fake_launch last_launch;
@@ -34,7 +25,7 @@ EXPORT int cuLaunchKernel(void *function, unsigned int grid_x, unsigned int grid
     return atomic_load_explicit(&launch_result, memory_order_relaxed);
 }
 
-EXPORT int cuLaunchKernelEx(const launch_config *config, void *function, void **params, void **extra) {
+EXPORT int cuLaunchKernelEx(const cu_launch_config *config, void *function, void **params, void **extra) {
     struct fake_launch launch = {function,
                                  {config->gridDimX, config->gridDimY, config->gridDimZ},
                                  {config->blockDimX, config->blockDimY, config->blockDimZ},

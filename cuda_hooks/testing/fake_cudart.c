@@ -14,18 +14,6 @@
 #define NOT_READY 600
 #define INVALID_VALUE 1
 
-typedef struct {
-    unsigned int x, y, z;
-} dim3;
-
-typedef struct {
-    dim3 gridDim;
-    dim3 blockDim;
-    size_t dynamicSmemBytes;
-    void *stream;
-    void *attrs;
-    unsigned int numAttrs;
-} launch_config;
 
 struct fake_event {
     _Atomic int64_t ready_ns; /* 0: never recorded */
@@ -101,7 +89,7 @@ EXPORT int cudaLaunchKernel(const void *func, dim3 grid, dim3 block, void **args
     return fail(atomic_load_explicit(&launch_result, memory_order_relaxed));
 }
 
-EXPORT int cudaLaunchKernelExC(const launch_config *config, const void *func, void **args) {
+EXPORT int cudaLaunchKernelExC(const cuda_launch_config *config, const void *func, void **args) {
     struct fake_launch launch = {func,
                                  {config->gridDim.x, config->gridDim.y, config->gridDim.z},
                                  {config->blockDim.x, config->blockDim.y, config->blockDim.z},

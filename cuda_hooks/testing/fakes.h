@@ -6,6 +6,30 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The launch types as the public APIs declare them: the runtime's (dim3, cudaLaunchConfig_t). */
+typedef struct {
+    unsigned int x, y, z;
+} dim3;
+
+typedef struct {
+    dim3 gridDim;
+    dim3 blockDim;
+    size_t dynamicSmemBytes;
+    void *stream;
+    void *attrs;
+    unsigned int numAttrs;
+} cuda_launch_config;
+
+/* The driver's (CUlaunchConfig). */
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    void *hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} cu_launch_config;
+
 /* One launch as a fake library received it (thread-local: the calling thread's last launch). */
 struct fake_launch {
     const void *function;

@@ -21,25 +21,6 @@
 #include "../flare_ring.h"
 #include "fakes.h"
 
-typedef struct {
-    unsigned int x, y, z;
-} dim3;
-
-typedef struct {
-    dim3 gridDim;
-    dim3 blockDim;
-    size_t dynamicSmemBytes;
-    void *stream;
-    void *attrs;
-    unsigned int numAttrs;
-} cuda_launch_config;
-
-typedef struct {
-    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
-    void *hStream;
-    void *attrs;
-    unsigned int numAttrs;
-} cu_launch_config;
 
 typedef int (*cuda_launch_kernel_fn)(const void *, dim3, dim3, void **, size_t, void *);
 typedef int (*cuda_launch_kernel_exc_fn)(const cuda_launch_config *, const void *, void **);
