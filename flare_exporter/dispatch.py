@@ -148,12 +148,12 @@ class DispatchSampler:
         self.window = window
 
     def _close(self) -> None:
+        self._pop_stale()
         if self.native_window_open:
             self.native_window_open = False
             self.native.close_window()  # type: ignore[union-attr]  # open only with a native timer
             self.windows += 1
             return
-        self._pop_stale()
         window = self.window
         if window is None:
             return

@@ -183,14 +183,6 @@ class RenderCache:
             return body
 
 
-# A connection's TLS handshake, request and response must all finish within this, so a client that
-# connects and goes silent holds a connection slot for a while, never the endpoint.
-REQUEST_TIMEOUT_SECONDS = 10.0
-# Connections served at once; beyond it a connection is closed unanswered and counted as dropped, so a
-# flood of connections costs the rank bounded memory.
-MAX_CONNECTIONS = 64
-
-
 def make_app(
     registry: CollectorRegistry, auth: BasicAuth | None = None, headers: Mapping[str, str] | None = None
 ) -> Any:
@@ -242,7 +234,7 @@ class MetricsServer:
         self.scheme = "https" if ssl_context is not None else "http"
         self.auth = web.authenticator() if web is not None else None
         app = make_app(registry, self.auth, web.headers if web is not None else None)
-        self.http = HttpServer(addr, port, app, ssl_context, health, MAX_CONNECTIONS, REQUEST_TIMEOUT_SECONDS)
+        self.http = HttpServer(addr, port, app, ssl_context, health)
         self.port = self.http.port
 
     def close(self) -> None:

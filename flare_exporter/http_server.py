@@ -30,6 +30,12 @@ from urllib.parse import unquote
 from .health import ExporterHealth
 
 MAX_REQUEST_BYTES = 16384  # a request head longer than this is answered 431 and closed
+# Connections served at once; beyond it a connection is closed unanswered and counted as dropped, so a
+# flood of connections costs the rank bounded memory.
+MAX_CONNECTIONS = 64
+# A connection's TLS handshake, request and response must all finish within this, so a client that
+# connects and goes silent holds a connection slot for a while, never the endpoint.
+REQUEST_TIMEOUT_SECONDS = 10.0
 READ_BYTES = 65536
 
 App = Callable[[dict[str, str], Callable[..., Any]], Iterable[bytes]]
@@ -57,8 +63,8 @@ class HttpServer:
         app: App,
         ssl_context: ssl.SSLContext | None = None,
         health: ExporterHealth | None = None,
-        max_connections: int = 64,
-        timeout: float = 10.0,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout: float = REQUEST_TIMEOUT_SECONDS,
     ) -> None:
         self.app = app
         self.ssl_context = ssl_context
