@@ -127,9 +127,8 @@ class DispatchSampler:
         """Move the native timer's samples into the histogram (the timing manager's thread)."""
         if self.native is None:
             return
-        steps, seconds = self.native.take()
-        for step, sample in zip(steps, seconds, strict=True):
-            self.latency.add(step, sample)
+        for taken in self.native.take(self.latency.histogram.bounds):
+            self.latency.add_counts(taken.step, taken.buckets, taken.seconds)
         dropped = self.native.dropped_samples()
         if dropped > self._native_dropped:
             self.health.drop("ild_dispatch_samples", dropped - self._native_dropped)

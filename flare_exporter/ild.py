@@ -152,6 +152,14 @@ class IssueLatency:
         histogram.sum += seconds
         self.drift.add(step, index)
 
+    def add_counts(self, step: int, buckets: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Samples of `step` already counted into buckets: (bucket index, samples), and their sum."""
+        histogram = self.histogram
+        histogram.sum += seconds
+        for index, count in buckets:
+            histogram.counts[index] += count
+            self.drift.add(step, index, count)
+
     def add_many(self, step: int, samples: Sequence[float]) -> None:
         for seconds in samples:
             self.add(step, seconds)

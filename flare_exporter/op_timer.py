@@ -61,6 +61,7 @@ def compile_command(output: Path) -> list[str]:
         f"-Wl,-rpath,{torch_lib}",
         "-lc10",
         "-ltorch_cpu",
+        "-ltorch_python",
         "-o",
         str(output),
     ]

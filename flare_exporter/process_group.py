@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import op_timer
 from .groups import GroupTracker, group_name
 from .health import ExporterHealth
 from .timing import CudaEventTiming, FutureTiming, TimingManager
@@ -120,7 +121,11 @@ class Wrapping:
             if len(self.groups) >= self.max_groups:
                 self.health.drop("process_groups")
                 return inner  # unwrapped: still correct, just not observed
-            timing = CudaEventTiming(self.manager) if backend_name == "nccl" else FutureTiming(self.manager)
+            timing = (
+                CudaEventTiming(self.manager)
+                if backend_name == "nccl"
+                else FutureTiming(self.manager, op_timer.load())
+            )
             tracker = GroupTracker(
                 name, options.group_size, backend_name, timing, self.health, self.manager.queue_size
             )

@@ -3,8 +3,10 @@
 The training thread only creates a CollectiveRecord and hands the work to a timing backend, which
 never waits. Backends behind one interface:
 
-- FutureTiming (CPU, gloo): the work's future calls back on the backend's own thread when the
-  collective completes; duration = completion time - issue time.
+- FutureTiming (CPU, gloo): the work's future marks the completion, on the backend's own thread;
+  duration = completion time - issue time. With flare's torch extension (op_timer.py) a C++ callback
+  stamps the time there without taking the GIL, and the manager reads the stamp at its next drain;
+  without it, a Python callback does (the GIL taken from training for every collective).
 - CudaEventTiming (GPU, NCCL): ProcessGroupNCCL records CUDA start/end events on the collective's own
   stream when TORCH_NCCL_ENABLE_TIMING=1; the manager polls `is_completed()` and reads the event
   duration, so no thread ever synchronizes with the device.
@@ -47,6 +49,10 @@ class CollectiveRecord:
         self.issued_at = issued_at
         self.duration: float | None = None
         self.started = False  # set by a backend that sees the collective start on the device
+
+
+class CollectiveFailed(Exception):
+    """A polled collective completed with an error (a backend's poll raises it)."""
 
 
 class CollectiveStats:
@@ -152,10 +158,14 @@ class TimingManager:
     def _drain(self) -> None:
         for _ in range(len(self.polled)):
             record, work, backend = self.polled.popleft()
-            duration = backend.poll(work, record)
+            try:
+                duration = backend.poll(work, record)
+            except CollectiveFailed:  # it did not complete: it stays in flight
+                self.health.drop("failed_collectives")
+                continue
             if duration is None:
                 self.polled.append((record, work, backend))
-            else:  # polled works are not checked for failure: a failed NCCL collective aborts the job
+            else:  # NCCL works are not checked for failure: a failed NCCL collective aborts the job
                 record.duration = duration
                 self.completed.append(record)
         while self.completed:
@@ -217,13 +227,25 @@ class TimingBackend:
 
 
 class FutureTiming(TimingBackend):
-    """CPU collectives: the work's future calls back on completion (gloo's own thread)."""
+    """CPU collectives: the work's future marks the completion time (gloo's own thread).
+
+    `extension` is flare's torch extension (op_timer.load()): its completion stamps are filled in from C++,
+    without the GIL; None: a Python callback on the future.
+    """
+
+    def __init__(self, manager: TimingManager, extension: Any = None) -> None:
+        super().__init__(manager)
+        self.stamp_completion = getattr(extension, "stamp_completion", None)
+        self.stamps = CompletionStamps(manager)
 
     def track(self, record: CollectiveRecord, work: Any) -> None:
         try:
             future = work.get_future()
         except RuntimeError:  # some works (gloo send/recv) have no future: poll them instead
             super().track(record, work)
+            return
+        if self.stamp_completion is not None:
+            self.manager.poll_later(record, self.stamp_completion(future), self.stamps)
             return
         manager = self.manager
 
@@ -237,6 +259,18 @@ class FutureTiming(TimingBackend):
             manager.complete(record)
 
         future.add_done_callback(on_done)
+
+
+class CompletionStamps(TimingBackend):
+    """The manager's side of FutureTiming's completion stamps: polled at every drain, they hold no tensors."""
+
+    def poll(self, stamp: Any, record: CollectiveRecord) -> float | None:
+        completed_at = stamp.completed_at
+        if completed_at is None:
+            return None
+        if stamp.failed:
+            raise CollectiveFailed
+        return completed_at - record.issued_at
 
 
 class CudaEventTiming(TimingBackend):

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -111,6 +112,20 @@ def one_rank_env(port: int, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+@pytest.fixture(params=["stamps", "callback"])
+def completion_extension(request: pytest.FixtureRequest) -> Any:
+    """Both ways FutureTiming learns of a completion: flare's torch extension (built here), whose C++ callback
+    stamps it without the GIL, and (None) a Python callback on the future."""
+    from flare_exporter import op_timer
+
+    if request.param == "callback":
+        return None
+    op_timer.build()
+    extension = op_timer.load()
+    assert extension is not None, op_timer.load_error
+    return extension
 
 
 @pytest.fixture(params=["native", "python"])

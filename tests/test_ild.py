@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 import pytest
 import torch
@@ -166,6 +167,31 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
     state.manager.drain()
     assert state.health.errors == {} and state.health.dropped == {}
+
+
+def test_native_timer_hands_over_each_step_counted_into_buckets():
+    op_timer.build()
+    native = op_timer.load()
+    assert native is not None, op_timer.load_error
+    native.take(BOUNDS)  # what earlier tests left
+    x = torch.ones(4)
+    native.inject_delay(0.002)  # every op takes at least 2 ms, inside its timed interval
+    try:
+        for step in (7, 8):
+            native.open_window(step)
+            for _ in range(step - 5):  # twice in step 7, three times in step 8
+                x = x * 2
+            native.close_window()
+    finally:
+        native.inject_delay(0)
+    taken = native.take(BOUNDS)
+    assert [t.step for t in taken] == [7, 8]
+    samples = [sum(count for _, count in t.buckets) for t in taken]
+    assert samples[0] >= 2 and samples[0] * 3 == samples[1] * 2  # the same aten ops for each `x * 2`
+    for t, count in zip(taken, samples, strict=True):
+        assert all(index >= bisect_left(BOUNDS, 0.002) for index, _ in t.buckets)  # bisect_left's buckets
+        assert 0.002 * count <= t.seconds < 1.0
+    assert native.take(BOUNDS) == []
 
 
 def test_window_under_a_user_mode_is_disabled_and_popped_later(monkeypatch):

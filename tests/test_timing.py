@@ -65,19 +65,22 @@ def bucket_counts(manager: TimingManager, group: str, op: str) -> dict[str, int]
     return dict(manager.stats[(group, op)].durations.snapshot()[0])
 
 
-def test_future_timing_records_duration_on_completion():
+def test_future_timing_records_duration_on_completion(completion_extension):
     manager = make_manager()
     group = FakeGroup()
     record = make_record(group, age=0.5)
     work = FakeWork()
-    FutureTiming(manager).track(record, work)
+    FutureTiming(manager, completion_extension).track(record, work)
     manager.drain()
     assert record.duration is None
     assert manager.stats == {}
 
     work.finish()
-    assert record.duration is not None and record.duration >= 0.5
+    finished_at = time.perf_counter()
+    time.sleep(0.05)  # the drain comes later than the completion: the duration is the completion's
     manager.drain()
+    assert record.duration is not None
+    assert 0.5 <= record.duration <= finished_at - record.issued_at
     stats = manager.stats[(group.name, "allreduce")]
     assert stats.bytes_total == 64
     assert stats.durations.snapshot()[0][-1] == ("+Inf", 1)
@@ -85,20 +88,20 @@ def test_future_timing_records_duration_on_completion():
     assert group.last_completed_seq == 1
 
 
-def test_future_timing_of_an_already_completed_work():
+def test_future_timing_of_an_already_completed_work(completion_extension):
     manager = make_manager()
     group = FakeGroup()
     work = FakeWork()
     work.finish()
-    FutureTiming(manager).track(make_record(group), work)
+    FutureTiming(manager, completion_extension).track(make_record(group), work)
     manager.drain()
     assert bucket_counts(manager, group.name, "allreduce")["+Inf"] == 1
 
 
-def test_stats_accumulate_per_group_and_op():
+def test_stats_accumulate_per_group_and_op(completion_extension):
     manager = make_manager()
     dp, tp = FakeGroup("dp-1"), FakeGroup("tp-2")
-    backend = FutureTiming(manager)
+    backend = FutureTiming(manager, completion_extension)
     works = []
     for group, op, seq in [
         (dp, "allreduce", 1),
@@ -210,11 +213,11 @@ def test_polled_queue_is_bounded():
     assert manager.health.dropped["polled_collectives"] == 2
 
 
-def test_manager_thread_drains_in_the_background():
+def test_manager_thread_drains_in_the_background(completion_extension):
     manager = make_manager()
     group = FakeGroup()
     work = FakeWork()
-    FutureTiming(manager).track(make_record(group, seq=7), work)
+    FutureTiming(manager, completion_extension).track(make_record(group, seq=7), work)
     manager.start()
     try:
         work.finish()
@@ -257,18 +260,52 @@ def test_durations_use_the_spec_buckets():
     )
 
 
-def test_failed_collective_stays_in_flight_and_is_counted():
+class FailingWork(FakeWork):
+    """A work whose future completes with an error, as gloo's does when a peer dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cause: torch.futures.Future = torch.futures.Future()
+
+        def raise_peer_died(_: torch.futures.Future) -> None:
+            raise RuntimeError("peer died")
+
+        self.future = self.cause.then(raise_peer_died)  # completed with the error set, not a value
+
+    def fail(self) -> None:
+        self.cause.set_result(None)
+
+
+def test_failed_collective_stays_in_flight_and_is_counted(completion_extension):
     manager = make_manager()
     health = manager.health
     group = FakeGroup()
-    backend = FutureTiming(manager)
-    work = FakeWork(with_future=True)
-    backend.track(CollectiveRecord(group, "allreduce", 8, 1, time.perf_counter()), work)
-    work.future.set_exception(RuntimeError("peer died"))
+    backend = FutureTiming(manager, completion_extension)
+    record = CollectiveRecord(group, "allreduce", 8, 1, time.perf_counter())
+    work = FailingWork()
+    backend.track(record, work)
+    work.fail()
+    manager.drain()
     manager.drain()
     assert manager.stats == {}
+    assert record.duration is None
     assert group.last_completed_seq == 0
     assert health.dropped["failed_collectives"] == 1
+
+
+def test_completion_stamps_are_filled_in_by_the_extension_without_python():
+    from flare_exporter import op_timer
+
+    op_timer.build()
+    extension = op_timer.load()
+    assert extension is not None, op_timer.load_error
+    future: torch.futures.Future = torch.futures.Future()
+    stamp = extension.stamp_completion(future)
+    assert stamp.completed_at is None and not stamp.failed
+    before = time.perf_counter()
+    future.set_result(None)
+    assert before <= stamp.completed_at <= time.perf_counter()  # on perf_counter's clock
+    assert not stamp.failed
 
 
 def test_manager_polls_often_once_a_polled_backend_exists():

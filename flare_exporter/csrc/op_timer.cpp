@@ -4,17 +4,27 @@
 // One observer per process, registered while a window is open and removed at its close. It times each
 // op from its RecordFunction start to its end on the thread that runs it (nested ops are timed too: each op
 // is one sample) and appends (window step, seconds) to a bounded multi-producer ring; the timing manager's
-// thread takes the samples (take()). A full ring drops the sample and counts it; nothing waits or allocates.
+// thread takes them, counted into histogram buckets per step (take()). A full ring drops the sample and
+// counts it; nothing waits or allocates.
 //
 // For benchmarks and tests, inject_delay(seconds) registers a second observer, always enabled, that
 // busy-waits at the end of every op: a slower host, inside each op's timed interval.
+//
+// The same extension stamps collective completions (stamp_completion): a C++ callback on the work's future
+// notes the host time at which the collective completed, on the thread that completes it (gloo's), without
+// the GIL; the timing manager reads the stamp at its next drain. A Python callback there would take the GIL
+// from training for every collective, and create and destroy a Python thread state each time.
 
 #include <ATen/record_function.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <time.h>
 
 namespace {
@@ -113,22 +123,42 @@ void close_window() {
   }
 }
 
-// The samples written since the last take, as (steps, seconds); the single consumer's call.
-std::tuple<std::vector<int64_t>, std::vector<double>> take() {
-  std::vector<int64_t> steps;
-  std::vector<double> seconds;
+// One step's samples since the last take, counted into histogram buckets.
+struct StepCounts {
+  int64_t step;
+  double seconds;                                     // their sum
+  std::vector<std::pair<int64_t, int64_t>> buckets;  // (bucket index, samples), for buckets with samples
+};
+
+// The samples written since the last take, bucketed by `bounds` (ascending upper bounds; index
+// len(bounds) is +Inf; a sample equal to a bound counts in that bound's bucket, as Python's bisect_left),
+// one StepCounts per step in the order first seen. The single consumer's call: per-sample Python work on
+// the timing thread would hold the GIL against training for every op of every window.
+std::vector<StepCounts> take(const std::vector<double>& bounds) {
+  std::vector<StepCounts> taken_steps;
+  std::vector<int64_t> counts(bounds.size() + 1, 0);
+  auto flush = [&]() {
+    StepCounts& last = taken_steps.back();
+    for (size_t index = 0; index < counts.size(); ++index) {
+      if (counts[index]) last.buckets.emplace_back(static_cast<int64_t>(index), counts[index]);
+      counts[index] = 0;
+    }
+  };
   uint64_t next = taken.load(std::memory_order_relaxed);
   uint64_t end = claimed.load(std::memory_order_acquire);
-  steps.reserve(end - next);
-  seconds.reserve(end - next);
   for (; next < end; ++next) {
     Slot& slot = ring[next % kCapacity];
     if (slot.ready.load(std::memory_order_acquire) != next + 1) break;  // still being written: next time
-    steps.push_back(slot.step);
-    seconds.push_back(slot.seconds);
+    if (taken_steps.empty() || taken_steps.back().step != slot.step) {
+      if (!taken_steps.empty()) flush();
+      taken_steps.push_back({slot.step, 0.0, {}});
+    }
+    taken_steps.back().seconds += slot.seconds;
+    ++counts[std::lower_bound(bounds.begin(), bounds.end(), slot.seconds) - bounds.begin()];
   }
+  if (!taken_steps.empty()) flush();
   taken.store(next, std::memory_order_release);
-  return {steps, seconds};
+  return taken_steps;
 }
 
 uint64_t dropped_samples() { return dropped.load(std::memory_order_relaxed); }
@@ -145,14 +175,49 @@ void inject_delay(double seconds) {
   }
 }
 
+// When a collective's future completed (perf_counter seconds), and whether it completed with an error.
+struct CompletionStamp {
+  std::atomic<int64_t> completed_ns{0};  // 0 until the future completes; written once, by its callback
+  std::atomic<bool> failed{false};       // written before completed_ns
+
+  std::optional<double> completed_at() const {
+    int64_t ns = completed_ns.load(std::memory_order_acquire);
+    if (ns == 0) return std::nullopt;
+    return static_cast<double>(ns) * 1e-9;
+  }
+  bool has_failed() const { return failed.load(std::memory_order_acquire); }
+};
+
+// A stamp that the future's completion fills in (at once, if the future has completed already).
+std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::jit::PythonFutureWrapper>& future) {
+  auto stamp = std::make_shared<CompletionStamp>();
+  future->fut->addCallback(
+      [stamp](c10::ivalue::Future& done) {
+        stamp->failed.store(done.hasError(), std::memory_order_relaxed);
+        stamp->completed_ns.store(now_ns(), std::memory_order_release);
+      },
+      /*uses_future=*/false);
+  return stamp;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(flare_op_timer, m) {
-  m.doc() = "flare-exporter's host dispatch timer: a RecordFunction observer enabled in sampling windows";
+  m.doc() = "flare-exporter's torch extension: the host dispatch timer and collective completion stamps";
   m.def("open_window", &open_window, "time every aten op from now on, tagged with the window's step");
   m.def("close_window", &close_window, "stop timing ops");
-  m.def("take", &take, "the samples since the last take: (steps, seconds)");
+  pybind11::class_<StepCounts>(m, "StepCounts")
+      .def_readonly("step", &StepCounts::step)
+      .def_readonly("seconds", &StepCounts::seconds, "the sum of the step's samples")
+      .def_readonly("buckets", &StepCounts::buckets, "(bucket index, samples) for buckets with samples");
+  m.def("take", &take, "the samples since the last take, bucketed by these bounds: a StepCounts per step");
   m.def("dropped_samples", &dropped_samples, "samples dropped because the ring was full");
   m.def("inject_delay", &inject_delay, "busy-wait this long at the end of every aten op (benchmarks, tests)");
   m.attr("capacity") = kCapacity;
+  pybind11::class_<CompletionStamp, std::shared_ptr<CompletionStamp>>(m, "CompletionStamp")
+      .def_property_readonly("completed_at", &CompletionStamp::completed_at,
+                             "perf_counter time of the future's completion; None until it completes")
+      .def_property_readonly("failed", &CompletionStamp::has_failed, "the future completed with an error");
+  m.def("stamp_completion", &stamp_completion,
+        "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
 }
