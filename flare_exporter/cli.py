@@ -252,6 +252,16 @@ def _client(args: argparse.Namespace) -> scrape.Client:
     return scrape.client(scheme, args.ca_file, args.cert_file, args.key_file, args.basic_auth_user, password)
 
 
+def _detail_for(command: str, hang_seconds: float) -> Callable[[Snapshot], set[int]] | None:
+    """Whose detail (stack sample, GPU health, ...) `command` shows: the culprits' for `diagnose`, every
+    rank's for the views (None)."""
+    if command != "diagnose":
+        return None
+    return lambda snapshot: {
+        rank for verdict in diagnosis.diagnose(snapshot, hang_seconds) for rank in verdict.ranks
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -265,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.timeout <= 3600:  # also refuses nan
             raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
         if args.prometheus:
-            snapshot = sources.from_prometheus(args.prometheus, args.run, args.window, args.timeout)
+            snapshot = sources.from_prometheus(
+                args.prometheus, args.run, args.window, args.timeout, _detail_for(args.command, hang_seconds)
+            )
             source = f"prometheus {args.prometheus}"
         else:
             snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))

@@ -468,11 +468,17 @@ def straggler_scores(snapshot: Snapshot) -> dict[int, dict[str, float]]:
     }
 
 
-def straggler_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
-    """Stragglers from the exported windows when every live rank with data has them, else from the
-    cumulative step and collective times; a straggler's verdict carries its GPU's hardware reasons."""
+def judged_by_windows(snapshot: Snapshot) -> bool:
+    """Whether stragglers are judged from the exported windows (every live rank with data has them), not
+    from the cumulative step and collective times (older exporters, or before the first window closed)."""
     live = [record for record in snapshot.ranks.values() if record.up and record.step_count]
-    if live and all(record.step_windows for record in live):
+    return bool(live) and all(record.step_windows for record in live)
+
+
+def straggler_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
+    """Stragglers from the exported windows, else from the cumulative step and collective times (see
+    judged_by_windows); a straggler's verdict carries its GPU's hardware reasons."""
+    if judged_by_windows(snapshot):
         verdicts = window_verdicts(snapshot, policy)
     else:
         verdicts = cumulative_verdicts(snapshot, policy)

@@ -1,19 +1,21 @@
 """Where a Snapshot comes from: the Prometheus HTTP API, or the ranks' endpoints scraped directly.
 
 Both sources reduce to the same thing, series by metric name (labels, value), which `build_snapshot`
-turns into RankRecords. Prometheus answers a fixed list of queries, one per metric, whatever the number
-of ranks; the direct scrape reads every rank's exposition in parallel, each with a timeout.
+turns into RankRecords. Prometheus answers a fixed number of queries whatever the number of ranks, in
+rounds that read only what the verdicts need (see from_prometheus); the direct scrape reads every rank's
+exposition in parallel, each with a timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from . import promql, scrape, spec
+from . import diagnosis, promql, scrape, spec
 from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
 from .targets import Target
 
@@ -74,7 +76,6 @@ def build_snapshot(
             int(completed.get((rank, group), 0)),
             flights.get((rank, group)),
         )
-    stacks = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_stack_info", [])}
     exceptions = {
         int(labels["rank"]): labels["type"] for labels, _ in series.get("flare_rank_exception_info", [])
     }
@@ -85,6 +86,7 @@ def build_snapshot(
     step_seconds = per_rank("flare_step_duration_seconds_sum")
     step_count = per_rank("flare_step_duration_seconds_count")
     straggler_fields = _straggler_fields(series)
+    detail_fields = _detail_fields(series)
     ild_ks: dict[int, dict[str, float]] = defaultdict(dict)
     ild_wasserstein: dict[int, dict[str, float]] = defaultdict(dict)
     for name, into in (
@@ -118,8 +120,6 @@ def build_snapshot(
             steps=steps.get(rank),
             heartbeat=heartbeat.get(rank),
             groups=dict(groups.get(rank, {})),
-            activity=stacks.get(rank, {}).get("activity", ""),
-            frames=stacks.get(rank, {}).get("frames", ""),
             exception=exception,
             exception_at=died_at,
             collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),
@@ -128,12 +128,13 @@ def build_snapshot(
             ild_ks=dict(ild_ks.get(rank, {})),
             ild_wasserstein=dict(ild_wasserstein.get(rank, {})),
             **straggler_fields.get(rank, {}),
+            **detail_fields.get(rank, {}),
         )
     return Snapshot(records, now, run, world_size)
 
 
 def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
-    """Per rank, the RankRecord fields of its straggler windows (numbered) and its GPU health."""
+    """Per rank, the RankRecord fields of its straggler windows (numbered) and its best window."""
     fields: dict[int, dict[str, Any]] = defaultdict(dict)
     last = {
         int(labels["rank"]): int(value) for labels, value in series.get("flare_straggler_last_window", [])
@@ -148,37 +149,58 @@ def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]
             fields[rank].setdefault("step_windows", {})[last[rank] - int(ago)] = (step, waits[rank, ago])
     for labels, value in series.get("flare_straggler_best_step_seconds", []):
         fields[int(labels["rank"])]["best_step_seconds"] = value
+    return fields
+
+
+# GpuState attribute -> the metric it is read from (besides flare_gpu_health_up and the clock events)
+GPU_METRICS = {
+    "sm_clock_hertz": "flare_gpu_sm_clock_hertz",
+    "sm_clock_max_hertz": "flare_gpu_sm_clock_max_hertz",
+    "pcie_link_generation": "flare_gpu_pcie_link_generation",
+    "pcie_link_generation_max": "flare_gpu_pcie_link_generation_max",
+    "pcie_link_width": "flare_gpu_pcie_link_width",
+    "pcie_link_width_max": "flare_gpu_pcie_link_width_max",
+    "temperature_celsius": "flare_gpu_temperature_celsius",
+    "xid_events": "flare_gpu_xid_events_total",
+    "last_xid": "flare_gpu_last_xid",
+    "row_remap_failed": "flare_gpu_row_remap_failed",
+}
+
+
+def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
+    """Per rank, the RankRecord fields that explain a verdict but never decide one: what the rank is doing
+    (its stack sample) and its GPU's health."""
+    fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    for labels, _ in series.get("flare_rank_stack_info", []):
+        fields[int(labels["rank"])].update(
+            activity=labels.get("activity", ""), frames=labels.get("frames", "")
+        )
 
     def gpu_values(name: str) -> dict[int, float]:
         return {int(labels["rank"]): value for labels, value in series.get(name, [])}
 
-    up = gpu_values("flare_gpu_health_up")
     events: dict[int, list[str]] = defaultdict(list)
     for labels, value in series.get("flare_gpu_clock_event_active", []):
         if value == 1:
             events[int(labels["rank"])].append(labels.get("reason", ""))
-    scalars = {
-        attribute: gpu_values(name)
-        for attribute, name in (
-            ("sm_clock_hertz", "flare_gpu_sm_clock_hertz"),
-            ("sm_clock_max_hertz", "flare_gpu_sm_clock_max_hertz"),
-            ("pcie_link_generation", "flare_gpu_pcie_link_generation"),
-            ("pcie_link_generation_max", "flare_gpu_pcie_link_generation_max"),
-            ("pcie_link_width", "flare_gpu_pcie_link_width"),
-            ("pcie_link_width_max", "flare_gpu_pcie_link_width_max"),
-            ("temperature_celsius", "flare_gpu_temperature_celsius"),
-            ("xid_events", "flare_gpu_xid_events_total"),
-            ("last_xid", "flare_gpu_last_xid"),
-            ("row_remap_failed", "flare_gpu_row_remap_failed"),
-        )
-    }
-    for rank, value in up.items():
+    scalars = {attribute: gpu_values(name) for attribute, name in GPU_METRICS.items()}
+    for rank, value in gpu_values("flare_gpu_health_up").items():
         fields[rank]["gpu"] = GpuState(
             up=value == 1,
             clock_events=tuple(sorted(events.get(rank, []))),
             **{attribute: values.get(rank) for attribute, values in scalars.items()},
         )
     return fields
+
+
+def with_detail(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
+    """The snapshot with the detail fields (see _detail_fields) that `series` holds of its ranks."""
+    found = _detail_fields(series)
+    ranks = {
+        rank: dataclasses.replace(record, **found[rank]) if rank in found else record
+        for rank, record in snapshot.ranks.items()
+    }
+    return dataclasses.replace(snapshot, ranks=ranks)
 
 
 def _one_run(runs: Iterable[str], run: str, where: str) -> str:
@@ -242,7 +264,7 @@ MAX_RANKS = 1 << 22  # beyond any job's world size; a larger one in an expositio
 
 def read_by_snapshot(name: str) -> bool:
     """Whether build_snapshot reads samples named `name` (a direct scrape parses only those: no buckets)."""
-    return name in PROMETHEUS_QUERIES or name.startswith(("flare_straggler_", "flare_gpu_"))
+    return name in SNAPSHOT_METRICS
 
 
 def _unusable(samples: list[scrape.Sample], now: float) -> str:
@@ -271,87 +293,196 @@ def _unusable(samples: list[scrape.Sample], now: float) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Prometheus
 
-# Queries, one per metric whatever the number of ranks. `{sel}` is the run selector (`{sel_not_native}`
-# the same without the native shim's collectives), `{window}` the lookback. Identity and exceptions look
-# back (a dead rank's last word); the rest is the current state.
-PROMETHEUS_QUERIES = {
-    "flare_rank_info": "last_over_time(flare_rank_info{sel}[{window}])",
-    "flare_process_group_info": "last_over_time(flare_process_group_info{sel}[{window}])",
-    "flare_rank_exception_info": "last_over_time(flare_rank_exception_info{sel}[{window}])",
+# The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
+# series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
+# A query over several metrics keeps `__name__`, and its answer is split by it; a one-metric query is named
+# by its key. Placeholders: `{sel}` the selector of the run (or of its named ranks), `{matchers}` the same
+# without braces, `{sel_not_native}` it without the native shim's collectives, `{window}` the lookback.
+# Identity, groups and exceptions look back (a dead rank's last word); the rest is the current state.
+
+
+def _current(names: Iterable[str], labels: str) -> str:
+    """A query for the current value of each metric in `names`, one series per (name, rank, `labels`)."""
+    return f'max by (__name__, rank{labels}) ({{__name__=~"{"|".join(names)}", {{matchers}}}})'
+
+
+IN_FLIGHT_METRICS = (
+    "flare_collective_in_flight_seq",
+    "flare_collective_in_flight_bytes",
+    "flare_collective_in_flight_started_timestamp_seconds",
+)
+STRAGGLER_METRICS = (
+    "flare_straggler_last_window",
+    "flare_straggler_best_step_seconds",
+    "flare_straggler_window_step_seconds",
+    "flare_straggler_window_wait_seconds",
+)
+ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds")
+GPU_HEALTH_METRICS = ("flare_gpu_health_up", *GPU_METRICS.values())
+
+# Is a rank gone, is a group hung, and who is behind in it: every rank.
+FAULT_QUERIES = {
+    "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
+    "flare_rank_exception_info": (
+        "max by (rank, type) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
+    ),
     "flare_rank_exception_timestamp_seconds": (
-        "last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}])"
+        "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
     ),
-    "flare_collective_last_issued_seq": "flare_collective_last_issued_seq{sel}",
-    "flare_collective_last_completed_seq": "flare_collective_last_completed_seq{sel}",
-    "flare_collective_in_flight_info": "flare_collective_in_flight_info{sel}",
-    "flare_collective_in_flight_seq": "flare_collective_in_flight_seq{sel}",
-    "flare_collective_in_flight_bytes": "flare_collective_in_flight_bytes{sel}",
-    "flare_collective_in_flight_started_timestamp_seconds": (
-        "flare_collective_in_flight_started_timestamp_seconds{sel}"
+    # steps too: the evidence of a rank_down verdict gives them for every gone rank, not only its culprits
+    "progress": _current(["up", "flare_heartbeat_timestamp_seconds", "flare_steps_total"], ""),
+    # every group each rank is in (a gone rank's too, issued 0 as when the series is absent), in one answer
+    "flare_collective_last_issued_seq": (
+        "max by (rank, group) (flare_collective_last_issued_seq{sel}) or "
+        "0 * max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
     ),
-    "flare_rank_stack_info": "flare_rank_stack_info{sel}",
-    "flare_steps_total": "flare_steps_total{sel}",
-    "flare_heartbeat_timestamp_seconds": "flare_heartbeat_timestamp_seconds{sel}",
+    "flare_collective_in_flight_info": (
+        "max by (rank, group, op, state) (flare_collective_in_flight_info{sel})"
+    ),
+    "in_flight": _current(IN_FLIGHT_METRICS, ", group"),
+}
+# Is a rank slower than the others, has its issue latency shifted: every rank (asked when no rank is gone or
+# hung; the rules weigh stragglers and ILD only then).
+PACE_QUERIES = {
+    "straggler_windows": _current(STRAGGLER_METRICS, ", ago"),
+    "ild_drift": _current(ILD_METRICS, ", distribution"),
+    "flare_step_duration_seconds_count": (
+        "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
+    ),
+}
+# The same from the cumulative step and collective times: every rank (asked when not every rank exports
+# straggler windows; see diagnosis.judged_by_windows).
+CUMULATIVE_QUERIES = {
+    "flare_step_duration_seconds_sum": (
+        "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
+    ),
     "flare_collective_duration_seconds_sum": (
-        "sum by (rank, run) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
+        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
     ),
-    "flare_step_duration_seconds_sum": "increase(flare_step_duration_seconds_sum{sel}[{window}])",
-    "flare_step_duration_seconds_count": "increase(flare_step_duration_seconds_count{sel}[{window}])",
-    "flare_ild_drift_ks": "flare_ild_drift_ks{sel}",
-    "flare_ild_drift_wasserstein_seconds": "flare_ild_drift_wasserstein_seconds{sel}",
-    # the straggler-window and GPU-health series the snapshot reads, in one query (split by __name__ below):
-    # only those, and only the clock events that are active; the others would be most of the answer
-    "straggler_and_gpu": (
-        '{__name__=~"flare_straggler_(last_window|window_step_seconds|window_wait_seconds|best_step_seconds)'
-        "|flare_gpu_(health_up|sm_clock_hertz|sm_clock_max_hertz|pcie_link_generation"
-        "|pcie_link_generation_max|pcie_link_width|pcie_link_width_max|temperature_celsius|xid_events_total"
-        '|last_xid|row_remap_failed)"} '
-        "and on (rank, run) last_over_time(flare_rank_info{sel}[{window}])"
-    ),
-    "flare_gpu_clock_event_active": "flare_gpu_clock_event_active{sel} == 1",
-    "up": "up{sel}",
+}
+# What explains a verdict without deciding it, of the ranks it names (every rank for the views).
+DETAIL_QUERIES = {
+    "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
+    "gpu_health": _current(GPU_HEALTH_METRICS, ""),
+    # only the clock events that are active: the others would be most of the answer
+    "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
+}
+# What only a view shows (`flare hang`): every rank.
+VIEW_QUERIES = {
+    "flare_collective_last_completed_seq": "max by (rank, group) (flare_collective_last_completed_seq{sel})",
+}
+PROMETHEUS_QUERIES = {
+    **FAULT_QUERIES,
+    **PACE_QUERIES,
+    **CUMULATIVE_QUERIES,
+    **DETAIL_QUERIES,
+    **VIEW_QUERIES,
 }
 
+# Every metric build_snapshot reads (a direct scrape parses only these); the queries above ask for each.
+SNAPSHOT_METRICS = frozenset(
+    [
+        "flare_rank_info",
+        "flare_process_group_info",
+        "flare_rank_exception_info",
+        "flare_rank_exception_timestamp_seconds",
+        "flare_heartbeat_timestamp_seconds",
+        "flare_collective_last_issued_seq",
+        "flare_collective_last_completed_seq",
+        "flare_collective_in_flight_info",
+        *IN_FLIGHT_METRICS,
+        *STRAGGLER_METRICS,
+        *ILD_METRICS,
+        "flare_step_duration_seconds_count",
+        "flare_step_duration_seconds_sum",
+        "flare_collective_duration_seconds_sum",
+        "flare_rank_stack_info",
+        "flare_steps_total",
+        *GPU_HEALTH_METRICS,
+        "flare_gpu_clock_event_active",
+    ]
+)
+MAX_NAMED_RANKS = 256  # named in a selector up to this many (a URL that any proxy takes); beyond, every rank
 
-def _selector(run: str) -> str:
+
+def _matcher(run: str) -> str:
     escaped = run.replace("\\", "\\\\").replace('"', '\\"')
-    return f'{{run="{escaped}"}}'
+    return f'run="{escaped}"'
 
 
-def from_prometheus(base_url: str, run: str = "", window: str = "5m", timeout: float = 10.0) -> Snapshot:
-    """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries."""
+def from_prometheus(
+    base_url: str,
+    run: str = "",
+    window: str = "5m",
+    timeout: float = 10.0,
+    detail_for: Callable[[Snapshot], Iterable[int]] | None = None,
+) -> Snapshot:
+    """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries.
+
+    Without `detail_for`, everything of every rank, at once. With it (the rules: the ranks their verdicts
+    name), in rounds: every rank's faults; when they name no rank, every rank's pace (and its cumulative
+    times where the rules need them); then the detail of the ranks named. At thousands of ranks, most of a
+    snapshot is what no verdict needs.
+    """
     now = time.time()
     if not run:
         runs = promql.query(
             base_url, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now
         )
         run = _one_run([item["metric"].get("run", "") for item in runs], run, f"Prometheus at {base_url}")
-    selector = _selector(run)
-    not_native = f'{selector[:-1]},group!="{spec.NATIVE_GROUP}"}}'
-    exprs = {
-        name: template.replace("{sel}", selector)
-        .replace("{sel_not_native}", not_native)
-        .replace("{window}", window)
-        for name, template in PROMETHEUS_QUERIES.items()
-    }
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        answers = dict(
-            zip(
-                exprs,
-                pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs.values()),
-                strict=True,
-            )
-        )
-    series: dict[str, Series] = {
-        name: [(item["metric"], float(item["value"][1])) for item in answer if "rank" in item["metric"]]
-        for name, answer in answers.items()
-    }
-    for labels, value in series.pop("straggler_and_gpu", []):
-        series.setdefault(labels.get("__name__", ""), []).append((labels, value))
+    matchers = _matcher(run)
+
+    def fetch(queries: Mapping[str, str], ranks: Sequence[int] = ()) -> dict[str, Series]:
+        """The answers to `queries`, of the ranks named (of every rank if none)."""
+        named = f', rank=~"{"|".join(map(str, ranks))}"' if ranks else ""
+        return _fetch(base_url, queries, matchers + named, window, timeout, now)
+
+    if detail_for is None:
+        return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
+    series = fetch(FAULT_QUERIES)
+    snapshot = _snapshot(series, now, run)
+    named = sorted(set(detail_for(snapshot)))
+    if not named:  # nothing gone or hung: the rules weigh every rank's pace
+        series |= fetch(PACE_QUERIES)
+        snapshot = _snapshot(series, now, run)
+        if not diagnosis.judged_by_windows(snapshot):
+            series |= fetch(CUMULATIVE_QUERIES)
+            snapshot = _snapshot(series, now, run)
+        named = sorted(set(detail_for(snapshot)))
+    if not named:
+        return snapshot
+    return with_detail(snapshot, fetch(DETAIL_QUERIES, named if len(named) <= MAX_NAMED_RANKS else []))
+
+
+def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
+    """build_snapshot over Prometheus's answers: a rank is up if Prometheus scrapes it and `up` is 1."""
     liveness = {
         int(labels["rank"]): Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
-        for labels, value in series.pop("up")
+        for labels, value in series.get("up", [])
     }
     for labels, _ in series.get("flare_rank_info", []):
         liveness.setdefault(int(labels["rank"]), Liveness(False, "no longer scraped by Prometheus"))
     return build_snapshot(series, liveness, now, run)
+
+
+def _fetch(
+    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+) -> dict[str, Series]:
+    """The answers to `queries` over the series that `matchers` select, at `now`, as series by metric name."""
+    not_native = f'{matchers}, group!="{spec.NATIVE_GROUP}"'
+    exprs = [
+        template.replace("{sel}", f"{{{matchers}}}")
+        .replace("{sel_not_native}", f"{{{not_native}}}")
+        .replace("{matchers}", matchers)
+        .replace("{window}", window)
+        for template in queries.values()
+    ]
+    series: dict[str, Series] = defaultdict(list)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs)
+        for name, answer in zip(queries, answers, strict=True):
+            for item in answer:
+                labels = item["metric"]
+                if "rank" in labels:
+                    series[labels.pop("__name__", name)].append((labels, float(item["value"][1])))
+    return series
