@@ -245,8 +245,13 @@ class FutureTiming(TimingBackend):
             super().track(record, work)
             return
         if self.stamp_completion is not None:
-            self.manager.poll_later(record, self.stamp_completion(future), self.stamps)
-            return
+            try:
+                stamp = self.stamp_completion(future)
+            except TypeError:  # not a torch Future (a custom backend's): a Python callback, below
+                pass
+            else:
+                self.manager.poll_later(record, stamp, self.stamps)
+                return
         manager = self.manager
 
         def on_done(done: Any) -> None:

@@ -293,6 +293,35 @@ def test_failed_collective_stays_in_flight_and_is_counted(completion_extension):
     assert health.dropped["failed_collectives"] == 1
 
 
+class DuckFuture:
+    """A future that is not torch's (a custom backend's work may hand one back): callbacks, a value."""
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def value(self) -> None:
+        return None
+
+    def finish(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+def test_a_future_that_is_not_torchs_is_called_back(completion_extension):
+    manager = make_manager()
+    group = FakeGroup()
+    work = FakeWork()
+    work.future = DuckFuture()  # type: ignore[assignment]
+    FutureTiming(manager, completion_extension).track(make_record(group), work)
+    work.future.finish()  # type: ignore[attr-defined]
+    manager.drain()
+    assert group.last_completed_seq == 1
+    assert manager.health.errors == {}
+
+
 def test_completion_stamps_are_filled_in_by_the_extension_without_python():
     from flare_exporter import op_timer
 
