@@ -139,6 +139,9 @@ def test_a_hang_names_the_culprit_with_its_frames_and_the_views_read_every_rank(
     cluster.server.set_pages(vc.hung_at(cluster.hung_pages, time.time() - 2 * HANG_SECONDS))
     in_flight = f'count(flare_collective_in_flight_info{{run="{cluster.run}"}})'
     await_count(clusters.prometheus, in_flight, cluster.ranks - 1)
+    # each target is scraped at its own offset: the hung rank's stack sample may come after the others' hang
+    stack = f'count(flare_rank_stack_info{{run="{cluster.run}", rank="{cluster.hung}", activity="compute"}})'
+    await_count(clusters.prometheus, stack, 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
     # no pace round: a hang is found from the faults alone
     assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.DETAIL_QUERIES)
