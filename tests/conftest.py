@@ -114,18 +114,21 @@ def one_rank_env(port: int, **extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(params=["stamps", "callback"])
-def completion_extension(request: pytest.FixtureRequest) -> Any:
-    """Both ways FutureTiming learns of a completion: flare's torch extension (built here), whose C++ callback
-    stamps it without the GIL, and (None) a Python callback on the future."""
+def torch_extension() -> Any:
+    """flare's torch extension (op_timer.py), built here if it is not yet, and loaded."""
     from flare_exporter import op_timer
 
-    if request.param == "callback":
-        return None
     op_timer.build()
     extension = op_timer.load()
     assert extension is not None, op_timer.load_error
     return extension
+
+
+@pytest.fixture(params=["stamps", "callback"])
+def completion_extension(request: pytest.FixtureRequest) -> Any:
+    """Both ways FutureTiming learns of a completion: flare's torch extension, whose C++ callback stamps it
+    without the GIL, and (None) a Python callback on the future."""
+    return torch_extension() if request.param == "stamps" else None
 
 
 @pytest.fixture(params=["native", "python"])
@@ -134,8 +137,7 @@ def dispatch_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     from flare_exporter import op_timer
 
     if request.param == "native":
-        op_timer.build()
-        assert op_timer.load() is not None, op_timer.load_error
+        torch_extension()
     else:
         monkeypatch.setattr(op_timer, "load", lambda: None)
     return request.param

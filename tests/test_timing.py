@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import torch_extension
 
 from flare_exporter import spec
 from flare_exporter.health import ExporterHealth
@@ -325,11 +326,7 @@ def test_a_future_that_is_not_torchs_is_called_back(completion_extension):
 
 
 def test_completion_stamps_are_filled_in_by_the_extension_without_python():
-    from flare_exporter import op_timer
-
-    op_timer.build()
-    extension = op_timer.load()
-    assert extension is not None, op_timer.load_error
+    extension = torch_extension()
     future: torch.futures.Future = torch.futures.Future()
     stamp = extension.stamp_completion(future)
     assert stamp.completed_at is None and not stamp.failed
