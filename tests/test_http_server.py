@@ -102,7 +102,11 @@ def test_connections_beyond_the_limit_are_closed_and_counted(server):
         wait_for(lambda: len(server.connections) == 8, 5, "eight held connections")
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
             extra.sendall(b"GET / HTTP/1.1\r\n\r\n")
-            assert extra.recv(10) == b""
+            try:
+                answer = extra.recv(10)
+            except ConnectionResetError:  # closed with the request unread: the kernel resets, not FIN
+                answer = b""
+            assert answer == b""
         assert server.health.dropped["http_connections"] == 1
     finally:
         for sock in held:
