@@ -72,7 +72,9 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(0)
         self.native = op_timer.load() if timer == "native" else None
         self.mode = None
-        if self.native is None:
+        if self.native is not None:
+            self.native.inject_delay(0.0)  # the injector's observer from the start, waiting 0 s
+        else:
             self.mode = train_ddp.HostDelay(0.0)
             self.mode.__enter__()  # under the exporter's windows, which are pushed later, at step hooks
         self.width = train_ddp.WIDTH
@@ -96,16 +98,17 @@ class Trainer:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        self.delay(0.0)
+        if self.native is not None:
+            self.native.inject_delay(-1)  # removed
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
 
 
 def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: float | None):  # type: ignore[no-untyped-def]
     """Train warm-up + baseline steps, then `healthy_steps` with `delay` per op; the drift after each."""
-    from flare_exporter.diagnosis import IldPolicy, ild_shifted
+    from flare_exporter.diagnosis import IldDrift, IldPeers, IldPolicy, ild_shifted
 
-    policy = IldPolicy()
+    policy = IldPolicy(op_shift_seconds=args.op_shift_ns * 1e-9) if args.op_shift_ns else IldPolicy()
     state = make_state(args)
     trainer = Trainer(args.timer)
     assert (state.ild.dispatch.native is not None) == (args.timer == "native")
@@ -120,9 +123,12 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: f
         for _ in range(healthy_steps):
             times.append(trainer.step())
             state.manager.drain()
-            current = latency.drift.current
-            drifts.append(current)
-            fired.append(current is not None and ild_shifted(current[0], current[1], median_w1, policy))
+            current, op_shift = latency.drift.current, latency.drift.op_shift
+            drifts.append((current, op_shift))
+            fired.append(
+                current is not None
+                and ild_shifted(IldDrift(*current, op_shift), IldPeers(median_w1, None), policy)
+            )
         windows = state.ild.dispatch.windows
         ops_per_window = sum(latency.histogram.counts) / max(1, windows)
         return drifts, fired, times, ops_per_window
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=int, default=100, help="baseline steps after 5 warm-up (100)")
     parser.add_argument("--healthy-steps", type=int, default=1000, help="healthy steps checked (1000)")
     parser.add_argument("--within", type=int, default=10, help="steps within which to detect (10)")
+    parser.add_argument(
+        "--op-shift-ns", type=float, default=0, help="the rule's per-op shift threshold (engine's default)"
+    )
     parser.add_argument("--trials", type=int, default=3, help="trials per delay (default 3)")
     parser.add_argument(
         "--shares", default="0.25,0.5,1,2,4,8", help="delays to try, in %% of the step time (comma-separated)"
@@ -159,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         op_timer.load = lambda: None  # the exporter's dispatch-mode windows
 
     drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, None)
-    healthy_w1 = [d[1] for d in drifts if d is not None]
+    healthy_w1 = [current[1] for current, _ in drifts if current is not None]
     median_w1 = statistics.median(healthy_w1) if healthy_w1 else None
     # the healthy run again with the peers' median known: false positives of the full rule
-    _, fired, times, ops = run(args, 0.0, args.healthy_steps, median_w1)
+    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, median_w1)
     step_time = statistics.median(times)
-    ks_values = [d[0] for d in drifts if d is not None]
+    ks_values = [current[0] for current, _ in drifts if current is not None]
+    shifts = sorted(shift for _, shift in drifts if shift is not None)
     print(
         f"ILD sensitivity (host dispatch latency, {args.timer} timer): window on 1 step in "
         f"{state_every(args)}, current window "
@@ -174,20 +184,31 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"healthy: {sum(fired)} false positives in {args.healthy_steps} steps; KS median "
         f"{statistics.median(ks_values):.3f}, max {max(ks_values):.3f}; W1 median "
-        f"{(median_w1 or 0) * 1e6:.2f} µs"
+        f"{(median_w1 or 0) * 1e6:.2f} µs; "
+        + (
+            f"per-op shift median {statistics.median(shifts) * 1e9:.1f} ns, 99th percentile "
+            f"{shifts[int(0.99 * (len(shifts) - 1))] * 1e9:.1f} ns, max {shifts[-1] * 1e9:.1f} ns"
+            if shifts
+            else "no per-op shift (the native timer's only)"
+        )
     )
-    print(f"{'delay % of step':>16}  {'per op':>9}  detected within {args.within} steps  steps to detect")
+    print(
+        f"{'delay % of step':>16}  {'per op':>9}  detected within {args.within} steps  steps to detect"
+        "  largest per-op shift (ns)"
+    )
     smallest = None
     for share in [float(text) for text in args.shares.split(",")]:
         per_op = share / 100 * step_time / ops
-        detected_at = []
+        detected_at, largest_shift = [], []
         for _ in range(args.trials):
-            _, fired_now, _, _ = run(args, per_op, args.within, median_w1)
+            drifts_now, fired_now, _, _ = run(args, per_op, args.within, median_w1)
             detected_at.append(fired_now.index(True) + 1 if True in fired_now else None)
+            largest_shift.append(max((shift or 0.0 for _, shift in drifts_now), default=0.0))
         hits = [at for at in detected_at if at is not None]
         print(
             f"{share:15.2f}%  {per_op * 1e6:7.3f}µs  {len(hits)}/{args.trials}{'':27}"
-            f"{', '.join(str(at) for at in detected_at)}"
+            f"{', '.join(str(at) for at in detected_at):15}  "
+            f"{', '.join(f'{shift * 1e9:.0f}' for shift in largest_shift)}"
         )
         if smallest is None and len(hits) == args.trials:
             smallest = share

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import rules, spec
+from .diagnosis import IldPolicy
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dashboards"
 TAG = "flare"
@@ -67,6 +68,7 @@ KERNEL_ILD = _histogram("flare_kernel_issue_latency_seconds")
 DISPATCH_ILD = _histogram("flare_host_dispatch_latency_seconds")
 DRIFT_KS = _defined("flare_ild_drift_ks")
 DRIFT_W1 = _defined("flare_ild_drift_wasserstein_seconds")
+OP_SHIFT = _defined("flare_ild_op_shift_seconds")
 WINDOW_STEP = _defined("flare_straggler_window_step_seconds")
 WINDOW_WAIT = _defined("flare_straggler_window_wait_seconds")
 BEST_STEP = _defined("flare_straggler_best_step_seconds")
@@ -606,6 +608,21 @@ def issue_latency() -> Dashboard:
                     min=0,
                     max=1,
                     steps=((None, "green"), (0.3, "orange"), (0.6, "red")),
+                ),
+            ),
+            (
+                Panel(
+                    "timeseries",
+                    "Per-op shift of host dispatch",
+                    "The delay the current window adds to every op, from each op's fastest time per sampled "
+                    "step against its baseline (stable ops weigh most). A uniform host slowdown too small "
+                    "to move KS or W1 shows here; the engine names a rank from "
+                    f"{IldPolicy().op_shift_seconds * 1e9:g} ns.",
+                    (Target(f"max by (rank) ({OP_SHIFT}{S})", "rank {{rank}}"),),
+                    24,
+                    8,
+                    "s",
+                    needs=frozenset({DRIFT}),
                 ),
             ),
         ),

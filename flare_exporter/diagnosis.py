@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from .gpu_health import SLOWDOWN_REASONS
 
@@ -85,6 +85,7 @@ class RankRecord:
     # ILD drift from the rank's baseline, by distribution (kernel_issue, host_dispatch): KS and W1 seconds
     ild_ks: Mapping[str, float] = field(default_factory=dict)
     ild_wasserstein: Mapping[str, float] = field(default_factory=dict)
+    ild_op_shift: Mapping[str, float] = field(default_factory=dict)  # host dispatch's per-op shift, seconds
 
     @property
     def gone(self) -> bool:
@@ -265,20 +266,33 @@ def members_of(snapshot: Snapshot, group: str) -> tuple[int, ...]:
 
 def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
     """Groups in which some live rank has had a collective unfinished for at least `hang_seconds`."""
-    names = sorted({name for record in snapshot.ranks.values() if record.up for name in record.groups})
+    oldest = oldest_in_flight(snapshot)
     hangs = []
-    for name in names:
+    for name in sorted(oldest):
+        if oldest[name] < hang_seconds:
+            continue
         members = members_of(snapshot, name)
         live = [snapshot.ranks[rank] for rank in members if snapshot.ranks[rank].up]
-        ages = [
-            snapshot.now - state.in_flight.started_at
-            for record in live
-            if (state := record.groups.get(name)) is not None and state.in_flight is not None
-        ]
-        if ages and max(ages) >= hang_seconds:
-            max_issued = max(record.groups[name].last_issued for record in live if name in record.groups)
-            hangs.append(GroupHang(name, members, max(ages), max_issued))
+        max_issued = max(record.groups[name].last_issued for record in live if name in record.groups)
+        hangs.append(GroupHang(name, members, oldest[name], max_issued))
     return hangs
+
+
+def oldest_in_flight(snapshot: Snapshot) -> dict[str, float]:
+    """Group -> the age of the oldest collective in flight in it on a live rank (groups with one only).
+
+    One pass over the ranks: at thousands of ranks there are thousands of groups, and most have nothing in
+    flight for long."""
+    oldest: dict[str, float] = {}
+    for record in snapshot.ranks.values():
+        if not record.up:
+            continue
+        for name, state in record.groups.items():
+            if state.in_flight is not None:
+                age = snapshot.now - state.in_flight.started_at
+                if name not in oldest or age > oldest[name]:
+                    oldest[name] = age
+    return oldest
 
 
 def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
@@ -725,29 +739,66 @@ class IldPolicy:
     # moves far: KS at least partial_ks and W1 at least far_factor times the ranks' median W1 (3+ ranks).
     partial_ks: float = 0.12
     far_factor: float = 50.0
+    # Host dispatch: a delay added to every op, estimated from each op's fastest time (ild.py's per-op
+    # shift), at or above which it shifted whatever KS and W1 say.
+    op_shift_seconds: float = 1e-7
 
 
-def ild_shifted(ks: float, wasserstein: float, median_wasserstein: float | None, policy: IldPolicy) -> bool:
-    """Whether one rank's drift (KS, W1) counts as a shift; `median_wasserstein` of its peers, if 3+ ranks."""
-    if wasserstein < policy.min_wasserstein_seconds:
+class IldDrift(NamedTuple):
+    """One rank's drift of one distribution from its baseline."""
+
+    ks: float
+    wasserstein: float  # seconds
+    op_shift: float | None  # seconds; host dispatch by the native timer only
+
+
+class IldPeers(NamedTuple):
+    """The ranks' medians of one distribution's drift, where 3 or more ranks export it (else None)."""
+
+    wasserstein: float | None
+    op_shift: float | None
+
+    @classmethod
+    def of(cls, drifts: Iterable[IldDrift]) -> IldPeers:
+        drifts = list(drifts)
+        shifts = [d.op_shift for d in drifts if d.op_shift is not None]
+        return cls(
+            statistics.median(d.wasserstein for d in drifts) if len(drifts) >= 3 else None,
+            statistics.median(shifts) if len(shifts) >= 3 else None,
+        )
+
+
+def ild_shifted(drift: IldDrift, peers: IldPeers, policy: IldPolicy) -> bool:
+    """Whether one rank's drift counts as a shift, given its peers' medians.
+
+    The per-op shift counts beyond the peers' median (when that is positive): a machine-wide slowdown that
+    moves every rank alike is not one rank's.
+    """
+    if drift.op_shift is not None:
+        if drift.op_shift - max(peers.op_shift or 0.0, 0.0) >= policy.op_shift_seconds:
+            return True
+    if drift.wasserstein < policy.min_wasserstein_seconds:
         return False
-    if ks >= policy.ks:
+    if drift.ks >= policy.ks:
         return True
-    far = median_wasserstein is not None and wasserstein >= policy.far_factor * max(
-        median_wasserstein, policy.min_wasserstein_seconds
+    far = peers.wasserstein is not None and drift.wasserstein >= policy.far_factor * max(
+        peers.wasserstein, policy.min_wasserstein_seconds
     )
-    return ks >= policy.partial_ks and far
+    return drift.ks >= policy.partial_ks and far
 
 
-def ild_drifts(snapshot: Snapshot) -> dict[str, dict[int, tuple[float, float]]]:
-    """Distribution -> live rank -> (KS, W1 seconds), for the ranks that export a drift."""
-    found: dict[str, dict[int, tuple[float, float]]] = {}
+def ild_drifts(snapshot: Snapshot) -> dict[str, dict[int, IldDrift]]:
+    """Distribution -> live rank -> its drift, for the ranks that export one."""
+    found: dict[str, dict[int, IldDrift]] = {}
     for record in sorted(snapshot.ranks.values(), key=lambda r: r.rank):
         if not record.up:
             continue
         for distribution, ks in sorted(record.ild_ks.items()):
-            wasserstein = record.ild_wasserstein.get(distribution, 0.0)
-            found.setdefault(distribution, {})[record.rank] = (ks, wasserstein)
+            found.setdefault(distribution, {})[record.rank] = IldDrift(
+                ks,
+                record.ild_wasserstein.get(distribution, 0.0),
+                record.ild_op_shift.get(distribution),
+            )
     return found
 
 
@@ -757,12 +808,8 @@ def ild_verdicts(snapshot: Snapshot, policy: IldPolicy) -> list[Verdict]:
     job_wide: dict[str, tuple[tuple[int, ...], int]] = {}
     drifts = ild_drifts(snapshot)
     for distribution, per_rank in drifts.items():
-        median = statistics.median(w for _, w in per_rank.values()) if len(per_rank) >= 3 else None
-        shifted = tuple(
-            rank
-            for rank, (ks, wasserstein) in per_rank.items()
-            if ild_shifted(ks, wasserstein, median, policy)
-        )
+        peers = IldPeers.of(per_rank.values())
+        shifted = tuple(rank for rank, d in per_rank.items() if ild_shifted(d, peers, policy))
         if not shifted:
             continue
         if len(shifted) * 2 < len(per_rank):
@@ -779,7 +826,9 @@ def ild_verdicts(snapshot: Snapshot, policy: IldPolicy) -> list[Verdict]:
                 ranks,
                 "rank",
                 f"rank {_names(ranks)}: {' and '.join(_ild_name(d) for d in distributions)} shifted from "
-                f"its baseline (KS {first[0]:.2f}, W1 {_seconds(first[1])}) while the other "
+                f"its baseline (KS {first.ks:.2f}, W1 {_seconds(first.wasserstein)}"
+                + (f", every op +{_seconds(first.op_shift)}" if first.op_shift is not None else "")
+                + f") while the other "
                 f"{len(drifts[distributions[0]]) - len(ranks)} ranks' did not: a host-side slowdown there",
                 evidence,
             )
@@ -802,7 +851,7 @@ def ild_verdicts(snapshot: Snapshot, policy: IldPolicy) -> list[Verdict]:
 
 
 def _ild_evidence(
-    drifts: dict[str, dict[int, tuple[float, float]]],
+    drifts: dict[str, dict[int, IldDrift]],
     ranks: tuple[int, ...],
     distributions: list[str],
     policy: IldPolicy,
@@ -810,22 +859,28 @@ def _ild_evidence(
     return {
         "distributions": list(distributions),
         "ks_threshold": policy.ks,
+        "op_shift_threshold_seconds": policy.op_shift_seconds,
         "shifted": {
             str(rank): {
                 distribution: {
-                    "ks": round(drifts[distribution][rank][0], 4),
-                    "wasserstein_seconds": drifts[distribution][rank][1],
+                    "ks": round(drifts[distribution][rank].ks, 4),
+                    "wasserstein_seconds": drifts[distribution][rank].wasserstein,
+                    "op_shift_seconds": drifts[distribution][rank].op_shift,
                 }
                 for distribution in distributions
             }
             for rank in ranks
         },
         "median_ks": {
-            distribution: round(statistics.median(ks for ks, _ in drifts[distribution].values()), 4)
+            distribution: round(statistics.median(d.ks for d in drifts[distribution].values()), 4)
             for distribution in distributions
         },
         "median_wasserstein_seconds": {
-            distribution: statistics.median(w for _, w in drifts[distribution].values())
+            distribution: statistics.median(d.wasserstein for d in drifts[distribution].values())
+            for distribution in distributions
+        },
+        "median_op_shift_seconds": {
+            distribution: IldPeers.of(drifts[distribution].values()).op_shift
             for distribution in distributions
         },
     }

@@ -128,7 +128,7 @@ class DispatchSampler:
         if self.native is None:
             return
         for taken in self.native.take(self.latency.histogram.bounds):
-            self.latency.add_counts(taken.step, taken.buckets, taken.seconds)
+            self.latency.add_counts(taken.step, taken.buckets, taken.seconds, taken.op_minimums)
         dropped = self.native.dropped_samples()
         if dropped > self._native_dropped:
             self.health.drop("ild_dispatch_samples", dropped - self._native_dropped)

@@ -12,6 +12,14 @@ baseline is measured on the histogram's own buckets, so that PromQL can compute 
 - Kolmogorov-Smirnov: the largest difference between the two cumulative distributions (0..1);
 - Wasserstein-1: the area between them, each bucket at its log-midpoint, in seconds.
 
+Both see the mixture of all ops, whose spread (from 30 ns to 60 µs here) hides a small delay added to every
+op. Host dispatch timed by the native timer also has the per-op shift (the dispatch mode's own microseconds
+of Python per op are too noisy for it): for each op (by name), its fastest time in each sampled step -
+the dispatch path's floor, which preemption and noisy neighbours rarely move - is compared with the median
+of its baseline steps' fastest times, and the shift is the weighted median of the ops' differences, each op
+weighted by how stable it was in the baseline (1 / MAD^2). It estimates a delay added to every op: the stable
+small ops (views, detach) weigh most, and no single op's outlier moves a median.
+
 Everything here is written by the timing manager's thread only (under its drain lock); scrapes read a copy of
 the histogram and one tuple of drift values.
 """
@@ -19,9 +27,10 @@ the histogram and one tuple of drift values.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from . import fake_device, spec
@@ -32,6 +41,11 @@ from .progress import StepTracker
 from .timing import EventBackend, TimingManager
 
 KERNEL_ISSUE, HOST_DISPATCH = spec.ILD_DISTRIBUTIONS
+
+MAX_OPS = 1024  # op names followed by the per-op shift; more are left out
+MAX_BASELINE_STEPS_PER_OP = 512  # fastest times kept per op for its baseline
+MIN_BASELINE_STEPS_PER_OP = 5  # an op needs this many sampled baseline steps to count in the shift
+MIN_OP_SPREAD_SECONDS = 10e-9  # an op's baseline MAD is taken as at least this (the clock's grain)
 
 
 def bucket_points(bounds: Sequence[float]) -> list[float]:
@@ -88,6 +102,11 @@ class Drift:
         self.baseline = [0] * self.size
         self.windows: dict[int, list[int]] = {}  # step -> bucket counts, at most window_steps steps
         self.current: tuple[float, float] | None = None
+        # the per-op shift: each op's fastest time per baseline step, then per window step
+        self.baseline_minimums: dict[Hashable, list[float]] = {}
+        self.window_minimums: dict[int, dict[Hashable, float]] = {}  # the same steps as `windows`
+        self.op_references: dict[Hashable, tuple[float, float]] | None = None  # op -> (median, MAD)
+        self.op_shift: float | None = None  # seconds
         self._changed = False
 
     @property
@@ -95,20 +114,47 @@ class Drift:
         return sum(self.baseline)
 
     def add(self, step: int, index: int, count: int = 1) -> None:
+        counts = self._counts(step)
+        if counts is not None:
+            counts[index] += count
+
+    def add_op_minimums(self, step: int, minimums: Mapping[Hashable, float]) -> None:
+        """Each op's fastest time in `step` (op: any key naming it)."""
+        counts = self._counts(step)
+        if counts is None:
+            return
+        if counts is self.baseline:
+            for op, seconds in minimums.items():
+                history = self.baseline_minimums.get(op)
+                if history is None:
+                    if len(self.baseline_minimums) >= MAX_OPS:
+                        continue
+                    history = self.baseline_minimums[op] = []
+                if len(history) < MAX_BASELINE_STEPS_PER_OP:
+                    history.append(seconds)
+            return
+        merged = self.window_minimums.setdefault(step, {})
+        for op, seconds in minimums.items():
+            if op in self.baseline_minimums:  # an op without a baseline cannot shift from it
+                merged[op] = min(seconds, merged.get(op, seconds))
+
+    def _counts(self, step: int) -> list[int] | None:
+        """The bucket counts a sample of `step` goes into: the baseline's, its window step's, or none."""
         if step < self.warmup_steps:
-            return
+            return None
         if step < self.baseline_end:
-            self.baseline[index] += count
-            return
+            return self.baseline
         counts = self.windows.get(step)
         if counts is None:
             if len(self.windows) >= self.window_steps and step < min(self.windows):
-                return  # a late sample of a step that has left the window
+                return None  # a late sample of a step that has left the window
             counts = self.windows[step] = [0] * self.size
             if len(self.windows) > self.window_steps:
-                del self.windows[min(self.windows)]
-        counts[index] += count
+                oldest = min(self.windows)
+                del self.windows[oldest]
+                self.window_minimums.pop(oldest, None)
         self._changed = True
+        return counts
 
     def window(self) -> list[int]:
         total = [0] * self.size
@@ -122,11 +168,72 @@ class Drift:
         if not self._changed:
             return
         self._changed = False
+        self.op_shift = self._op_shift()
         window = self.window()
         if min(self.baseline_samples, sum(window)) < self.min_samples:
             self.current = None
             return
         self.current = drift(self.baseline, window, self.points)
+
+    def _op_shift(self) -> float | None:
+        """The window's per-op shift from the baseline, in seconds (module docstring); None without ops.
+
+        Estimated on each half of the window's steps (the older and the newer), it is the one nearer zero,
+        or 0 when they disagree in sign: a shift that holds across the window, not a burst in one half.
+        """
+        if not self.window_minimums:
+            return None
+        if self.op_references is None:  # the window has begun: the baseline is complete
+            self.op_references = op_references(self.baseline_minimums)
+        steps = sorted(self.window_minimums)
+        middle = len(steps) // 2
+        halves = [steps[:middle], steps[middle:]] if middle else [steps]
+        shifts = [self._shift_over(half) for half in halves]
+        if len(shifts) == 1 or None in shifts:
+            return shifts[0] if len(shifts) == 1 else None
+        older, newer = shifts
+        assert older is not None and newer is not None
+        if (older > 0) != (newer > 0):
+            return 0.0
+        return older if abs(older) < abs(newer) else newer
+
+    def _shift_over(self, steps: Sequence[int]) -> float | None:
+        """The weighted median over ops of each op's median fastest time in `steps` minus its baseline's."""
+        assert self.op_references is not None
+        by_op: dict[Hashable, list[float]] = {}
+        for step in steps:
+            for op, seconds in self.window_minimums[step].items():
+                by_op.setdefault(op, []).append(seconds)
+        weighted = []
+        for op, values in by_op.items():
+            reference = self.op_references.get(op)
+            if reference is not None:
+                median, spread = reference
+                weighted.append((statistics.median(values) - median, 1.0 / (spread * spread)))
+        return weighted_median(weighted) if weighted else None
+
+
+def weighted_median(values: Sequence[tuple[float, float]]) -> float:
+    """The value at which half of the total weight lies below: (value, weight) pairs, weights > 0."""
+    ordered = sorted(values)
+    half = sum(weight for _, weight in ordered) / 2
+    below = 0.0
+    for value, weight in ordered:
+        below += weight
+        if below >= half:
+            return value
+    return ordered[-1][0]
+
+
+def op_references(baseline_minimums: Mapping[Hashable, list[float]]) -> dict[Hashable, tuple[float, float]]:
+    """Op -> (median, MAD) of its fastest time per baseline step, for ops seen in enough baseline steps."""
+    references = {}
+    for op, history in baseline_minimums.items():
+        if len(history) >= MIN_BASELINE_STEPS_PER_OP:
+            median = statistics.median(history)
+            spread = statistics.median(abs(seconds - median) for seconds in history)
+            references[op] = (median, max(spread, MIN_OP_SPREAD_SECONDS))
+    return references
 
 
 class IssueLatency:
@@ -152,13 +259,21 @@ class IssueLatency:
         histogram.sum += seconds
         self.drift.add(step, index)
 
-    def add_counts(self, step: int, buckets: Sequence[tuple[int, int]], seconds: float) -> None:
-        """Samples of `step` already counted into buckets: (bucket index, samples), and their sum."""
+    def add_counts(
+        self,
+        step: int,
+        buckets: Sequence[tuple[int, int]],
+        seconds: float,
+        op_minimums: Mapping[Hashable, float],
+    ) -> None:
+        """Samples of `step` already counted into buckets: (bucket index, samples), their sum, and each op's
+        fastest time among them."""
         histogram = self.histogram
         histogram.sum += seconds
         for index, count in buckets:
             histogram.counts[index] += count
             self.drift.add(step, index, count)
+        self.drift.add_op_minimums(step, op_minimums)
 
     def add_many(self, step: int, samples: Sequence[float]) -> None:
         for seconds in samples:

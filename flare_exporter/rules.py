@@ -21,8 +21,6 @@ import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import yaml
-
 from . import config as config_module
 from . import spec
 from .diagnosis import IldPolicy, StragglerPolicy
@@ -264,26 +262,47 @@ def _held_windows(t: Thresholds) -> str:
     return "|".join(str(ago) for ago in range(t.stragglers.hold_windows))
 
 
+def _op_shift_beyond_peers(s: str, threshold: float) -> str:
+    """Ranks whose per-op shift exceeds the ranks' median (if positive, 3+ ranks) by `threshold`."""
+    shift, peers = f"flare_ild_op_shift_seconds{s}", "on (run, distribution)"
+    ranks = f"count by (run, distribution) ({shift})"
+    return (
+        "(\n"
+        "      (\n"
+        f"        {shift}\n"
+        f"        - {peers} group_left clamp_min(quantile by (run, distribution) (0.5, {shift}), 0)\n"
+        f"      ) >= {threshold:g}\n"
+        f"      and {peers} ({ranks} >= 3)\n"
+        f"      or {shift} >= {threshold:g} and {peers} ({ranks} < 3)\n"
+        "    )\n"
+    )
+
+
 def _ild_shifted(t: Thresholds) -> str:
     """The KS of each rank whose distribution shifted: KS over the threshold, or a partial shift that moved
-    far (W1 a factor above the ranks' median, with 3+ ranks), and W1 above the floor either way."""
+    far (W1 a factor above the ranks' median, with 3+ ranks), and W1 above the floor either way; or a per-op
+    shift over its threshold, beyond the ranks' median where 3+ ranks export one."""
     s, policy, floor = selector(t), t.ild, f"{t.ild.min_wasserstein_seconds:g}"
     per_rank = "on (run, rank, distribution)"
     return (
         "max by (run, rank, distribution) (\n"
         f"  flare_ild_drift_ks{s}\n"
-        f"  and {per_rank} (flare_ild_drift_wasserstein_seconds{s} >= {floor})\n"
         f"  and {per_rank} (\n"
-        f"    flare_ild_drift_ks{s} >= {policy.ks:g}\n"
-        f"    or {per_rank} (\n"
-        f"      flare_ild_drift_ks{s} >= {policy.partial_ks:g}\n"
-        f"      and {per_rank} (\n"
-        f"        flare_ild_drift_wasserstein_seconds{s}\n"
-        f"        >= on (run, distribution) group_left {policy.far_factor:g} * clamp_min(\n"
-        f"          quantile by (run, distribution) (0.5, flare_ild_drift_wasserstein_seconds{s}), {floor})\n"
+        f"    (flare_ild_drift_wasserstein_seconds{s} >= {floor})\n"
+        f"    and {per_rank} (\n"
+        f"      flare_ild_drift_ks{s} >= {policy.ks:g}\n"
+        f"      or {per_rank} (\n"
+        f"        flare_ild_drift_ks{s} >= {policy.partial_ks:g}\n"
+        f"        and {per_rank} (\n"
+        f"          flare_ild_drift_wasserstein_seconds{s}\n"
+        f"          >= on (run, distribution) group_left {policy.far_factor:g} * clamp_min(\n"
+        "            quantile by (run, distribution)\n"
+        f"              (0.5, flare_ild_drift_wasserstein_seconds{s}), {floor})\n"
+        "        )\n"
+        f"        and on (run, distribution) (count by (run, distribution) (flare_ild_drift_ks{s}) >= 3)\n"
         "      )\n"
-        f"      and on (run, distribution) (count by (run, distribution) (flare_ild_drift_ks{s}) >= 3)\n"
         "    )\n"
+        f"    or {per_rank} {_op_shift_beyond_peers(s, policy.op_shift_seconds)}"
         "  )\n"
         ")"
     )
@@ -701,20 +720,19 @@ def _alert_rule(alert: Alert, t: Thresholds) -> dict[str, Any]:
     }
 
 
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-def _string(dumper: yaml.SafeDumper, value: str) -> Any:
+def _string(dumper: Any, value: str) -> Any:
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-_Dumper.add_representer(str, _string)
-
-
 def render(t: Thresholds) -> str:
-    return GENERATED_HEADER + yaml.dump(rules_document(t), Dumper=_Dumper, sort_keys=False, width=1000)
+    import yaml  # here, not at the top: `flare diagnose` imports this module for its parser only
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(str, _string)
+    return GENERATED_HEADER + yaml.dump(rules_document(t), Dumper=Dumper, sort_keys=False, width=1000)
 
 
 FLARE_METRIC = re.compile(r"(?<![\w:])flare_[a-z0-9_]+(?![\w:])")

@@ -39,62 +39,14 @@ def build_snapshot(
     info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
     world_size = max((int(labels.get("world_size", 0) or 0) for labels in info.values()), default=0)
     ranks = set(info) | set(liveness) | set(range(world_size))
-
-    def per_rank(name: str) -> dict[int, float]:
-        values: dict[int, float] = defaultdict(float)
-        for labels, value in series.get(name, []):
-            if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
-                values[int(labels["rank"])] += value
-        return values
-
-    def per_group(name: str) -> dict[tuple[int, str], float]:
-        return {(int(labels["rank"]), labels["group"]): value for labels, value in series.get(name, [])}
-
-    issued = per_group("flare_collective_last_issued_seq")
-    completed = per_group("flare_collective_last_completed_seq")
-    flight_seq = per_group("flare_collective_in_flight_seq")
-    flight_bytes = per_group("flare_collective_in_flight_bytes")
-    flight_started = per_group("flare_collective_in_flight_started_timestamp_seconds")
-    flights = {
-        (int(labels["rank"]), labels["group"]): InFlight(
-            labels.get("op", ""),
-            int(flight_seq.get((int(labels["rank"]), labels["group"]), 0)),
-            int(flight_bytes.get((int(labels["rank"]), labels["group"]), 0)),
-            labels.get("state", "issued"),
-            flight_started.get((int(labels["rank"]), labels["group"]), now),
-        )
-        for labels, _ in series.get("flare_collective_in_flight_info", [])
-    }
-    group_keys = set(issued) | set(completed) | set(flights)
-    group_keys |= {
-        (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
-    }
-    groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
-    for rank, group in group_keys:
-        groups[rank][group] = GroupState(
-            int(issued.get((rank, group), 0)),
-            int(completed.get((rank, group), 0)),
-            flights.get((rank, group)),
-        )
+    group_fields = _group_fields(series, now)
     exceptions = {
         int(labels["rank"]): labels["type"] for labels, _ in series.get("flare_rank_exception_info", [])
     }
-    exception_at = per_rank("flare_rank_exception_timestamp_seconds")
-    steps = per_rank("flare_steps_total")
-    heartbeat = per_rank("flare_heartbeat_timestamp_seconds")
-    collective_seconds = per_rank("flare_collective_duration_seconds_sum")
-    step_seconds = per_rank("flare_step_duration_seconds_sum")
-    step_count = per_rank("flare_step_duration_seconds_count")
-    straggler_fields = _straggler_fields(series)
+    exception_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
+    heartbeat = _progress(series)["heartbeat"]
+    pace_fields = _pace_fields(series)
     detail_fields = _detail_fields(series)
-    ild_ks: dict[int, dict[str, float]] = defaultdict(dict)
-    ild_wasserstein: dict[int, dict[str, float]] = defaultdict(dict)
-    for name, into in (
-        ("flare_ild_drift_ks", ild_ks),
-        ("flare_ild_drift_wasserstein_seconds", ild_wasserstein),
-    ):
-        for labels, value in series.get(name, []):
-            into[int(labels["rank"])][labels.get("distribution", "")] = value
 
     records = {}
     for rank in sorted(ranks):
@@ -117,20 +69,97 @@ def build_snapshot(
             up=alive.up,
             down_reason=alive.reason,
             host=info.get(rank, {}).get("host", "") or alive.host,
-            steps=steps.get(rank),
-            heartbeat=heartbeat.get(rank),
-            groups=dict(groups.get(rank, {})),
             exception=exception,
             exception_at=died_at,
-            collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),
-            step_seconds=step_seconds.get(rank),
-            step_count=step_count.get(rank),
-            ild_ks=dict(ild_ks.get(rank, {})),
-            ild_wasserstein=dict(ild_wasserstein.get(rank, {})),
-            **straggler_fields.get(rank, {}),
+            **group_fields.get(rank, {}),
+            **pace_fields.get(rank, {}),
             **detail_fields.get(rank, {}),
         )
     return Snapshot(records, now, run, world_size)
+
+
+def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str, Any]]:
+    """Per rank, its process groups: sequence numbers issued and completed, the collective in flight."""
+
+    def per_group(name: str) -> dict[tuple[int, str], float]:
+        return {(int(labels["rank"]), labels["group"]): value for labels, value in series.get(name, [])}
+
+    issued = per_group("flare_collective_last_issued_seq")
+    completed = per_group("flare_collective_last_completed_seq")
+    flight_seq = per_group("flare_collective_in_flight_seq")
+    flight_bytes = per_group("flare_collective_in_flight_bytes")
+    flight_started = per_group("flare_collective_in_flight_started_timestamp_seconds")
+    flights = {}
+    for labels, _ in series.get("flare_collective_in_flight_info", []):
+        key = (int(labels["rank"]), labels["group"])
+        flights[key] = InFlight(
+            labels.get("op", ""),
+            int(flight_seq.get(key, 0)),
+            int(flight_bytes.get(key, 0)),
+            labels.get("state", "issued"),
+            flight_started.get(key, now),
+        )
+    group_keys = set(issued) | set(completed) | set(flights)
+    group_keys |= {
+        (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
+    }
+    groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
+    for key in group_keys:
+        groups[key[0]][key[1]] = GroupState(
+            int(issued.get(key, 0)), int(completed.get(key, 0)), flights.get(key)
+        )
+    return {rank: {"groups": found} for rank, found in groups.items()}
+
+
+def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
+    """RankRecord attribute (steps, heartbeat) -> rank -> its value (one series per rank; two rounds may
+    both have read it)."""
+    return {
+        attribute: {int(labels["rank"]): value for labels, value in series.get(name, [])}
+        for attribute, name in (
+            ("steps", "flare_steps_total"),
+            ("heartbeat", "flare_heartbeat_timestamp_seconds"),
+        )
+    }
+
+
+def _per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
+    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others)."""
+    values: dict[int, float] = defaultdict(float)
+    for labels, value in series.get(name, []):
+        if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
+            values[int(labels["rank"])] += value
+    return values
+
+
+# RankRecord field -> the metric it is read from, per distribution (label `distribution`)
+ILD_FIELDS = {
+    "ild_ks": "flare_ild_drift_ks",
+    "ild_wasserstein": "flare_ild_drift_wasserstein_seconds",
+    "ild_op_shift": "flare_ild_op_shift_seconds",
+}
+
+
+def _pace_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
+    """Per rank, the RankRecord fields that say how fast it goes (what the straggler and ILD rules weigh):
+    step and collective times over the window, straggler windows, ILD drift. A rank none of these series
+    name keeps the fields' defaults."""
+    fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    collective_seconds = _per_rank(series, "flare_collective_duration_seconds_sum")
+    step_seconds = _per_rank(series, "flare_step_duration_seconds_sum")
+    step_count = _per_rank(series, "flare_step_duration_seconds_count")
+    for rank in collective_seconds.keys() | step_seconds.keys() | step_count.keys():
+        fields[rank].update(
+            collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),
+            step_seconds=step_seconds.get(rank),
+            step_count=step_count.get(rank),
+        )
+    for field, name in ILD_FIELDS.items():
+        for labels, value in series.get(name, []):
+            fields[int(labels["rank"])].setdefault(field, {})[labels.get("distribution", "")] = value
+    for rank, found in _straggler_fields(series).items():
+        fields[rank].update(found)
+    return fields
 
 
 def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
@@ -168,9 +197,13 @@ GPU_METRICS = {
 
 
 def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
-    """Per rank, the RankRecord fields that explain a verdict but never decide one: what the rank is doing
-    (its stack sample) and its GPU's health."""
+    """Per rank, the RankRecord fields that explain a verdict: its progress (steps, heartbeat), what it is
+    doing (its stack sample) and its GPU's health. Of these, only the heartbeat of a rank with an exception
+    decides anything (whether it restarted, which rank went first): PROGRESS_QUERIES reads those first."""
     fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    for attribute, values in _progress(series).items():
+        for rank, value in values.items():
+            fields[rank][attribute] = value
     for labels, _ in series.get("flare_rank_stack_info", []):
         fields[int(labels["rank"])].update(
             activity=labels.get("activity", ""), frames=labels.get("frames", "")
@@ -195,9 +228,19 @@ def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
 
 def with_detail(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
     """The snapshot with the detail fields (see _detail_fields) that `series` holds of its ranks."""
-    found = _detail_fields(series)
+    return _with_fields(snapshot, _detail_fields(series))
+
+
+def with_pace(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
+    """The snapshot with the pace fields (see _pace_fields) that `series` holds of its ranks: the same
+    records as build_snapshot makes from all the series at once, without building them again."""
+    return _with_fields(snapshot, _pace_fields(series))
+
+
+def _with_fields(snapshot: Snapshot, found: Mapping[int, Mapping[str, Any]]) -> Snapshot:
+    # RankRecord(**...) rather than dataclasses.replace, which looks at every field of every record anew
     ranks = {
-        rank: dataclasses.replace(record, **found[rank]) if rank in found else record
+        rank: RankRecord(**{**vars(record), **found[rank]}) if rank in found else record
         for rank, record in snapshot.ranks.items()
     }
     return dataclasses.replace(snapshot, ranks=ranks)
@@ -317,7 +360,8 @@ STRAGGLER_METRICS = (
     "flare_straggler_window_step_seconds",
     "flare_straggler_window_wait_seconds",
 )
-ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds")
+PROGRESS_METRICS = ("flare_heartbeat_timestamp_seconds", "flare_steps_total")
+ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds", "flare_ild_op_shift_seconds")
 GPU_HEALTH_METRICS = ("flare_gpu_health_up", *GPU_METRICS.values())
 
 # Is a rank gone, is a group hung, and who is behind in it: every rank.
@@ -329,22 +373,35 @@ FAULT_QUERIES = {
     "flare_rank_exception_timestamp_seconds": (
         "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
     ),
-    # steps too: the evidence of a rank_down verdict gives them for every gone rank, not only its culprits
-    "progress": _current(["up", "flare_heartbeat_timestamp_seconds", "flare_steps_total"], ""),
-    # every group each rank is in (a gone rank's too, issued 0 as when the series is absent), in one answer
-    "flare_collective_last_issued_seq": (
-        "max by (rank, group) (flare_collective_last_issued_seq{sel}) or "
-        "0 * max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
-    ),
+    "up": "max by (rank) (up{sel})",
     "flare_collective_in_flight_info": (
         "max by (rank, group, op, state) (flare_collective_in_flight_info{sel})"
     ),
     "in_flight": _current(IN_FLIGHT_METRICS, ", group"),
 }
+# The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
+# the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
+PROGRESS_QUERIES = {"progress": _current(PROGRESS_METRICS, "")}
+# Who is in each group and who is behind in it: every rank (asked when a collective has been in flight for
+# the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then).
+GROUP_QUERIES = {
+    "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
+}
+# The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
+# a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
+# of every rank's group info would be the slowest query of the round.
+GONE_GROUP_QUERIES = {
+    "flare_process_group_info": (
+        "max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
+        " unless on (rank, group) flare_collective_last_issued_seq{sel}"
+    ),
+}
 # Is a rank slower than the others, has its issue latency shifted: every rank (asked when no rank is gone or
-# hung; the rules weigh stragglers and ILD only then).
+# hung; the rules weigh stragglers and ILD only then). The straggler windows in two queries: Prometheus
+# evaluates each query on one core, and these are most of the series of the round.
 PACE_QUERIES = {
-    "straggler_windows": _current(STRAGGLER_METRICS, ", ago"),
+    "straggler_windows": _current(STRAGGLER_METRICS[:-1], ", ago"),
+    "flare_straggler_window_wait_seconds": ("max by (rank, ago) (flare_straggler_window_wait_seconds{sel})"),
     "ild_drift": _current(ILD_METRICS, ", distribution"),
     "flare_step_duration_seconds_count": (
         "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
@@ -362,6 +419,7 @@ CUMULATIVE_QUERIES = {
 }
 # What explains a verdict without deciding it, of the ranks it names (every rank for the views).
 DETAIL_QUERIES = {
+    **PROGRESS_QUERIES,
     "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
     "gpu_health": _current(GPU_HEALTH_METRICS, ""),
     # only the clock events that are active: the others would be most of the answer
@@ -373,6 +431,8 @@ VIEW_QUERIES = {
 }
 PROMETHEUS_QUERIES = {
     **FAULT_QUERIES,
+    **GROUP_QUERIES,
+    **GONE_GROUP_QUERIES,
     **PACE_QUERIES,
     **CUMULATIVE_QUERIES,
     **DETAIL_QUERIES,
@@ -416,13 +476,18 @@ def from_prometheus(
     window: str = "5m",
     timeout: float = 10.0,
     detail_for: Callable[[Snapshot], Iterable[int]] | None = None,
+    hang_seconds: float | None = None,
 ) -> Snapshot:
     """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries.
 
     Without `detail_for`, everything of every rank, at once. With it (the rules: the ranks their verdicts
-    name), in rounds: every rank's faults; when they name no rank, every rank's pace (and its cumulative
-    times where the rules need them); then the detail of the ranks named. At thousands of ranks, most of a
-    snapshot is what no verdict needs.
+    name), in rounds, each only where the rules need it: every rank's faults (and the progress of the
+    ranks that raised; and every rank's groups, with the past groups of the ranks that are down, when a
+    collective has been in flight for `hang_seconds`, always when it is None); when they name no rank,
+    every rank's pace (and its cumulative times where the rules need them); then the detail of the ranks
+    named. At thousands of ranks, most of a snapshot is what no verdict needs. Each round adds fields to
+    the records of the rounds before (the same records as build_snapshot makes of all the answers at
+    once), without building them again.
     """
     now = time.time()
     if not run:
@@ -440,14 +505,25 @@ def from_prometheus(
     if detail_for is None:
         return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
     series = fetch(FAULT_QUERIES)
-    snapshot = _snapshot(series, now, run)
+    raised = sorted({int(labels["rank"]) for labels, _ in series.get("flare_rank_exception_info", [])})
+    if raised:  # did they restart since? (before the records are built: it decides which ranks are gone)
+        series |= fetch(PROGRESS_QUERIES, raised if len(raised) <= MAX_NAMED_RANKS else [])
+    faults = _snapshot(series, now, run)
+    oldest = diagnosis.oldest_in_flight(faults).values()
+    if hang_seconds is None or any(age >= hang_seconds for age in oldest):  # a group may be hung
+        series |= fetch(GROUP_QUERIES)
+        down = [rank for rank, record in faults.ranks.items() if not record.up]
+        if down:
+            series |= fetch(GONE_GROUP_QUERIES, down if len(down) <= MAX_NAMED_RANKS else [])
+        faults = _with_fields(faults, _group_fields(series, now))
+    snapshot = faults
     named = sorted(set(detail_for(snapshot)))
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
-        series |= fetch(PACE_QUERIES)
-        snapshot = _snapshot(series, now, run)
+        pace = fetch(PACE_QUERIES)
+        snapshot = with_pace(faults, pace)
         if not diagnosis.judged_by_windows(snapshot):
-            series |= fetch(CUMULATIVE_QUERIES)
-            snapshot = _snapshot(series, now, run)
+            pace |= fetch(CUMULATIVE_QUERIES)
+            snapshot = with_pace(faults, pace)
         named = sorted(set(detail_for(snapshot)))
     if not named:
         return snapshot

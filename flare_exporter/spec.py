@@ -138,7 +138,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_last_issued_seq",
         GAUGE,
         "",
-        "Sequence number of the last collective this rank issued in the group.",
+        "Last sequence number this rank issued in the group.",
         ("group",),
         detail="Starts at 1.",
     ),
@@ -146,14 +146,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_last_completed_seq",
         GAUGE,
         "",
-        "Highest sequence number of a collective completed in the group.",
+        "Highest sequence number completed in the group.",
         ("group",),
     ),
     MetricSpec(
         "flare_collective_in_flight_info",
         INFO,
         "",
-        "The group's oldest unfinished collective on this rank: op and state.",
+        "Op and state of the group's oldest unfinished collective.",
         ("group", "op", "state"),
         detail=(
             "State issued: handed to the backend; started: running on the device. Absent when nothing is in "
@@ -172,7 +172,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_in_flight_bytes",
         GAUGE,
         "bytes",
-        "Payload of the group's oldest unfinished collective on this rank.",
+        "Payload of the group's oldest unfinished collective.",
         ("group",),
     ),
     MetricSpec(
@@ -237,7 +237,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_drift_ks",
         GAUGE,
         "",
-        "Kolmogorov-Smirnov statistic of the current window vs the baseline.",
+        "Kolmogorov-Smirnov statistic of the window vs the baseline.",
         ("distribution",),
         detail=(
             "Largest CDF difference (0..1) over the histogram buckets, against this rank's own baseline; "
@@ -248,11 +248,22 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_drift_wasserstein_seconds",
         GAUGE,
         "seconds",
-        "Wasserstein-1 distance of the current window from the baseline.",
+        "Wasserstein-1 distance of the window from the baseline.",
         ("distribution",),
         detail=(
             "Over the histogram buckets' log-midpoints, against this rank's own baseline; absent until both "
             "have enough samples."
+        ),
+    ),
+    MetricSpec(
+        "flare_ild_op_shift_seconds",
+        GAUGE,
+        "seconds",
+        "Host dispatch: delay added to every op since the baseline, from per-op fastest times.",
+        ("distribution",),
+        detail=(
+            "Weighted median over ops of each op's fastest time per sampled step minus its baseline's, ops "
+            "weighted by their baseline stability; absent until the window has ops with a baseline."
         ),
     ),
     MetricSpec(
@@ -282,7 +293,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_straggler_window_step_seconds",
         GAUGE,
         "seconds",
-        "Mean step time over one window of straggler_window_steps steps.",
+        "Mean step time over one straggler window.",
         ("ago",),
         detail="ago=0 is the last closed window, ago=1 the one before, ... (straggler_windows of them).",
     ),
@@ -308,7 +319,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_straggler_best_step_seconds",
         GAUGE,
         "seconds",
-        "The rank's own best (lowest) window mean step time since it started.",
+        "The rank's lowest window mean step time so far.",
     ),
     MetricSpec(
         "flare_straggler_slowdown_ratio",
@@ -349,7 +360,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_ecc_errors_total",
         COUNTER,
         "",
-        "ECC errors of the GPU's memory since the driver loaded, by type.",
+        "GPU memory ECC errors since the driver loaded, by type.",
         ("type",),
         detail="Volatile counts, by type: corrected, uncorrected.",
     ),
@@ -379,7 +390,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_remapped_rows",
         GAUGE,
         "",
-        "Memory rows remapped on the GPU, by cause: correctable, uncorrectable.",
+        "GPU memory rows remapped, by cause.",
         ("cause",),
     ),
     MetricSpec(

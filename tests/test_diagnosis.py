@@ -10,6 +10,7 @@ from flare_exporter.diagnosis import (
     KINDS,
     GpuState,
     GroupState,
+    IldPolicy,
     InFlight,
     RankRecord,
     Snapshot,
@@ -581,6 +582,26 @@ def test_ild_partial_shift_that_moves_far_names_the_rank():
     assert only(diag(*records)).ranks == (1,)
     near = [drifted(r, 0.05, 2e-5) for r in (0, 2, 3)] + [drifted(1, 0.18, 3e-5)]
     assert diag(*near) == []  # a partial shift that does not move far is noise
+
+
+def test_every_op_slower_on_one_rank_names_it_by_its_per_op_shift():
+    """A delay added to every op: KS and W1 barely move, the per-op shift crosses its threshold."""
+    threshold = IldPolicy().op_shift_seconds
+    records = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 0.1 * threshold}) for r in (0, 2, 3)]
+    records.insert(1, drifted(1, 0.06, 3e-7, ild_op_shift={"host_dispatch": 3 * threshold}))
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks, verdict.domain) == ("ild_regression", (1,), "rank")
+    assert verdict.evidence["shifted"]["1"]["host_dispatch"]["op_shift_seconds"] == 3 * threshold
+    assert "every op +0.3 µs" in verdict.summary
+    under = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 0.9 * threshold}) for r in range(4)]
+    assert diag(*under) == []
+    # a shift counts beyond the ranks' median: every rank slower alike is the machine, not one rank
+    alike = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 3 * threshold}) for r in range(4)]
+    assert diag(*alike) == []
+    alike[1] = drifted(1, 0.05, 2e-7, ild_op_shift={"host_dispatch": 4.5 * threshold})
+    assert only(diag(*alike)).ranks == (1,)  # 1.5 thresholds beyond the median (3.0, 3.0, 3.0, 4.5)
+    two = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 3 * threshold}) for r in range(2)]
+    assert [v.ranks for v in diag(*two)] == [()]  # too few ranks for a median: both, job-wide
 
 
 def test_ild_shift_on_every_rank_is_job_wide():

@@ -74,6 +74,7 @@ def fixed_state() -> FlareState:
         latency.active = True
         latency.add_many(0, samples)
         latency.drift.current = (0.25, 1.5e-6)
+    ild.host_dispatch.drift.op_shift = 2.5e-7
     # straggler windows: two closed windows of 5 steps; the rank's GPU through the fake NVML, one XID seen
     for step in range(2, 12):
         state.windows.ring.add_step(step, 0.125, 0.03125 if step < 7 else 0.0625)

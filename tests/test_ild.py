@@ -15,7 +15,7 @@ from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
 from flare_exporter.fake_device import FakeDevice
 from flare_exporter.identity import RankIdentity
-from flare_exporter.ild import Drift, bucket_points, drift
+from flare_exporter.ild import Drift, bucket_points, drift, weighted_median
 from flare_exporter.scrape import parse
 from flare_exporter.state import FlareState
 
@@ -65,6 +65,76 @@ def test_baseline_then_a_ring_of_the_last_steps():
     assert sorted(tracker.windows) == [6, 7]
     tracker.refresh()
     assert tracker.current[0] == pytest.approx(0.5)
+
+
+def test_weighted_median_is_where_half_the_weight_lies_below():
+    assert weighted_median([(3.0, 1.0), (1.0, 1.0), (2.0, 1.0)]) == 2.0
+    assert weighted_median([(5.0, 1.0), (0.0, 10.0)]) == 0.0  # the heavy value decides
+    assert weighted_median([(1.0, 1.0), (2.0, 1.0)]) == 1.0  # half the weight at or below 1.0
+
+
+def op_shift_tracker(baseline: dict[str, list[float]]) -> Drift:
+    """A tracker whose baseline steps 0..n-1 gave each op these fastest times."""
+    tracker = Drift(
+        (1.0,),
+        warmup_steps=0,
+        baseline_steps=len(next(iter(baseline.values()))),
+        window_steps=2,
+        min_samples=1,
+    )
+    for step in range(tracker.baseline_end):
+        tracker.add_op_minimums(step, {op: times[step] for op, times in baseline.items()})
+    return tracker
+
+
+# "view" is stable in its baseline (MAD 10 ns), "addmm" noisy (MAD 2 µs): view weighs 40,000 times more
+BASELINE = {
+    "view": [300e-9, 310e-9, 290e-9, 300e-9, 320e-9, 280e-9, 300e-9],
+    "addmm": [20e-6, 22e-6, 18e-6, 20e-6, 25e-6, 16e-6, 20e-6],
+    "detach": [100e-9, 110e-9, 90e-9, 100e-9, 100e-9, 90e-9, 110e-9],
+}
+
+
+def test_per_op_shift_estimates_a_delay_added_to_every_op():
+    tracker = op_shift_tracker(BASELINE)
+    assert tracker.op_shift is None  # no window yet
+    for step in (7, 8):  # every op 150 ns slower
+        tracker.add_op_minimums(step, {"view": 450e-9, "addmm": 20.15e-6, "detach": 250e-9, "new": 1e-6})
+    tracker.refresh()
+    assert tracker.op_shift == pytest.approx(150e-9)
+    assert set(tracker.op_references) == {"view", "addmm", "detach"}
+
+
+def test_per_op_shift_ignores_a_noisy_op_and_is_zero_when_nothing_moved():
+    tracker = op_shift_tracker(BASELINE)
+    tracker.add_op_minimums(7, {"view": 300e-9, "addmm": 60e-6, "detach": 100e-9})  # addmm 40 µs slower
+    tracker.add_op_minimums(8, {"view": 300e-9, "addmm": 61e-6, "detach": 100e-9})
+    tracker.refresh()
+    assert tracker.op_shift == pytest.approx(0.0)
+    tracker.add_op_minimums(9, {"view": 900e-9, "detach": 600e-9})  # step 7 leaves the window: 8 and 9
+    tracker.refresh()
+    assert sorted(tracker.window_minimums) == [8, 9]
+    assert tracker.op_shift == 0.0  # +600 ns in the newer half only: a burst, not a shift
+    tracker.add_op_minimums(10, {"view": 700e-9, "detach": 500e-9})  # steps 9 and 10: both slower
+    tracker.refresh()
+    assert tracker.op_shift == pytest.approx(400e-9)  # the half nearer zero: step 10's
+
+
+def test_per_op_shift_is_taken_on_each_half_of_the_window():
+    tracker = op_shift_tracker(BASELINE)
+    tracker.window_steps = 4
+    for step, view in ((7, 500e-9), (8, 300e-9), (9, 600e-9), (10, 500e-9)):
+        tracker.add_op_minimums(step, {"view": view})
+    tracker.refresh()
+    # halves (7, 8) and (9, 10): each op's median over the half, +100 ns and +250 ns; the nearer zero
+    assert tracker.op_shift == pytest.approx(100e-9)
+
+
+def test_an_op_needs_enough_baseline_steps_to_count():
+    tracker = op_shift_tracker({"view": [300e-9] * 4})  # 4 < MIN_BASELINE_STEPS_PER_OP
+    tracker.add_op_minimums(4, {"view": 1e-6})
+    tracker.refresh()
+    assert tracker.op_references == {} and tracker.op_shift is None
 
 
 def test_too_few_samples_export_no_drift():
@@ -161,6 +231,14 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
         assert 8 <= sum(histogram.counts) < 200
         assert 0 < histogram.sum < 0.5
         assert set(state.ild.host_dispatch.drift.windows) <= {3, 6}  # samples carry their window's step
+        # with the native timer, each op's fastest time in both windows went to the baseline (steps 2 to 11);
+        # the dispatch mode's own Python per op is too noisy for the per-op shift
+        baseline_minimums = state.ild.host_dispatch.drift.baseline_minimums
+        if dispatch_timer == "native":
+            assert 3 <= len(baseline_minimums) <= 60
+            assert all(len(times) == 2 and 0 < min(times) < 0.5 for times in baseline_minimums.values())
+        else:
+            assert baseline_minimums == {}
     finally:
         state.steps.remove()
         state.ild.remove()
@@ -182,7 +260,7 @@ def test_native_timer_hands_over_each_step_counted_into_buckets():
                 x = x * 2
             native.close_window()
     finally:
-        native.inject_delay(0)
+        native.inject_delay(-1)
     taken = native.take(BOUNDS)
     assert [t.step for t in taken] == [7, 8]
     samples = [sum(count for _, count in t.buckets) for t in taken]
@@ -190,6 +268,10 @@ def test_native_timer_hands_over_each_step_counted_into_buckets():
     for t, count in zip(taken, samples, strict=True):
         assert all(index >= bisect_left(BOUNDS, 0.002) for index, _ in t.buckets)  # bisect_left's buckets
         assert 0.002 * count <= t.seconds < 1.0
+        # each op's fastest time, keyed by its name's hash: the same ops in both steps, each at least 2 ms
+        assert 0.002 <= min(t.op_minimums.values()) and max(t.op_minimums.values()) < t.seconds
+    assert set(taken[0].op_minimums) == set(taken[1].op_minimums)
+    assert len(taken[0].op_minimums) < samples[0]  # `x * 2` twice: the same op names
     assert native.take(BOUNDS) == []
 
 
@@ -212,7 +294,7 @@ def test_window_under_a_user_mode_is_disabled_and_popped_later(monkeypatch):
     assert state.health.errors == {}
 
 
-def test_collector_exports_histograms_and_drift_gauges(state):
+def test_collector_exports_histograms_and_drift_gauges(dispatch_timer, state):  # the timer first
     device = FakeDevice()
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     try:
@@ -227,6 +309,13 @@ def test_collector_exports_histograms_and_drift_gauges(state):
     drifts = {s.labels["distribution"] for s in samples if s.name == "flare_ild_drift_ks"}
     assert drifts == {"kernel_issue", "host_dispatch"}
     assert all(s.labels["rank"] == "0" for s in samples if s.name.startswith("flare_ild_"))
+    # the per-op shift: host dispatch by the native timer only (kernel launches carry no op name)
+    shifts = [s for s in samples if s.name == "flare_ild_op_shift_seconds"]
+    if dispatch_timer == "native":
+        assert [s.labels["distribution"] for s in shifts] == ["host_dispatch"]
+        assert abs(shifts[0].value) < 1e-3
+    else:
+        assert shifts == []
 
 
 def test_no_source_no_histograms():

@@ -114,7 +114,7 @@ def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, a
 
 def test_contention_on_one_rank_is_named_by_its_host_dispatch_latency(tmp_path, alerting):
     verdict = _run_fault(
-        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "2"
+        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "4"
     )
     assert verdict["domain"] == "rank"
     assert "host_dispatch" in verdict["evidence"]["distributions"]

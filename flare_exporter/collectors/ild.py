@@ -17,6 +17,7 @@ class IldCollector:
         "flare_host_dispatch_latency_seconds",
         "flare_ild_drift_ks",
         "flare_ild_drift_wasserstein_seconds",
+        "flare_ild_op_shift_seconds",
     )
 
     def __init__(self, state: FlareState) -> None:
@@ -28,8 +29,9 @@ class IldCollector:
         dispatch = families.new("flare_host_dispatch_latency_seconds")
         ks = families.new("flare_ild_drift_ks")
         wasserstein = families.new("flare_ild_drift_wasserstein_seconds")
+        op_shift = families.new("flare_ild_op_shift_seconds")
         if ild is None:
-            return [kernel, dispatch, ks, wasserstein]
+            return [kernel, dispatch, ks, wasserstein, op_shift]
         self.state.manager.drain()  # resolved device events and closed windows count in this scrape
         for family, latency in ((kernel, ild.kernel_issue), (dispatch, ild.host_dispatch)):
             if latency.active:  # a source exists (a launch seen, a window opened): absent otherwise
@@ -38,4 +40,6 @@ class IldCollector:
             if current is not None:
                 ks.add_metric(families.labels(latency.distribution), current[0])
                 wasserstein.add_metric(families.labels(latency.distribution), current[1])
-        return [kernel, dispatch, ks, wasserstein]
+            if latency.drift.op_shift is not None:
+                op_shift.add_metric(families.labels(latency.distribution), latency.drift.op_shift)
+        return [kernel, dispatch, ks, wasserstein, op_shift]

@@ -5,7 +5,8 @@
 // op from its RecordFunction start to its end on the thread that runs it (nested ops are timed too: each op
 // is one sample) and appends (window step, seconds) to a bounded multi-producer ring; the timing manager's
 // thread takes them, counted into histogram buckets per step (take()). A full ring drops the sample and
-// counts it; nothing waits or allocates.
+// counts it; nothing waits or allocates. Each sample also carries a hash of its op's name, so that take() can
+// hand over each op's fastest time in the step (the per-op shift of ild.py compares those with a baseline).
 //
 // For benchmarks and tests, inject_delay(seconds) registers a second observer, always enabled, that
 // busy-waits at the end of every op: a slower host, inside each op's timed interval.
@@ -23,8 +24,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <time.h>
 
 namespace {
@@ -36,6 +39,7 @@ struct Slot {
   std::atomic<uint64_t> ready{0};  // the claim index + 1 once written, so a reader sees whole samples only
   int64_t step = 0;
   double seconds = 0.0;
+  uint64_t op = 0;  // a hash of the op's name (names are not all alive by the time they are taken)
 };
 
 Slot ring[kCapacity];
@@ -61,6 +65,19 @@ inline int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// FNV-1a over the name's length and its last 24 characters (where op names differ: the autograd ones share a
+// 37-character prefix): a key per op for ~10 ns; a collision only merges two ops' minimums.
+inline uint64_t name_hash(const char* name) {
+  uint64_t hash = 1469598103934665603ULL;
+  if (name == nullptr) return hash;
+  size_t length = std::strlen(name);
+  hash = (hash ^ length) * 1099511628211ULL;
+  for (size_t index = length > 24 ? length - 24 : 0; index < length; ++index) {
+    hash = (hash ^ static_cast<unsigned char>(name[index])) * 1099511628211ULL;
+  }
+  return hash;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
   ThreadStack& s = stack;
   uint64_t window = window_id.load(std::memory_order_relaxed);
@@ -73,7 +90,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
   return nullptr;
 }
 
-void on_end(const at::RecordFunction&, at::ObserverContext*) {
+void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   int64_t ended = now_ns();
   ThreadStack& s = stack;
   if (s.window != window_id.load(std::memory_order_relaxed) || s.depth == 0) return;  // began before the window
@@ -89,11 +106,12 @@ void on_end(const at::RecordFunction&, at::ObserverContext*) {
   Slot& slot = ring[index % kCapacity];
   slot.step = window_step.load(std::memory_order_relaxed);
   slot.seconds = static_cast<double>(ended - s.started_ns[s.depth]) * 1e-9;
+  slot.op = name_hash(fn.name());
   slot.ready.store(index + 1, std::memory_order_release);
 }
 
 void busy_wait(const at::RecordFunction&, at::ObserverContext*) {
-  int64_t until = now_ns() + delay_ns.load(std::memory_order_relaxed);
+  int64_t until = now_ns() + delay_ns.load(std::memory_order_relaxed);  // reads the clock at 0 s as well
   while (now_ns() < until) {
   }
 }
@@ -123,11 +141,12 @@ void close_window() {
   }
 }
 
-// One step's samples since the last take, counted into histogram buckets.
+// One step's samples since the last take, counted into histogram buckets, and each op's fastest time.
 struct StepCounts {
   int64_t step;
   double seconds;                                     // their sum
   std::vector<std::pair<int64_t, int64_t>> buckets;  // (bucket index, samples), for buckets with samples
+  std::unordered_map<uint64_t, double> op_minimums;   // op (name hash) -> its shortest sample in the step
 };
 
 // The samples written since the last take, bucketed by `bounds` (ascending upper bounds; index
@@ -151,9 +170,11 @@ std::vector<StepCounts> take(const std::vector<double>& bounds) {
     if (slot.ready.load(std::memory_order_acquire) != next + 1) break;  // still being written: next time
     if (taken_steps.empty() || taken_steps.back().step != slot.step) {
       if (!taken_steps.empty()) flush();
-      taken_steps.push_back({slot.step, 0.0, {}});
+      taken_steps.push_back({slot.step, 0.0, {}, {}});
     }
     taken_steps.back().seconds += slot.seconds;
+    auto [minimum, first] = taken_steps.back().op_minimums.try_emplace(slot.op, slot.seconds);
+    if (!first && slot.seconds < minimum->second) minimum->second = slot.seconds;
     ++counts[std::lower_bound(bounds.begin(), bounds.end(), slot.seconds) - bounds.begin()];
   }
   if (!taken_steps.empty()) flush();
@@ -163,13 +184,15 @@ std::vector<StepCounts> take(const std::vector<double>& bounds) {
 
 uint64_t dropped_samples() { return dropped.load(std::memory_order_relaxed); }
 
-// Busy-wait `seconds` at the end of every aten op from now on (0: stop). Benchmarks and tests only.
+// Busy-wait `seconds` at the end of every aten op from now on. 0 keeps the injector's observer registered
+// without waiting (so that a benchmark's healthy and delayed steps differ by the wait alone); a negative
+// value removes it. Benchmarks and tests only.
 void inject_delay(double seconds) {
-  delay_ns.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
-  if (seconds > 0 && delay_handle == at::INVALID_CALLBACK_HANDLE) {
+  delay_ns.store(static_cast<int64_t>(std::max(seconds, 0.0) * 1e9), std::memory_order_relaxed);
+  if (seconds >= 0 && delay_handle == at::INVALID_CALLBACK_HANDLE) {
     delay_handle = at::addGlobalCallback(
         at::RecordFunctionCallback(no_start, busy_wait).scopes({at::RecordScope::FUNCTION}).needsIds(false));
-  } else if (seconds <= 0 && delay_handle != at::INVALID_CALLBACK_HANDLE) {
+  } else if (seconds < 0 && delay_handle != at::INVALID_CALLBACK_HANDLE) {
     at::removeCallback(delay_handle);
     delay_handle = at::INVALID_CALLBACK_HANDLE;
   }
@@ -209,10 +232,12 @@ PYBIND11_MODULE(flare_op_timer, m) {
   pybind11::class_<StepCounts>(m, "StepCounts")
       .def_readonly("step", &StepCounts::step)
       .def_readonly("seconds", &StepCounts::seconds, "the sum of the step's samples")
-      .def_readonly("buckets", &StepCounts::buckets, "(bucket index, samples) for buckets with samples");
+      .def_readonly("buckets", &StepCounts::buckets, "(bucket index, samples) for buckets with samples")
+      .def_readonly("op_minimums", &StepCounts::op_minimums, "op (a hash of its name) -> its shortest sample");
   m.def("take", &take, "the samples since the last take, bucketed by these bounds: a StepCounts per step");
   m.def("dropped_samples", &dropped_samples, "samples dropped because the ring was full");
-  m.def("inject_delay", &inject_delay, "busy-wait this long at the end of every aten op (benchmarks, tests)");
+  m.def("inject_delay", &inject_delay,
+        "busy-wait this long at the end of every aten op (0: observer kept, no wait; < 0: removed)");
   m.attr("capacity") = kCapacity;
   pybind11::class_<CompletionStamp, std::shared_ptr<CompletionStamp>>(m, "CompletionStamp")
       .def_property_readonly("completed_at", &CompletionStamp::completed_at,

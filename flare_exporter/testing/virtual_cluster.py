@@ -151,6 +151,7 @@ def rank_state(rank: int, world: int, run: str, perf_now: float, faults: Faults 
         samples = STEPS * per_step // (config.ild_dispatch_every_steps if per_step == 300 else 1)
         _fill(latency.histogram, samples, typical)
         latency.drift.current = (0.04 + 0.001 * (rank % 7), typical * 0.03)
+    state.ild.host_dispatch.drift.op_shift = 1e-9 * (rank % 11 - 5)  # a few ns either way: healthy
 
     # the rank's GPU, through the fake NVML: throttling on the straggler
     device = make_device(identity.local_rank)
