@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 ENV_PREFIX = "FLARE_"
 
 
@@ -228,6 +226,8 @@ YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, OverflowError
 
 def read_yaml(path: str, what: str, error_type: type[ConfigError] = ConfigError) -> Any:
     """The YAML document in file `path`; `error_type` with one line naming `what` and the file otherwise."""
+    import yaml  # here, not at the top: most commands read no YAML, and it is slow to import
+
     try:
         with open(path, encoding="utf-8") as handle:
             return yaml.safe_load(handle)

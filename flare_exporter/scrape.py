@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from prometheus_client.parser import text_string_to_metric_families
-
 
 class ScrapeError(RuntimeError):
     """A target could not be scraped or parsed; the message names the target and the reason."""
@@ -89,6 +87,9 @@ def parse(text: str, target: str = "", wanted: Callable[[str], bool] | None = No
         fast = _parse_plain(text, wanted)
         if fast is not None:
             return fast
+    # here, not at the top: only what the line parser cannot read comes here, and the import is slow
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         return [
             Sample(sample.name, dict(sample.labels), float(sample.value))

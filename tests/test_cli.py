@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import RANKS, STEPS
@@ -111,3 +114,16 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("no such file or directory")
     assert cli.main(["hang", "--targets", str(tmp_path), "--hang-seconds", "soon"]) == cli.EXIT_USAGE
     assert "'soon' is not a valid float" in capsys.readouterr().err
+
+
+def test_start_up_imports_no_torch_yaml_or_prometheus_client():
+    # `flare diagnose` at thousands of ranks must answer in about a second, start-up included
+    names = ("torch", "yaml", "prometheus_client")
+    code = f"import sys, flare_exporter.cli; print(sorted(set({names!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_garbage_collector_is_back_on_after_a_command(tmp_path):
+    assert cli.main(["diagnose", "--targets", str(tmp_path / "missing")]) == cli.EXIT_USAGE
+    assert gc.isenabled()

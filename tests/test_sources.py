@@ -8,6 +8,7 @@ collectors) of different sizes, each its own run, scraped every second by one Pr
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -98,7 +99,7 @@ def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[diag
         return query(base_url, expr, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(promql, "query", recorded)
-    snapshot = sources.from_prometheus(url, run, detail_for=culprits)
+    snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
     monkeypatch.setattr(promql, "query", query)
     return snapshot, sent
 
@@ -143,8 +144,8 @@ def test_a_hang_names_the_culprit_with_its_frames_and_the_views_read_every_rank(
     stack = f'count(flare_rank_stack_info{{run="{cluster.run}", rank="{cluster.hung}", activity="compute"}})'
     await_count(clusters.prometheus, stack, 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
-    # no pace round: a hang is found from the faults alone
-    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.DETAIL_QUERIES)
+    # no pace round: a hang is found from the faults (and the groups, asked for because of the hang) alone
+    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.GROUP_QUERIES) + len(sources.DETAIL_QUERIES)
     (verdict,) = diagnosis.diagnose(snapshot, HANG_SECONDS)
     assert (verdict.kind, verdict.ranks, verdict.group) == ("hang", (cluster.hung,), "world")
     assert "model.py:212 forward" in verdict.summary  # the stack sample, read in the detail round
@@ -180,3 +181,176 @@ def test_a_dead_rank_is_the_same_verdict_in_rounds_as_all_at_once(clusters, monk
     assert in_rounds_verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in in_rounds_verdicts] == [("rank_down", [dead])]
     assert "target down" in in_rounds_verdicts[0]["summary"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rounds without Prometheus: each query answered from hand-built series, as Prometheus would
+
+NOW = 1_700_000_000.0
+
+
+def series_of(*rows: tuple[str, dict, float]) -> dict[str, list]:
+    """Series by metric name from (name, labels, value) rows; every rank's labels get `rank` as a string."""
+    found: dict[str, list] = {}
+    for name, labels, value in rows:
+        found.setdefault(name, []).append(({k: str(v) for k, v in labels.items()}, value))
+    return found
+
+
+def job(fault: str) -> dict[str, list]:
+    """Six ranks in groups `world` and `tp0`..`tp2`. Rank 3 raised, restarted and goes on (its heartbeat is
+    newer than its exception). `hang`: rank 1 is down (its target too: only the lookback shows it), rank 2
+    raised and stopped, the others but 4 wait in collective 8 of `world` for 400 s. `straggler`: nothing
+    waits, rank 5 waits least in each straggler window, its GPU's clock is low and its ILD shifted."""
+    rows: list[tuple[str, dict, float]] = []
+    for rank in range(6):
+        groups = ("world", f"tp{rank // 2}")
+        rows += [("flare_process_group_info", {"rank": rank, "group": group}, 1.0) for group in groups]
+        if fault == "hang" and rank == 1:
+            info = {"rank": rank, "host": "h0", "world_size": 6}
+            rows += [("flare_rank_info", info, 1.0), ("up", {"rank": rank}, 0.0)]
+            continue
+        rows += [
+            ("flare_rank_info", {"rank": rank, "host": f"h{rank // 2}", "world_size": 6}, 1.0),
+            ("up", {"rank": rank}, 1.0),
+            ("flare_heartbeat_timestamp_seconds", {"rank": rank}, NOW - 40 if rank == 2 else NOW - 1 - rank),
+            ("flare_steps_total", {"rank": rank}, 100.0 + rank),
+            ("flare_rank_stack_info", {"rank": rank, "activity": "compute", "frames": f"m.py:{rank} f"}, 1.0),
+            ("flare_gpu_health_up", {"rank": rank}, 1.0),
+            ("flare_gpu_sm_clock_hertz", {"rank": rank}, 1.0e9 if rank == 5 else 1.9e9),
+            ("flare_gpu_sm_clock_max_hertz", {"rank": rank}, 2.0e9),
+            ("flare_straggler_last_window", {"rank": rank}, 9.0),
+            ("flare_straggler_best_step_seconds", {"rank": rank}, 0.1),
+            ("flare_step_duration_seconds_count", {"rank": rank}, 50.0),
+            (
+                "flare_ild_drift_ks",
+                {"rank": rank, "distribution": "kernel_issue"},
+                0.9 if rank == 5 else 0.01,
+            ),
+            (
+                "flare_ild_drift_wasserstein_seconds",
+                {"rank": rank, "distribution": "kernel_issue"},
+                1e-3 if rank == 5 else 1e-6,
+            ),
+        ]
+        for ago in range(4):
+            wait = 0.01 if rank == 5 else 0.05 + 0.001 * ((rank + ago) % 3)
+            rows += [
+                ("flare_straggler_window_step_seconds", {"rank": rank, "ago": ago}, 0.2),
+                ("flare_straggler_window_wait_seconds", {"rank": rank, "ago": ago}, wait),
+            ]
+        hung = fault == "hang" and rank != 4
+        for group, seq in (("world", 8 if hung else 7), (f"tp{rank // 2}", 3)):
+            rows.append(("flare_collective_last_issued_seq", {"rank": rank, "group": group}, float(seq)))
+            rows.append(("flare_collective_last_completed_seq", {"rank": rank, "group": group}, seq - 1.0))
+        if hung:
+            flight = {"rank": rank, "group": "world"}
+            rows += [
+                ("flare_collective_in_flight_info", {**flight, "op": "all_reduce", "state": "started"}, 1.0),
+                ("flare_collective_in_flight_seq", flight, 8.0),
+                ("flare_collective_in_flight_bytes", flight, 4096.0),
+                ("flare_collective_in_flight_started_timestamp_seconds", flight, NOW - 400),
+            ]
+    for rank, at in ((2, NOW - 30), (3, NOW - 200)) if fault == "hang" else ((3, NOW - 200),):
+        rows += [
+            ("flare_rank_exception_info", {"rank": rank, "type": "RuntimeError"}, 1.0),
+            ("flare_rank_exception_timestamp_seconds", {"rank": rank}, at),
+        ]
+    return series_of(*rows)
+
+
+def answer(everything: dict[str, list], name: str, ranks: set[str] | None) -> dict[str, list]:
+    """What Prometheus answers to query `name` of sources.PROMETHEUS_QUERIES: the series of the metrics its
+    expression names (left of `unless`), of the ranks named (all if None)."""
+    expr = sources.PROMETHEUS_QUERIES[name].split(" unless ")[0]
+    return {
+        metric: [(dict(labels), value) for labels, value in found if ranks is None or labels["rank"] in ranks]
+        for metric, found in everything.items()
+        if re.search(rf"(?<!\w){metric}(?!\w)", expr)
+    }
+
+
+@pytest.fixture
+def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """sources._fetch answering from state["job"]; state["asked"] gets each round's query names and the
+    ranks it names (None: every rank)."""
+    state: dict = {"asked": []}
+
+    def fetch(base_url, queries, matchers, window, timeout, now):  # noqa: ARG001 (sources._fetch's)
+        named = set(matchers.split('rank=~"')[1].rstrip('"').split("|")) if "rank=~" in matchers else None
+        state["asked"].append((set(queries), named))
+        found: dict[str, list] = {}
+        for name in queries:
+            for metric, rows in answer(state["job"], name, named).items():
+                found.setdefault(metric, []).extend(rows)
+        return found
+
+    monkeypatch.setattr(sources, "_fetch", fetch)
+    monkeypatch.setattr(sources.time, "time", lambda: NOW)
+    return state
+
+
+def read(record: diagnosis.RankRecord, field: str) -> object:
+    """A field of a record as the rules read it (not the groups' last completed numbers: only views do)."""
+    value = getattr(record, field)
+    if field == "groups":
+        return {name: (state.last_issued, state.in_flight) for name, state in value.items()}
+    return value
+
+
+FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
+
+
+@pytest.mark.parametrize("fault", ["hang", "straggler"])
+def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_read_them(
+    fake_prometheus, fault
+):
+    fake_prometheus["job"] = job(fault)
+    everything = sources.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    named = {rank for verdict in verdicts for rank in verdict["ranks"]}
+    # rank 3 restarted: its heartbeat, read in the progress round of the ranks that raised, says so
+    assert not snapshot.ranks[3].gone and snapshot.ranks[3].heartbeat == NOW - 4
+    faults, progress = (set(sources.FAULT_QUERIES), None), (set(sources.PROGRESS_QUERIES), {"2", "3"})
+    asked = fake_prometheus["asked"]
+    raised = {int(labels["rank"]) for labels, _ in fake_prometheus["job"]["flare_rank_exception_info"]}
+    if fault == "hang":  # faults, progress of 2 and 3, groups (in flight for 400 s) and rank 1's, detail
+        groups, gone = (set(sources.GROUP_QUERIES), None), (set(sources.GONE_GROUP_QUERIES), {"1"})
+        assert asked == [faults, progress, groups, gone, (set(sources.DETAIL_QUERIES), {"1"})]
+        # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
+        assert [(v["kind"], v["ranks"], v["evidence"]["hung_groups"]) for v in verdicts] == [
+            ("rank_down", [1], ["world"])
+        ]
+        assert verdicts[0]["evidence"]["followed_by"] == [2]
+        assert snapshot.ranks[2].steps == 102  # the rank_down evidence of the rank that raised
+        fields = (*FAULT_FIELDS, "groups")
+    else:  # faults, progress of 3, (nothing in flight: no groups), pace, detail of 5
+        pace, detail = (set(sources.PACE_QUERIES), None), (set(sources.DETAIL_QUERIES), {"5"})
+        assert asked == [faults, (progress[0], {"3"}), pace, detail]
+        assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), ("ild_regression", [5])]
+        assert "SM clock" in verdicts[0]["summary"]  # the detail round's GPU health
+        fields = (*FAULT_FIELDS, *PACE_FIELDS)
+    for rank, record in snapshot.ranks.items():
+        full = everything.ranks[rank]
+        assert [read(record, name) for name in fields] == [read(full, name) for name in fields]
+        detail = (record.steps, record.heartbeat, record.gpu, record.frames)
+        if rank in named:
+            assert detail == (full.steps, full.heartbeat, full.gpu, full.frames)
+        elif rank in raised:  # their progress only
+            assert detail == (full.steps, full.heartbeat, None, "")
+        else:
+            assert detail == (None, None, None, "")
+
+
+PACE_FIELDS = (
+    "collective_seconds",
+    "step_seconds",
+    "step_count",
+    "step_windows",
+    "best_step_seconds",
+    "ild_ks",
+    "ild_wasserstein",
+)
