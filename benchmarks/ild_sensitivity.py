@@ -9,7 +9,8 @@ last `--window` sampled steps, timed by `--timer` (native: the RecordFunction ob
 python: the dispatch mode). After
 every step the timing manager drains (a real rank drains every few seconds and on each scrape; draining per
 step measures detection in steps) and the engine's per-rank rule (diagnosis.ild_shifted, with the healthy
-peers' median W1 taken from the healthy run) says whether the rank's host-dispatch latency has shifted.
+peers' median W1 and per-op shift taken from the healthy run: healthy peers) says whether the rank's
+host-dispatch latency has shifted.
 
 A per-op delay is a busy-wait in every aten op: with the native timer, the op timer's own injector (a
 second RecordFunction observer that waits at each op's end, inside the op's timed interval); with the
@@ -104,9 +105,9 @@ class Trainer:
             self.mode.__exit__(None, None, None)
 
 
-def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: float | None):  # type: ignore[no-untyped-def]
+def run(args: argparse.Namespace, delay: float, healthy_steps: int, peers):  # type: ignore[no-untyped-def]
     """Train warm-up + baseline steps, then `healthy_steps` with `delay` per op; the drift after each."""
-    from flare_exporter.diagnosis import IldDrift, IldPeers, IldPolicy, ild_shifted
+    from flare_exporter.diagnosis import IldDrift, IldPolicy, ild_shifted
 
     policy = IldPolicy(op_shift_seconds=args.op_shift_ns * 1e-9) if args.op_shift_ns else IldPolicy()
     state = make_state(args)
@@ -125,10 +126,7 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, median_w1: f
             state.manager.drain()
             current, op_shift = latency.drift.current, latency.drift.op_shift
             drifts.append((current, op_shift))
-            fired.append(
-                current is not None
-                and ild_shifted(IldDrift(*current, op_shift), IldPeers(median_w1, None), policy)
-            )
+            fired.append(current is not None and ild_shifted(IldDrift(*current, op_shift), peers, policy))
         windows = state.ild.dispatch.windows
         ops_per_window = sum(latency.histogram.counts) / max(1, windows)
         return drifts, fired, times, ops_per_window
@@ -167,11 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         op_timer.load = lambda: None  # the exporter's dispatch-mode windows
 
-    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, None)
+    from flare_exporter.diagnosis import IldPeers
+
+    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, IldPeers(None, None))
     healthy_w1 = [current[1] for current, _ in drifts if current is not None]
     median_w1 = statistics.median(healthy_w1) if healthy_w1 else None
-    # the healthy run again with the peers' median known: false positives of the full rule
-    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, median_w1)
+    healthy_shifts = [shift for _, shift in drifts if shift is not None]
+    peers = IldPeers(median_w1, statistics.median(healthy_shifts) if healthy_shifts else None)
+    # the healthy run again with the peers' medians known: false positives of the full rule
+    drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, peers)
     step_time = statistics.median(times)
     ks_values = [current[0] for current, _ in drifts if current is not None]
     shifts = sorted(shift for _, shift in drifts if shift is not None)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         per_op = share / 100 * step_time / ops
         detected_at, largest_shift = [], []
         for _ in range(args.trials):
-            drifts_now, fired_now, _, _ = run(args, per_op, args.within, median_w1)
+            drifts_now, fired_now, _, _ = run(args, per_op, args.within, peers)
             detected_at.append(fired_now.index(True) + 1 if True in fired_now else None)
             largest_shift.append(max((shift or 0.0 for _, shift in drifts_now), default=0.0))
         hits = [at for at in detected_at if at is not None]

@@ -771,11 +771,12 @@ class IldPeers(NamedTuple):
 def ild_shifted(drift: IldDrift, peers: IldPeers, policy: IldPolicy) -> bool:
     """Whether one rank's drift counts as a shift, given its peers' medians.
 
-    The per-op shift counts beyond the peers' median (when that is positive): a machine-wide slowdown that
-    moves every rank alike is not one rank's.
+    The per-op shift counts beyond the peers' median (when that is positive), and only with one (3+ ranks,
+    as the partial shift): a machine-wide slowdown that moves every rank alike is not one rank's, and a
+    rank's own per-op shift also moves with the machine (a vCPU slower for a while), which only peers tell.
     """
-    if drift.op_shift is not None:
-        if drift.op_shift - max(peers.op_shift or 0.0, 0.0) >= policy.op_shift_seconds:
+    if drift.op_shift is not None and peers.op_shift is not None:
+        if drift.op_shift - max(peers.op_shift, 0.0) >= policy.op_shift_seconds:
             return True
     if drift.wasserstein < policy.min_wasserstein_seconds:
         return False

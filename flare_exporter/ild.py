@@ -16,9 +16,12 @@ Both see the mixture of all ops, whose spread (from 30 ns to 60 µs here) hides 
 op. Host dispatch timed by the native timer also has the per-op shift (the dispatch mode's own microseconds
 of Python per op are too noisy for it): for each op (by name), its fastest time in each sampled step -
 the dispatch path's floor, which preemption and noisy neighbours rarely move - is compared with the median
-of its baseline steps' fastest times, and the shift is the weighted median of the ops' differences, each op
-weighted by how stable it was in the baseline (1 / MAD^2). It estimates a delay added to every op: the stable
-small ops (views, detach) weigh most, and no single op's outlier moves a median.
+of its baseline steps' fastest times. A slower core (this VM's vCPUs slow down by x1.3-1.7 for seconds at a
+time) moves every op in proportion to its time; a slower host issue path adds the same delay to every op.
+So the proportional part is taken out first - the weighted median over the ops of 2 µs or more of their
+relative difference, each weighted by its relative stability (median / MAD)^2 - and the shift is the
+weighted median over all ops of what is left, each weighted by 1 / MAD^2: the stable small ops (views,
+detach) weigh most, and no single op's outlier moves a median.
 
 Everything here is written by the timing manager's thread only (under its drain lock); scrapes read a copy of
 the histogram and one tuple of drift values.
@@ -45,7 +48,10 @@ KERNEL_ISSUE, HOST_DISPATCH = spec.ILD_DISTRIBUTIONS
 MAX_OPS = 1024  # op names followed by the per-op shift; more are left out
 MAX_BASELINE_STEPS_PER_OP = 512  # fastest times kept per op for its baseline
 MIN_BASELINE_STEPS_PER_OP = 5  # an op needs this many sampled baseline steps to count in the shift
-MIN_OP_SPREAD_SECONDS = 10e-9  # an op's baseline MAD is taken as at least this (the clock's grain)
+MIN_OP_SPREAD_SECONDS = 10e-9  # an op's baseline MAD is taken as at least this (the clock's grain)...
+MIN_OP_SPREAD_SHARE = 0.05  # ... and as at least this share of its median (a few baseline steps often
+#                             show a spread far below the op's real one)
+PROPORTIONAL_FROM_SECONDS = 2e-6  # ops at least this long (in the baseline) tell the proportional part
 
 
 def bucket_points(bounds: Sequence[float]) -> list[float]:
@@ -204,13 +210,19 @@ class Drift:
         for step in steps:
             for op, seconds in self.window_minimums[step].items():
                 by_op.setdefault(op, []).append(seconds)
-        weighted = []
+        moved = []  # (the op's median fastest time minus its baseline's, the baseline's median, its MAD)
         for op, values in by_op.items():
             reference = self.op_references.get(op)
             if reference is not None:
                 median, spread = reference
-                weighted.append((statistics.median(values) - median, 1.0 / (spread * spread)))
-        return weighted_median(weighted) if weighted else None
+                moved.append((statistics.median(values) - median, median, spread))
+        if not moved:
+            return None
+        # the part proportional to each op's time (a slower core: every op x1.5), from the long ops ...
+        relative = [(d / m, (m / s) ** 2) for d, m, s in moved if m >= PROPORTIONAL_FROM_SECONDS]
+        proportion = weighted_median(relative) if relative else 0.0
+        # ... and what is left, the same for every op, mostly from the short, stable ones
+        return weighted_median([(d - proportion * m, 1.0 / (s * s)) for d, m, s in moved])
 
 
 def weighted_median(values: Sequence[tuple[float, float]]) -> float:
@@ -232,7 +244,7 @@ def op_references(baseline_minimums: Mapping[Hashable, list[float]]) -> dict[Has
         if len(history) >= MIN_BASELINE_STEPS_PER_OP:
             median = statistics.median(history)
             spread = statistics.median(abs(seconds - median) for seconds in history)
-            references[op] = (median, max(spread, MIN_OP_SPREAD_SECONDS))
+            references[op] = (median, max(spread, MIN_OP_SPREAD_SECONDS, MIN_OP_SPREAD_SHARE * median))
     return references
 
 

@@ -263,7 +263,7 @@ def _held_windows(t: Thresholds) -> str:
 
 
 def _op_shift_beyond_peers(s: str, threshold: float) -> str:
-    """Ranks whose per-op shift exceeds the ranks' median (if positive, 3+ ranks) by `threshold`."""
+    """Ranks whose per-op shift exceeds the ranks' median (if positive; 3+ ranks) by `threshold`."""
     shift, peers = f"flare_ild_op_shift_seconds{s}", "on (run, distribution)"
     ranks = f"count by (run, distribution) ({shift})"
     return (
@@ -273,7 +273,6 @@ def _op_shift_beyond_peers(s: str, threshold: float) -> str:
         f"        - {peers} group_left clamp_min(quantile by (run, distribution) (0.5, {shift}), 0)\n"
         f"      ) >= {threshold:g}\n"
         f"      and {peers} ({ranks} >= 3)\n"
-        f"      or {shift} >= {threshold:g} and {peers} ({ranks} < 3)\n"
         "    )\n"
     )
 
@@ -281,7 +280,7 @@ def _op_shift_beyond_peers(s: str, threshold: float) -> str:
 def _ild_shifted(t: Thresholds) -> str:
     """The KS of each rank whose distribution shifted: KS over the threshold, or a partial shift that moved
     far (W1 a factor above the ranks' median, with 3+ ranks), and W1 above the floor either way; or a per-op
-    shift over its threshold, beyond the ranks' median where 3+ ranks export one."""
+    shift over its threshold beyond the ranks' median (3+ ranks)."""
     s, policy, floor = selector(t), t.ild, f"{t.ild.min_wasserstein_seconds:g}"
     per_rank = "on (run, rank, distribution)"
     return (

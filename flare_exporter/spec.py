@@ -262,8 +262,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "Host dispatch: delay added to every op since the baseline, from per-op fastest times.",
         ("distribution",),
         detail=(
-            "Weighted median over ops of each op's fastest time per sampled step minus its baseline's, ops "
-            "weighted by their baseline stability; absent until the window has ops with a baseline."
+            "Weighted median over ops (by baseline stability) of each op's fastest time per sampled step "
+            "minus its baseline's, after the part proportional to each op's time (a slower core) is taken "
+            "out; native timer only; absent until the window has ops with a baseline."
         ),
     ),
     MetricSpec(

@@ -601,7 +601,7 @@ def test_every_op_slower_on_one_rank_names_it_by_its_per_op_shift():
     alike[1] = drifted(1, 0.05, 2e-7, ild_op_shift={"host_dispatch": 4.5 * threshold})
     assert only(diag(*alike)).ranks == (1,)  # 1.5 thresholds beyond the median (3.0, 3.0, 3.0, 4.5)
     two = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 3 * threshold}) for r in range(2)]
-    assert [v.ranks for v in diag(*two)] == [()]  # too few ranks for a median: both, job-wide
+    assert diag(*two) == []  # no median of peers (3+ ranks): the machine could have slowed both
 
 
 def test_ild_shift_on_every_rank_is_job_wide():
