@@ -193,15 +193,14 @@ class Drift:
             self.op_references = op_references(self.baseline_minimums)
         steps = sorted(self.window_minimums)
         middle = len(steps) // 2
-        halves = [steps[:middle], steps[middle:]] if middle else [steps]
-        shifts = [self._shift_over(half) for half in halves]
-        if len(shifts) == 1 or None in shifts:
-            return shifts[0] if len(shifts) == 1 else None
-        older, newer = shifts
-        assert older is not None and newer is not None
+        if not middle:
+            return self._shift_over(steps)
+        older, newer = self._shift_over(steps[:middle]), self._shift_over(steps[middle:])
+        if older is None or newer is None:
+            return None
         if (older > 0) != (newer > 0):
             return 0.0
-        return older if abs(older) < abs(newer) else newer
+        return min(older, newer, key=abs)
 
     def _shift_over(self, steps: Sequence[int]) -> float | None:
         """The weighted median over ops of each op's median fastest time in `steps` minus its baseline's."""

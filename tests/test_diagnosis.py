@@ -592,7 +592,7 @@ def test_every_op_slower_on_one_rank_names_it_by_its_per_op_shift():
     verdict = only(diag(*records))
     assert (verdict.kind, verdict.ranks, verdict.domain) == ("ild_regression", (1,), "rank")
     assert verdict.evidence["shifted"]["1"]["host_dispatch"]["op_shift_seconds"] == 3 * threshold
-    assert "every op +0.3 µs" in verdict.summary
+    assert "every op +1.2 µs" in verdict.summary
     under = [drifted(r, 0.05, 2e-7, ild_op_shift={"host_dispatch": 0.9 * threshold}) for r in range(4)]
     assert diag(*under) == []
     # a shift counts beyond the ranks' median: every rank slower alike is the machine, not one rank
