@@ -13,11 +13,14 @@ this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run ge
 
 A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
 dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
-with a distribution-free 95% confidence interval, and each rank process's CPU time (user + system).
+with a distribution-free 95% confidence interval, and each rank process's CPU time (user + system). Each
+rank also reports its training thread's and its whole process's CPU time per step; the summary gives their
+with / without ratios the same way (steadier than step times on a shared machine).
 
 The micro section times, on this thread, what a hook adds to one collective (GroupTracker.issue + track on a
 fake work whose real torch Future is already complete, so the completion callback runs inline too) and to
-one optimizer step (StepTracker.on_step), against an empty loop.
+one optimizer step (StepTracker.on_step), against an empty loop; then both again, each call timed alone
+right after matrix products that evict the CPU caches, as in a training step ("cold").
 
 Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments.
 """
@@ -198,6 +201,11 @@ class RunResult:
     rank_medians: list[float]
     wall_s: float
     cpu_s: float  # median over ranks of the CPU time (user + system) of the whole rank process
+    # CPU per step after the warm-up, median over ranks: the training thread's (median over steps) and the
+    # whole process's (mean over steps: background threads work in bursts). Much steadier than step times
+    # on a shared machine, where a run's steps wait for cores; what flare adds to them is its cost.
+    thread_cpu: float
+    process_cpu: float
     scrapes: ScrapeCounts | None
 
 
@@ -281,12 +289,17 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         for proc in procs:
             _kill_group(proc)
 
-    rank_medians = []
+    rank_medians, thread_cpu, process_cpu = [], [], []
     training = []  # (first step began, last step ended): the report is written right after the last step
     for rank in range(args.ranks):
         report = workdir / f"report{rank}.json"
         try:
-            times = json.loads(report.read_text())["step_times"]
+            reported = json.loads(report.read_text())
+            times, step_cpu, step_process_cpu = (
+                reported["step_times"],
+                reported["step_cpu"],
+                reported["process_cpu"],
+            )
             ended = report.stat().st_mtime
             training.append((ended - sum(times), ended))
         except (OSError, ValueError, KeyError) as error:
@@ -300,9 +313,18 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
                 f"{label}: rank {rank} reported {len(times)} steps, none after {args.warmup} warm-up steps"
             )
         rank_medians.append(statistics.median(kept))
+        thread_cpu.append(statistics.median(step_cpu[args.warmup :]))
+        process_cpu.append(statistics.fmean(step_process_cpu[args.warmup :]))
     scrapes = scraper.counts(training) if scraper is not None else None
     return RunResult(
-        with_exporter, statistics.median(rank_medians), rank_medians, wall, statistics.median(cpu_s), scrapes
+        with_exporter,
+        statistics.median(rank_medians),
+        rank_medians,
+        wall,
+        statistics.median(cpu_s),
+        statistics.median(thread_cpu),
+        statistics.median(process_cpu),
+        scrapes,
     )
 
 
@@ -461,6 +483,10 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         drain()
         raw["step"].append(_time_once(step_hook, loops))
         raw["step_all"].append(_time_once(step_hook_all_signals, loops))
+    # the same hooks, each call alone after compute evicted the caches (see _cold_ns)
+    issue, track = tracker.issue, tracker.track
+    cold_collective_ns = _cold_ns(lambda: track(issue("allreduce", bucket), work), drain)
+    cold_step_ns = _cold_ns(lambda: full.steps.on_step(optimizer, (), {}), full.manager.drain)
     full.ild.dispatch.close()
     if health.errors or health.dropped or full.health.errors:
         raise RunError(
@@ -473,6 +499,8 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         "empty_loop_ns": statistics.median(raw["empty"]),
         "manager_drain_ns": statistics.median(drain_ns),
         "completion_stamped": float(getattr(extension, "stamp_completion", None) is not None),
+        "collective_hook_cold_ns": cold_collective_ns,
+        "step_hook_all_signals_cold_ns": cold_step_ns,
     }
     for key, timed, baseline in (
         ("collective_hook", "hooks", "empty"),
@@ -485,6 +513,34 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         result[key + "_ns"] = statistics.median([with_hook - without for with_hook, without in pairs])
         result[key + "_min_ns"] = min(raw[timed]) - min(raw[baseline])
     return result
+
+
+COLD_CALLS = 501
+
+
+def _cold_ns(hook: Callable[[], None], drain: Callable[[], None]) -> float:
+    """ns of one call of `hook` right after compute has evicted the CPU caches, as in a training step.
+
+    In a loop a hook's code and data stay in the caches; in a step, a collective comes after the backward
+    pass's matrix products and the step hook after the optimizer's, which evict them, and every Python frame
+    and call into torch then waits on memory. Each call is timed alone after 64 products of 256 x 256
+    matrices (16 MiB of results, kept until after the call); median of COLD_CALLS. `drain` runs every 100
+    calls, as the timing manager would.
+    """
+    import torch
+
+    left, right = torch.randn(256, 256), torch.randn(256, 256)
+    times = []
+    for call in range(COLD_CALLS):
+        products = [torch.mm(left, right) for _ in range(64)]  # 16 MiB written, as a backward pass does
+        started = time.perf_counter_ns()
+        hook()
+        times.append(time.perf_counter_ns() - started)
+        del products
+        if call % 100 == 0:
+            drain()
+    drain()
+    return statistics.median(times)
 
 
 def print_micro(result: dict[str, float]) -> None:
@@ -509,6 +565,14 @@ def print_micro(result: dict[str, float]) -> None:
     ]
     for name, what, key in rows:
         print(f"  {name:16} {what:64} {result[key + '_ns']:7.0f} ns  [{result[key + '_min_ns']:6.0f}]")
+    print(
+        f"  {'collective hook, cold':22} the same, each call alone after compute evicted the caches "
+        f"{result['collective_hook_cold_ns']:7.0f} ns  (median of {COLD_CALLS})"
+    )
+    print(
+        f"  {'step hook, all, cold':22} the same for the step hook with every default signal's listener  "
+        f"{result['step_hook_all_signals_cold_ns']:7.0f} ns"
+    )
     print(
         f"  (empty loop: {result['empty_loop_ns']:.0f} ns per iteration; off the training thread, "
         f"the timing manager's drain: {result['manager_drain_ns']:.0f} ns per collective)"
@@ -616,7 +680,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
     )
     print(
         f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
-        f"{'cpu s without/with':18}  scrapes ok/failed"
+        f"{'cpu s without/with':18}  {'thread cpu':>10}  {'process cpu':>11}  scrapes ok/failed"
     )
     pairs = []
     scrapes = ScrapeCounts()
@@ -642,13 +706,15 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             run_scrapes = with_.scrapes or ScrapeCounts()  # none when --scrape-interval is 0
             scrapes.add(run_scrapes)
             ratio = with_.step_time / without.step_time
+            thread_ratio = with_.thread_cpu / without.thread_cpu
+            process_ratio = with_.process_cpu / without.process_cpu
             order_text = "A/B" if not order[0] else "B/A"
             silent = run_scrapes.never_answered
             note = f"  (never answered: ranks {silent})" if silent else ""
             print(
                 f"{pair:>4}  {order_text:5}  {without.step_time * 1e3:10.3f}  "
                 f"{with_.step_time * 1e3:9.3f}  {ratio:7.4f}  {without.cpu_s:6.2f}/{with_.cpu_s:6.2f}  "
-                f"{run_scrapes.done}/{run_scrapes.failed}{note}",
+                f"{thread_ratio:10.4f}  {process_ratio:11.4f}  {run_scrapes.done}/{run_scrapes.failed}{note}",
                 flush=True,
             )
             pairs.append(
@@ -656,6 +722,8 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
                     "pair": pair,
                     "order": order_text,
                     "ratio": ratio,
+                    "thread_cpu_ratio": thread_ratio,
+                    "process_cpu_ratio": process_ratio,
                     "without": asdict(without),
                     "with": asdict(with_),
                 }
@@ -692,6 +760,26 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
         f"  CPU time per rank process (user + system, start-up and exit included): median "
         f"{cpu_without:.2f} s without, {cpu_with:.2f} s with ({cpu_with - cpu_without:+.2f} s)"
     )
+    cpu_ratios = {}
+    for key, what in (
+        ("thread_cpu", "training thread's CPU per step"),
+        ("process_cpu", "whole process's CPU per step (every thread)"),
+    ):
+        values = [p[f"{key}_ratio"] for p in pairs]
+        interval = median_ci(values)
+        cpu_ratios[key] = {
+            "median_without": statistics.median(p["without"][key] for p in pairs),
+            "median_with": statistics.median(p["with"][key] for p in pairs),
+            "median_ratio": statistics.median(values),
+            "median_ratio_ci95": list(interval) if interval else None,
+        }
+        found = cpu_ratios[key]
+        interval_text = f", 95% CI [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+        print(
+            f"  {what}: median {found['median_without'] * 1e6:.1f} us without, "
+            f"{found['median_with'] * 1e6:.1f} us with; "
+            f"ratio median {found['median_ratio']:.4f}{interval_text}"
+        )
     if scrapes.never_answered:
         print(f"  WARNING: {len(scrapes.never_answered)} rank-runs never answered a scrape")
     for failure in scrapes.failures:
@@ -718,6 +806,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             "goal_ratio": GOAL_RATIO,
             "goal_met": median_ratio <= GOAL_RATIO,
             "scrapes": asdict(scrapes),
+            "cpu_per_step": cpu_ratios,
             "retried": retried,
         },
     }

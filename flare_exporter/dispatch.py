@@ -96,7 +96,8 @@ class DispatchSampler:
     def on_step(self, steps: int) -> None:
         """`steps` optimizer steps are done: close the open window; open one if step `steps` is sampled."""
         try:
-            self._close()
+            if self.native_window_open or self.window is not None or self.stale:  # 15 steps in 16: no call
+                self._close()
             if self.every and steps % self.every == 0:
                 self._open(steps)
         except Exception as error:

@@ -53,8 +53,12 @@ def group_role(name: str) -> str:
 def payload_bytes(tensors: Any) -> int:
     """Bytes of a tensor or of nested lists of tensors."""
     if isinstance(tensors, (list, tuple)):
+        if len(tensors) == 1 and not isinstance(tensors[0], (list, tuple)):
+            return tensors[0].nbytes  # most collectives (DDP's buckets): one frame on the training thread
         return sum(payload_bytes(item) for item in tensors)
-    return tensors.numel() * tensors.element_size()
+    # one attribute of the tensor: on the training thread, each frame and each call into torch costs
+    # microseconds, because a collective comes after compute that evicted them from the CPU caches
+    return tensors.nbytes
 
 
 class GroupTracker:

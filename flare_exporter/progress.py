@@ -49,9 +49,10 @@ class StepTracker:
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            if self._optimizer is None or self._optimizer() is None:
+            counted = self._optimizer() if self._optimizer is not None else None
+            if counted is None:
                 self._optimizer = weakref.ref(optimizer)
-            elif self._optimizer() is not optimizer:
+            elif counted is not optimizer:
                 return  # a second optimizer in the same iteration: one step is counted once
             now = time.perf_counter()
             if self.last_step_at:

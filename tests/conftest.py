@@ -73,9 +73,10 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("ddp_job")
     # two ranks per pretend host, named through FLARE_HOST (on a cluster the hostname says it)
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
-    job = ObservedJob(
-        str(work), train_ddp.__file__, ["--steps", str(STEPS)], RANKS, "test-ddp", rank_env=hosts
-    )
+    # paced as real jobs are (every rank starts each step together): flat out, four ranks sharing two cores
+    # take turns unevenly, and the one that gets least CPU is a straggler for real
+    args = ["--steps", str(STEPS), "--step-seconds", "0.02"]
+    job = ObservedJob(str(work), train_ddp.__file__, args, RANKS, "test-ddp", rank_env=hosts)
     prometheus = None
     if shutil.which("prometheus"):
         prometheus = PrometheusProcess(str(work / "prometheus"), job.file_sd_dir)

@@ -3,7 +3,9 @@
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python flare_exporter/workloads/train_ddp.py
 
 --wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
---report PATH writes this rank's step times as JSON (the overhead benchmark reads them).
+--report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
+  time, the training thread's CPU time and the whole process's CPU time (every thread: gloo's, and an
+  attached exporter's).
 --fault KIND --fault-rank R --fault-step S makes rank R misbehave at step S, the way real jobs do:
   stuck     R loops in Python before its next collective, forever (a livelock in its own code);
   mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
@@ -159,8 +161,10 @@ def main() -> None:
         extra_compute = args.slowdown * NOMINAL_COMPUTE_SECONDS
     else:
         extra_compute = args.slowdown * compute_seconds(args.batch)
+    step_cpu, process_cpu = [], []
     for step in range(args.steps):
         started = time.perf_counter()
+        cpu_started, process_started = time.thread_time(), time.process_time()
         if extra_compute and step >= args.slow_from_step:
             (time.sleep if args.slow_by == "sleep" else busy_compute)(extra_compute)
         if step == args.fault_step and faulty:
@@ -195,9 +199,17 @@ def main() -> None:
         if args.step_seconds:
             time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - synced)))
         step_times.append(time.perf_counter() - started)
+        step_cpu.append(time.thread_time() - cpu_started)
+        process_cpu.append(time.process_time() - process_started)
     if args.report:
         with open(args.report, "w") as out:
-            json.dump({"rank": rank, "step_times": step_times}, out)
+            report = {
+                "rank": rank,
+                "step_times": step_times,
+                "step_cpu": step_cpu,
+                "process_cpu": process_cpu,
+            }
+            json.dump(report, out)
     dist.barrier()
     while args.wait_for and not os.path.exists(args.wait_for):
         time.sleep(0.05)
