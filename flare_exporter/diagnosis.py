@@ -26,6 +26,7 @@ No rank is presumed healthy: decisions go by the evidence and by majority.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -744,6 +745,13 @@ class IldPolicy:
     # machine's 2 cores reached 128-263 ns beyond their peers' median; a per-op delay of 8 % of the
     # benchmark's step moves it 515-601 ns.
     op_shift_seconds: float = 4e-7
+
+    def floors(self) -> tuple[float, float, float]:
+        """(op shift, KS, W1): a drift counts as shifted (ild_shifted), whatever its peers', only if its op
+        shift reaches the first, or its KS reaches the second while its W1 is not below the third. A source
+        that finds no rank there need not read every rank's drift."""
+        ks = [bound for bound in (self.ks, self.partial_ks) if not math.isnan(bound)]  # NaN: never reached
+        return self.op_shift_seconds, min(ks, default=math.inf), self.min_wasserstein_seconds
 
 
 class IldDrift(NamedTuple):

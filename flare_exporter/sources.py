@@ -396,17 +396,34 @@ GONE_GROUP_QUERIES = {
         " unless on (rank, group) flare_collective_last_issued_seq{sel}"
     ),
 }
-# Is a rank slower than the others, has its issue latency shifted: every rank (asked when no rank is gone or
-# hung; the rules weigh stragglers and ILD only then). The straggler windows in two queries: Prometheus
-# evaluates each query on one core, and these are most of the series of the round.
+# Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
+# stragglers and ILD only then). The straggler windows in two queries: Prometheus evaluates each query on one
+# core, and these are most of the series of the round.
 PACE_QUERIES = {
     "straggler_windows": _current(STRAGGLER_METRICS[:-1], ", ago"),
     "flare_straggler_window_wait_seconds": ("max by (rank, ago) (flare_straggler_window_wait_seconds{sel})"),
-    "ild_drift": _current(ILD_METRICS, ", distribution"),
     "flare_step_duration_seconds_count": (
         "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
     ),
 }
+# Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
+# only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
+ILD_QUERIES = {"ild_drift": _current(ILD_METRICS, ", distribution")}
+
+
+def ild_screen(policy: diagnosis.IldPolicy) -> dict[str, str]:
+    """The query for the ranks whose drift could count as shifted under `policy` (IldPolicy.floors), one
+    series each, without the drift itself (key `ild_screen`, which no record reads)."""
+    op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
+    return {
+        "ild_screen": (
+            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
+            f" or (flare_ild_drift_ks{{sel}} >= {ks} unless on (rank, distribution)"
+            f" flare_ild_drift_wasserstein_seconds{{sel}} < {wasserstein}))"
+        )
+    }
+
+
 # The same from the cumulative step and collective times: every rank (asked when not every rank exports
 # straggler windows; see diagnosis.judged_by_windows).
 CUMULATIVE_QUERIES = {
@@ -434,6 +451,7 @@ PROMETHEUS_QUERIES = {
     **GROUP_QUERIES,
     **GONE_GROUP_QUERIES,
     **PACE_QUERIES,
+    **ILD_QUERIES,
     **CUMULATIVE_QUERIES,
     **DETAIL_QUERIES,
     **VIEW_QUERIES,
@@ -477,6 +495,7 @@ def from_prometheus(
     timeout: float = 10.0,
     detail_for: Callable[[Snapshot], Iterable[int]] | None = None,
     hang_seconds: float | None = None,
+    ild: diagnosis.IldPolicy | None = None,
 ) -> Snapshot:
     """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries.
 
@@ -484,10 +503,11 @@ def from_prometheus(
     name), in rounds, each only where the rules need it: every rank's faults (and the progress of the
     ranks that raised; and every rank's groups, with the past groups of the ranks that are down, when a
     collective has been in flight for `hang_seconds`, always when it is None); when they name no rank,
-    every rank's pace (and its cumulative times where the rules need them); then the detail of the ranks
-    named. At thousands of ranks, most of a snapshot is what no verdict needs. Each round adds fields to
-    the records of the rounds before (the same records as build_snapshot makes of all the answers at
-    once), without building them again.
+    every rank's pace (and its cumulative times where the rules need them, and its ILD drift where a rank's
+    could count as shifted under `ild`, the rules' IldPolicy); then the detail of the ranks named. At
+    thousands of ranks, most of a snapshot is what no verdict needs. Each round adds fields to the records
+    of the rounds before (the same records as build_snapshot makes of all the answers at once), without
+    building them again.
     """
     now = time.time()
     if not run:
@@ -519,7 +539,9 @@ def from_prometheus(
     snapshot = faults
     named = sorted(set(detail_for(snapshot)))
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
-        pace = fetch(PACE_QUERIES)
+        pace = fetch(PACE_QUERIES | ild_screen(ild or diagnosis.IldPolicy()))
+        if pace.pop("ild_screen", None):  # then every rank's drift: its peers' medians decide
+            pace |= fetch(ILD_QUERIES)
         snapshot = with_pace(faults, pace)
         if not diagnosis.judged_by_windows(snapshot):
             pace |= fetch(CUMULATIVE_QUERIES)

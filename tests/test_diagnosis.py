@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from flare_exporter.diagnosis import (
     KINDS,
     GpuState,
     GroupState,
+    IldDrift,
+    IldPeers,
     IldPolicy,
     InFlight,
     RankRecord,
@@ -19,6 +24,7 @@ from flare_exporter.diagnosis import (
     diagnose,
     follow_chain,
     hardware_reasons,
+    ild_shifted,
     straggler_scores,
 )
 
@@ -630,3 +636,30 @@ def test_no_ild_verdict_without_drift_or_while_hung():
     ]
     hung.append(rank(3, done(4)))
     assert [v.kind for v in diag(*hung)] == ["hang"]
+
+
+# drift values and thresholds: any in range, exactly the thresholds' defaults, or NaN (a 0/0 in a gauge)
+_drift_value = st.floats(min_value=-1e-3, max_value=1.0) | st.sampled_from([0.0, 1e-7, 4e-7, math.nan])
+
+
+@given(
+    drift=st.builds(IldDrift, _drift_value, _drift_value, st.none() | _drift_value),
+    peers=st.builds(IldPeers, st.none() | _drift_value, st.none() | _drift_value),
+    policy=st.builds(
+        IldPolicy,
+        ks=_drift_value,
+        min_wasserstein_seconds=_drift_value,
+        partial_ks=_drift_value,
+        far_factor=st.floats(min_value=0.0, max_value=100.0),
+        op_shift_seconds=_drift_value,
+    ),
+)
+@example(  # a partial shift that moves far: KS between partial_ks and ks
+    drift=IldDrift(0.2, 1e-3, None), peers=IldPeers(1e-6, None), policy=IldPolicy()
+)
+def test_a_drift_counts_as_shifted_only_at_or_above_the_policy_floors(drift, peers, policy):
+    """sources.from_prometheus reads no rank's drift when none reaches the floors: they must hold always."""
+    op_shift, ks, wasserstein = policy.floors()
+    if ild_shifted(drift, peers, policy):
+        reaches_op_shift = drift.op_shift is not None and drift.op_shift >= op_shift
+        assert reaches_op_shift or (drift.ks >= ks and not drift.wasserstein < wasserstein)

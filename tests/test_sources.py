@@ -8,6 +8,7 @@ collectors) of different sizes, each its own run, scraped every second by one Pr
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import shutil
 import time
@@ -112,8 +113,9 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
         verdicts = diagnosis.diagnose(snapshot, HANG_SECONDS)
         assert [(v.kind, v.ranks) for v in verdicts] == [("straggler", (cluster.straggler,))]
         sent_by_run[cluster.run] = sent
-        # faults and pace of every rank, then the detail of the straggler alone
-        state = len(sources.FAULT_QUERIES) + len(sources.PACE_QUERIES)
+        # faults and pace of every rank (no rank's ILD drift reaches IldPolicy's floors: not read), then the
+        # detail of the straggler alone
+        state = len(sources.FAULT_QUERIES) + len(sources.PACE_QUERIES) + 1
         assert len(sent) == state + len(sources.DETAIL_QUERIES)
         assert not any("rank=~" in expr for expr in sent[:state])
         assert all(f'rank=~"{cluster.straggler}"' in expr for expr in sent[state:])
@@ -189,6 +191,40 @@ def test_a_dead_rank_is_the_same_verdict_in_rounds_as_all_at_once(clusters, monk
 NOW = 1_700_000_000.0
 
 
+@pytest.mark.parametrize(
+    "floors",
+    [
+        (2e-9, 1.0, 0.0),  # op shifts of 2 ns and more: ranks whose rank % 11 is 7 or more
+        (1.0, 0.043, 1e-6),  # KS 0.043 and more (rank % 7 >= 3), where W1 is 1e-6 or more (kernel issue)
+        (1.0, 0.043, 1e-3),  # ... no W1 that far: none
+        (0.0, 0.0, 0.0),  # every rank
+    ],
+)
+def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters, floors):
+    cluster = clusters.large
+    op_shift, ks, wasserstein = floors
+    policy = diagnosis.IldPolicy(
+        ks=ks, partial_ks=ks, min_wasserstein_seconds=wasserstein, op_shift_seconds=op_shift
+    )
+    assert policy.floors() == floors
+    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    expected = set()
+    for rank, record in everything.ranks.items():
+        for distribution, drift_ks in record.ild_ks.items():
+            drift_w1 = record.ild_wasserstein.get(distribution)
+            shift = record.ild_op_shift.get(distribution)
+            if (shift is not None and shift >= op_shift) or (
+                drift_ks >= ks and not (drift_w1 is not None and drift_w1 < wasserstein)
+            ):
+                expected.add(rank)
+    matchers = f'run="{cluster.run}"'
+    found = sources._fetch(
+        clusters.prometheus.url, sources.ild_screen(policy), matchers, "5m", 10.0, time.time()
+    )
+    assert {int(labels["rank"]) for labels, _ in found.get("ild_screen", [])} == expected
+    assert 0 < len(expected) < cluster.ranks or floors in ((1.0, 0.043, 1e-3), (0.0, 0.0, 0.0))
+
+
 def series_of(*rows: tuple[str, dict, float]) -> dict[str, list]:
     """Series by metric name from (name, labels, value) rows; every rank's labels get `rank` as a string."""
     found: dict[str, list] = {}
@@ -197,11 +233,13 @@ def series_of(*rows: tuple[str, dict, float]) -> dict[str, list]:
     return found
 
 
-def job(fault: str) -> dict[str, list]:
+def job(fault: str, ild_shifted: bool = True) -> dict[str, list]:
     """Six ranks in groups `world` and `tp0`..`tp2`. Rank 3 raised, restarted and goes on (its heartbeat is
     newer than its exception). `hang`: rank 1 is down (its target too: only the lookback shows it), rank 2
     raised and stopped, the others but 4 wait in collective 8 of `world` for 400 s. `straggler`: nothing
-    waits, rank 5 waits least in each straggler window, its GPU's clock is low and its ILD shifted."""
+    waits, rank 5 waits least in each straggler window, its GPU's clock is low and (`ild_shifted`) its ILD
+    shifted."""
+    shifted = 5 if ild_shifted else -1
     rows: list[tuple[str, dict, float]] = []
     for rank in range(6):
         groups = ("world", f"tp{rank // 2}")
@@ -225,12 +263,12 @@ def job(fault: str) -> dict[str, list]:
             (
                 "flare_ild_drift_ks",
                 {"rank": rank, "distribution": "kernel_issue"},
-                0.9 if rank == 5 else 0.01,
+                0.9 if rank == shifted else 0.01,
             ),
             (
                 "flare_ild_drift_wasserstein_seconds",
                 {"rank": rank, "distribution": "kernel_issue"},
-                1e-3 if rank == 5 else 1e-6,
+                1e-3 if rank == shifted else 1e-6,
             ),
         ]
         for ago in range(4):
@@ -259,6 +297,22 @@ def job(fault: str) -> dict[str, list]:
     return series_of(*rows)
 
 
+def screened(everything: dict[str, list]) -> dict[str, list]:
+    """What Prometheus answers to sources.ild_screen (IldPolicy's floors): a series per rank reaching them."""
+    op_shift, ks, wasserstein = diagnosis.IldPolicy().floors()
+
+    def drifts(name: str) -> dict[tuple[str, str], float]:
+        return {(labels["rank"], labels["distribution"]): value for labels, value in everything.get(name, [])}
+
+    shifts, kss = drifts("flare_ild_op_shift_seconds"), drifts("flare_ild_drift_ks")
+    w1s = drifts("flare_ild_drift_wasserstein_seconds")
+    ranks = {key[0] for key, value in shifts.items() if value >= op_shift}
+    ranks |= {
+        key[0] for key, value in kss.items() if value >= ks and not w1s.get(key, math.inf) < wasserstein
+    }
+    return {"ild_screen": [({"rank": rank}, 1.0) for rank in sorted(ranks)]}
+
+
 def answer(everything: dict[str, list], name: str, ranks: set[str] | None) -> dict[str, list]:
     """What Prometheus answers to query `name` of sources.PROMETHEUS_QUERIES: the series of the metrics its
     expression names (left of `unless`), of the ranks named (all if None)."""
@@ -281,7 +335,8 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
         state["asked"].append((set(queries), named))
         found: dict[str, list] = {}
         for name in queries:
-            for metric, rows in answer(state["job"], name, named).items():
+            got = screened(state["job"]) if name == "ild_screen" else answer(state["job"], name, named)
+            for metric, rows in got.items():
                 found.setdefault(metric, []).extend(rows)
         return found
 
@@ -301,11 +356,11 @@ def read(record: diagnosis.RankRecord, field: str) -> object:
 FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
 
 
-@pytest.mark.parametrize("fault", ["hang", "straggler"])
+@pytest.mark.parametrize("fault, ild_shifted", [("hang", True), ("straggler", True), ("straggler", False)])
 def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_read_them(
-    fake_prometheus, fault
+    fake_prometheus, fault, ild_shifted
 ):
-    fake_prometheus["job"] = job(fault)
+    fake_prometheus["job"] = job(fault, ild_shifted)
     everything = sources.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
     snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
@@ -327,12 +382,20 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         assert verdicts[0]["evidence"]["followed_by"] == [2]
         assert snapshot.ranks[2].steps == 102  # the rank_down evidence of the rank that raised
         fields = (*FAULT_FIELDS, "groups")
-    else:  # faults, progress of 3, (nothing in flight: no groups), pace, detail of 5
-        pace, detail = (set(sources.PACE_QUERIES), None), (set(sources.DETAIL_QUERIES), {"5"})
-        assert asked == [faults, (progress[0], {"3"}), pace, detail]
-        assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), ("ild_regression", [5])]
+    else:  # faults, progress of 3, (nothing in flight: no groups), pace, (drifts,) detail of 5
+        pace, detail = (
+            (set(sources.PACE_QUERIES) | {"ild_screen"}, None),
+            (set(sources.DETAIL_QUERIES), {"5"}),
+        )
+        drifts = [(set(sources.ILD_QUERIES), None)] if ild_shifted else []  # only where one could count
+        assert asked == [faults, (progress[0], {"3"}), pace, *drifts, detail]
+        ild = [("ild_regression", [5])] if ild_shifted else []
+        assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), *ild]
         assert "SM clock" in verdicts[0]["summary"]  # the detail round's GPU health
         fields = (*FAULT_FIELDS, *PACE_FIELDS)
+        if not ild_shifted:  # not read: the rules find no drift, and no shift in none
+            fields = tuple(field for field in fields if not field.startswith("ild_"))
+            assert all(record.ild_ks == {} for record in snapshot.ranks.values())
     for rank, record in snapshot.ranks.items():
         full = everything.ranks[rank]
         assert [read(record, name) for name in fields] == [read(full, name) for name in fields]
