@@ -383,6 +383,19 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     )
 
 
+def groups_read_by_hang_rules(snapshot: Snapshot, hang_seconds: float) -> set[str]:
+    """The groups whose members' issued numbers the hang rules read: each hung group, and every group a
+    rank on a hang's chain waits in (follow_chain). A source that reads every member's number in each of
+    these, and only these, gives the hang verdicts of the whole snapshot; on less, the chains found name the
+    groups to read next."""
+    names: set[str] = set()
+    for hang in hung_groups(snapshot, hang_seconds):
+        names.add(hang.name)
+        for hop in explain_hang(snapshot, hang).evidence.get("chain", []):
+            names.update(hop["waits_in"])
+    return names
+
+
 def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
     """From ranks behind in `group`, follow each that waits in another group; return the chain ends.
 

@@ -383,7 +383,8 @@ FAULT_QUERIES = {
 # the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
 PROGRESS_QUERIES = {"progress": _current(PROGRESS_METRICS, "")}
 # Who is in each group and who is behind in it: every rank (asked when a collective has been in flight for
-# the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then).
+# the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
+# the groups the hang rules read (diagnosis.groups_read_by_hang_rules) when told the threshold.
 GROUP_QUERIES = {
     "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
 }
@@ -481,6 +482,7 @@ SNAPSHOT_METRICS = frozenset(
     ]
 )
 MAX_NAMED_RANKS = 256  # named in a selector up to this many (a URL that any proxy takes); beyond, every rank
+MAX_CHAIN_ROUNDS = 8  # rounds of groups a hang's chain names; beyond, every group at once
 
 
 def _matcher(run: str) -> str:
@@ -517,9 +519,13 @@ def from_prometheus(
         run = _one_run([item["metric"].get("run", "") for item in runs], run, f"Prometheus at {base_url}")
     matchers = _matcher(run)
 
-    def fetch(queries: Mapping[str, str], ranks: Sequence[int] = ()) -> dict[str, Series]:
-        """The answers to `queries`, of the ranks named (of every rank if none)."""
+    def fetch(
+        queries: Mapping[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()
+    ) -> dict[str, Series]:
+        """The answers to `queries`, of the ranks named (of every rank if none), in the groups named (all)."""
         named = f', rank=~"{"|".join(map(str, ranks))}"' if ranks else ""
+        if groups:
+            named += f', group=~"{_any_of(sorted(groups))}"'
         return _fetch(base_url, queries, matchers + named, window, timeout, now)
 
     if detail_for is None:
@@ -529,13 +535,17 @@ def from_prometheus(
     if raised:  # did they restart since? (before the records are built: it decides which ranks are gone)
         series |= fetch(PROGRESS_QUERIES, raised if len(raised) <= MAX_NAMED_RANKS else [])
     faults = _snapshot(series, now, run)
-    oldest = diagnosis.oldest_in_flight(faults).values()
-    if hang_seconds is None or any(age >= hang_seconds for age in oldest):  # a group may be hung
-        series |= fetch(GROUP_QUERIES)
+    oldest = diagnosis.oldest_in_flight(faults)
+    hung = {name for name, age in oldest.items() if hang_seconds is not None and age >= hang_seconds}
+    if hang_seconds is None or hung:  # a group may be hung
         down = [rank for rank, record in faults.ranks.items() if not record.up]
         if down:
             series |= fetch(GONE_GROUP_QUERIES, down if len(down) <= MAX_NAMED_RANKS else [])
-        faults = _with_fields(faults, _group_fields(series, now))
+        if hang_seconds is None:
+            series |= fetch(GROUP_QUERIES)
+            faults = _with_fields(faults, _group_fields(series, now))
+        else:
+            faults = _with_hang_groups(faults, series, hung, hang_seconds, fetch, now)
     snapshot = faults
     named = sorted(set(detail_for(snapshot)))
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
@@ -550,6 +560,40 @@ def from_prometheus(
     if not named:
         return snapshot
     return with_detail(snapshot, fetch(DETAIL_QUERIES, named if len(named) <= MAX_NAMED_RANKS else []))
+
+
+def _with_hang_groups(
+    faults: Snapshot,
+    series: dict[str, Series],
+    hung: set[str],
+    hang_seconds: float,
+    fetch: Callable[..., dict[str, Series]],
+    now: float,
+) -> Snapshot:
+    """`faults` with the groups the hang rules read: the hung groups' issued numbers first, then those of
+    the groups their chains lead to, as the rules name them, until they name none unread (at thousands of
+    ranks in tensor-, pipeline- and data-parallel groups, most groups have nothing to do with a hang)."""
+    read: set[str] = set()
+    needed = hung
+    for _ in range(MAX_CHAIN_ROUNDS):
+        for name, found in fetch(GROUP_QUERIES, groups=needed - read).items():
+            series.setdefault(name, []).extend(found)  # other groups' numbers of the same metric
+        read |= needed
+        snapshot = _with_fields(faults, _group_fields(series, now))
+        needed = diagnosis.groups_read_by_hang_rules(snapshot, hang_seconds)
+        if needed <= read:
+            return snapshot
+    series |= fetch(GROUP_QUERIES)  # a chain longer than any job's: every group
+    return _with_fields(faults, _group_fields(series, now))
+
+
+REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$-")
+
+
+def _any_of(names: Sequence[str]) -> str:
+    """A PromQL regular expression (in a double-quoted string) that matches exactly the names given."""
+    escaped = ("".join("\\" + char if char in REGEX_SPECIAL else char for char in name) for name in names)
+    return "|".join(escaped).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:

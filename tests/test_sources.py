@@ -313,15 +313,31 @@ def screened(everything: dict[str, list]) -> dict[str, list]:
     return {"ild_screen": [({"rank": rank}, 1.0) for rank in sorted(ranks)]}
 
 
-def answer(everything: dict[str, list], name: str, ranks: set[str] | None) -> dict[str, list]:
+def answer(
+    everything: dict[str, list], name: str, ranks: set[str] | None, groups: set[str] | None = None
+) -> dict[str, list]:
     """What Prometheus answers to query `name` of sources.PROMETHEUS_QUERIES: the series of the metrics its
-    expression names (left of `unless`), of the ranks named (all if None)."""
+    expression names (left of `unless`), of the ranks named (all if None), in the groups named (all)."""
     expr = sources.PROMETHEUS_QUERIES[name].split(" unless ")[0]
     return {
-        metric: [(dict(labels), value) for labels, value in found if ranks is None or labels["rank"] in ranks]
+        metric: [
+            (dict(labels), value)
+            for labels, value in found
+            if (ranks is None or labels["rank"] in ranks)
+            and (groups is None or labels.get("group") in groups)
+        ]
         for metric, found in everything.items()
         if re.search(rf"(?<!\w){metric}(?!\w)", expr)
     }
+
+
+def named_in(matchers: str, label: str) -> set[str] | None:
+    """The values a `label=~"a|b"` matcher names (unescaped), None without one."""
+    found = re.search(rf'{label}=~"((?:[^"\\]|\\.)*)"', matchers)
+    if found is None:
+        return None
+    pattern = found.group(1).replace("\\\\", "\\")  # the PromQL string's escapes, then the regex's
+    return {re.sub(r"\\(.)", r"\1", name) for name in re.split(r"(?<!\\)\|", pattern)}
 
 
 @pytest.fixture
@@ -331,11 +347,14 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
     state: dict = {"asked": []}
 
     def fetch(base_url, queries, matchers, window, timeout, now):  # noqa: ARG001 (sources._fetch's)
-        named = set(matchers.split('rank=~"')[1].rstrip('"').split("|")) if "rank=~" in matchers else None
-        state["asked"].append((set(queries), named))
+        named, groups = named_in(matchers, "rank"), named_in(matchers, "group")
+        state["asked"].append((set(queries), named, groups))
         found: dict[str, list] = {}
         for name in queries:
-            got = screened(state["job"]) if name == "ild_screen" else answer(state["job"], name, named)
+            if name == "ild_screen":
+                got = screened(state["job"])
+            else:
+                got = answer(state["job"], name, named, groups)
             for metric, rows in got.items():
                 found.setdefault(metric, []).extend(rows)
         return found
@@ -346,11 +365,12 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
 
 
 def read(record: diagnosis.RankRecord, field: str) -> object:
-    """A field of a record as the rules read it (not the groups' last completed numbers: only views do)."""
-    value = getattr(record, field)
-    if field == "groups":
-        return {name: (state.last_issued, state.in_flight) for name, state in value.items()}
-    return value
+    """A field of a record as the rules read it: a group's name for the record's state in that group (its
+    last issued number and what is in flight, not the last completed: only views read that)."""
+    if field not in diagnosis.RankRecord.__dataclass_fields__:
+        state = record.groups.get(field)
+        return None if state is None else (state.last_issued, state.in_flight)
+    return getattr(record, field)
 
 
 FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
@@ -369,26 +389,30 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
     named = {rank for verdict in verdicts for rank in verdict["ranks"]}
     # rank 3 restarted: its heartbeat, read in the progress round of the ranks that raised, says so
     assert not snapshot.ranks[3].gone and snapshot.ranks[3].heartbeat == NOW - 4
-    faults, progress = (set(sources.FAULT_QUERIES), None), (set(sources.PROGRESS_QUERIES), {"2", "3"})
+    faults, progress = (
+        (set(sources.FAULT_QUERIES), None, None),
+        (set(sources.PROGRESS_QUERIES), {"2", "3"}, None),
+    )
     asked = fake_prometheus["asked"]
     raised = {int(labels["rank"]) for labels, _ in fake_prometheus["job"]["flare_rank_exception_info"]}
-    if fault == "hang":  # faults, progress of 2 and 3, groups (in flight for 400 s) and rank 1's, detail
-        groups, gone = (set(sources.GROUP_QUERIES), None), (set(sources.GONE_GROUP_QUERIES), {"1"})
-        assert asked == [faults, progress, groups, gone, (set(sources.DETAIL_QUERIES), {"1"})]
+    if fault == "hang":  # faults, progress of 2 and 3, rank 1's groups, the hung group's numbers, detail
+        gone = (set(sources.GONE_GROUP_QUERIES), {"1"}, None)
+        world = (set(sources.GROUP_QUERIES), None, {"world"})  # rank 4, behind, waits in no other group
+        assert asked == [faults, progress, gone, world, (set(sources.DETAIL_QUERIES), {"1"}, None)]
         # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
         assert [(v["kind"], v["ranks"], v["evidence"]["hung_groups"]) for v in verdicts] == [
             ("rank_down", [1], ["world"])
         ]
         assert verdicts[0]["evidence"]["followed_by"] == [2]
         assert snapshot.ranks[2].steps == 102  # the rank_down evidence of the rank that raised
-        fields = (*FAULT_FIELDS, "groups")
+        fields = (*FAULT_FIELDS, "world")
     else:  # faults, progress of 3, (nothing in flight: no groups), pace, (drifts,) detail of 5
         pace, detail = (
-            (set(sources.PACE_QUERIES) | {"ild_screen"}, None),
-            (set(sources.DETAIL_QUERIES), {"5"}),
+            (set(sources.PACE_QUERIES) | {"ild_screen"}, None, None),
+            (set(sources.DETAIL_QUERIES), {"5"}, None),
         )
-        drifts = [(set(sources.ILD_QUERIES), None)] if ild_shifted else []  # only where one could count
-        assert asked == [faults, (progress[0], {"3"}), pace, *drifts, detail]
+        drifts = [(set(sources.ILD_QUERIES), None, None)] if ild_shifted else []  # only where one could count
+        assert asked == [faults, (progress[0], {"3"}, None), pace, *drifts, detail]
         ild = [("ild_regression", [5])] if ild_shifted else []
         assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), *ild]
         assert "SM clock" in verdicts[0]["summary"]  # the detail round's GPU health
@@ -417,3 +441,87 @@ PACE_FIELDS = (
     "ild_ks",
     "ild_wasserstein",
 )
+
+
+def chained_job() -> dict[str, list]:
+    """Four ranks; groups `world`, `pair-a` (ranks 2 and 3) and `pair-b` (0 and 1). Ranks 0-2 wait in
+    collective 8 of the world; rank 3 never issued it: it waits in collective 5 of `pair-a`, which rank 2
+    never issued (it waits in the world). A deadlock across two groups; `pair-b` has nothing to do with it."""
+    rows: list[tuple[str, dict, float]] = []
+    for rank in range(4):
+        pair = "pair-a" if rank >= 2 else "pair-b"
+        rows += [
+            ("flare_rank_info", {"rank": rank, "host": f"h{rank}", "world_size": 4}, 1.0),
+            ("up", {"rank": rank}, 1.0),
+            ("flare_heartbeat_timestamp_seconds", {"rank": rank}, NOW - 400),
+            ("flare_steps_total", {"rank": rank}, 100.0),
+        ]
+        issued = {"world": 7.0 if rank == 3 else 8.0, pair: 4.0 if rank == 2 else 5.0}
+        waits_in = "world" if rank < 3 else "pair-a"
+        for group, seq in issued.items():
+            rows += [
+                ("flare_process_group_info", {"rank": rank, "group": group}, 1.0),
+                ("flare_collective_last_issued_seq", {"rank": rank, "group": group}, seq),
+                ("flare_collective_last_completed_seq", {"rank": rank, "group": group}, seq - 1),
+            ]
+        flight = {"rank": rank, "group": waits_in}
+        rows += [
+            ("flare_collective_in_flight_info", {**flight, "op": "all_reduce", "state": "started"}, 1.0),
+            ("flare_collective_in_flight_seq", flight, issued[waits_in]),
+            ("flare_collective_in_flight_bytes", flight, 4096.0),
+            ("flare_collective_in_flight_started_timestamp_seconds", flight, NOW - 400),
+        ]
+    return series_of(*rows)
+
+
+def test_a_hang_reads_the_groups_its_chain_leads_to_and_no_other(fake_prometheus):
+    fake_prometheus["job"] = chained_job()
+    everything = sources.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    # both groups are hung (in flight for 400 s); rank 3 is behind in the world and waits in pair-a, where
+    # rank 2 is behind and waits in the world: a deadlock, both ranks suspects
+    kinds = [(v["kind"], v["ranks"], v["group"], v["evidence"].get("deadlock")) for v in verdicts]
+    assert kinds == [("hang", [2, 3], "pair-a", True), ("hang", [2, 3], "world", True)]
+    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.GROUP_QUERIES)]
+    assert groups == [{"pair-a", "world"}]  # both hung: one round; pair-b's numbers never asked
+    assert all("pair-b" not in record.groups for record in snapshot.ranks.values())
+
+
+def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake_prometheus):
+    job = chained_job()
+    started = "flare_collective_in_flight_started_timestamp_seconds"
+    # rank 3 waits in pair-a for a second only: that group is not hung, the world is
+    job[started] = [(labels, NOW - 1 if labels["group"] == "pair-a" else at) for labels, at in job[started]]
+    fake_prometheus["job"] = job
+    everything = sources.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    assert [(v["kind"], v["group"]) for v in verdicts] == [("hang", "world")]
+    chain = verdicts[0]["evidence"]["chain"]
+    assert [(hop["group"], hop["rank"], hop["waits_in"]) for hop in chain][:2] == [
+        ("world", 3, ["pair-a"]),
+        ("pair-a", 2, ["world"]),
+    ]
+    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.GROUP_QUERIES)]
+    assert groups == [{"world"}, {"pair-a"}]  # the hung group, then the group its chain leads to
+
+
+def test_groups_are_named_to_prometheus_exactly(clusters):
+    """The group matcher of a round: a regular expression in a PromQL string that matches the names given,
+    whatever they hold, and no other name."""
+    run = clusters.large.run
+    answer = clusters.prometheus.query(f'count by (group) (flare_collective_last_issued_seq{{run="{run}"}})')
+    counts = {item["metric"]["group"]: int(float(item["value"][1])) for item in answer}
+    picked = sorted(name for name in counts if "-" in name)[:2] + ["world", 'no.such|group"\\']
+    assert len(picked) == 4 and "world" in counts
+    selector = f'run="{run}", group=~"{sources._any_of(picked)}"'
+    expr = f"count by (group) (flare_collective_last_issued_seq{{{selector}}})"
+    found = {
+        item["metric"]["group"]: int(float(item["value"][1])) for item in clusters.prometheus.query(expr)
+    }
+    assert found == {name: counts[name] for name in picked if name in counts}
