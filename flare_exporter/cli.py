@@ -9,7 +9,8 @@
 `--prometheus` reads the Prometheus HTTP API (a fixed number of queries, whatever the rank count);
 `--targets` scrapes the ranks' /metrics directly: a file of host:port lines, a file_sd JSON file, or a
 directory of them (what FLARE_FILE_SD_DIR holds). The hang threshold is --hang-seconds, else
-FLARE_HANG_SECONDS / the config file's hang_seconds, else 300 s.
+FLARE_HANG_SECONDS / the config file's hang_seconds, else 300 s; the per-op shift that counts as an ILD
+regression likewise (--ild-op-shift-seconds, FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
 
 Exit codes: 0 healthy; 1 anomaly found; 2 usage, input or connection error; 3 could not decide (no
 rank answered, or several runs and no --run).
@@ -211,9 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--run", default="", help="the run to diagnose (needed when several are seen)")
         command.add_argument("--json", action="store_true", help="print one JSON object for programs")
-        command.add_argument(
-            "--hang-seconds", default=None, help="hang threshold (default: FLARE_HANG_SECONDS, 300)"
-        )
+        rules.add_engine_arguments(command)
         command.add_argument(
             "--timeout", type=float, default=5.0, help="seconds per scrape or query (default 5)"
         )
@@ -253,13 +252,15 @@ def _client(args: argparse.Namespace) -> scrape.Client:
     return scrape.client(scheme, args.ca_file, args.cert_file, args.key_file, args.basic_auth_user, password)
 
 
-def _detail_for(command: str, hang_seconds: float) -> Callable[[Snapshot], set[int]] | None:
+def _detail_for(
+    command: str, hang_seconds: float, ild: diagnosis.IldPolicy
+) -> Callable[[Snapshot], set[int]] | None:
     """Whose detail (stack sample, GPU health, ...) `command` shows: the culprits' for `diagnose`, every
     rank's for the views (None)."""
     if command != "diagnose":
         return None
     return lambda snapshot: {
-        rank for verdict in diagnosis.diagnose(snapshot, hang_seconds) for rank in verdict.ranks
+        rank for verdict in diagnosis.diagnose(snapshot, hang_seconds, ild=ild) for rank in verdict.ranks
     }
 
 
@@ -286,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """A diagnosis command (diagnose, ranks, hang, stragglers) with its parsed `args`: main's exit code."""
     try:
-        hang_seconds = config_module.load({"hang_seconds": args.hang_seconds}).hang_seconds
+        config = rules.engine_config(args)
+        hang_seconds = config.hang_seconds
+        ild = diagnosis.IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
         if not 0 < args.timeout <= 3600:  # also refuses nan
             raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
         if args.prometheus:
@@ -295,8 +298,9 @@ def _run(args: argparse.Namespace) -> int:
                 args.run,
                 args.window,
                 args.timeout,
-                _detail_for(args.command, hang_seconds),
+                _detail_for(args.command, hang_seconds, ild),
                 hang_seconds,
+                ild,
             )
             source = f"prometheus {args.prometheus}"
         else:
@@ -311,7 +315,7 @@ def _run(args: argparse.Namespace) -> int:
     if snapshot.ranks_seen == 0:
         print(f"flare: cannot decide: no rank of run {snapshot.run!r} answered ({source})", file=sys.stderr)
         return EXIT_UNDECIDED
-    verdicts = diagnosis.diagnose(snapshot, hang_seconds)
+    verdicts = diagnosis.diagnose(snapshot, hang_seconds, ild=ild)
     _, counts = COMMANDS[args.command]
     shown = [verdict for verdict in verdicts if counts(verdict)]
     result: dict[str, Any] = {

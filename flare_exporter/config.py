@@ -170,6 +170,13 @@ class Config:
         "Samples the baseline and the current window each need before the ILD drift gauges are exported.",
         *_between(1, 10_000_000),
     )
+    ild_op_shift_seconds: float = _setting(
+        4e-7,
+        "The per-op shift of host dispatch latency (docs/ild.md) beyond the ranks' median at or above which "
+        "`flare diagnose` and `flare rules` count a rank's as shifted (their flag --ild-op-shift-seconds). "
+        "400 ns suits ranks that share cores; on dedicated cores, 25 ns catches a delay of 1 % of a step.",
+        *_between(1e-9, 1.0),
+    )
     ild_events: int = _setting(
         1024,
         "Device events in the ILD event pool (kernel issue latency); a launch sampled while all are in use "

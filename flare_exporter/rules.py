@@ -754,11 +754,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scrape-interval", default="15s", help="the flare job's scrape interval (default 15s)"
     )
+    add_engine_arguments(parser)
+    parser.add_argument("--runbook-url", default=RUNBOOK_URL, help="base URL of docs/runbook.md")
+    parser.add_argument("--grafana-url", default=GRAFANA_URL, help="Grafana serving dashboards/")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The thresholds that `flare diagnose` and the rules share (see engine_config)."""
     parser.add_argument(
         "--hang-seconds", default=None, help="hang threshold (default: FLARE_HANG_SECONDS, 300)"
     )
-    parser.add_argument("--runbook-url", default=RUNBOOK_URL, help="base URL of docs/runbook.md")
-    parser.add_argument("--grafana-url", default=GRAFANA_URL, help="Grafana serving dashboards/")
+    parser.add_argument(
+        "--ild-op-shift-seconds",
+        default=None,
+        help="per-op shift that counts as an ILD regression (default: FLARE_ILD_OP_SHIFT_SECONDS, 4e-7)",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> config_module.Config:
+    """The config, the engine's thresholds from add_engine_arguments' flags over FLARE_* over the file."""
+    return config_module.load(
+        {"hang_seconds": args.hang_seconds, "ild_op_shift_seconds": args.ild_op_shift_seconds}
+    )
 
 
 DURATION = re.compile(r"^(\d+)(ms|s|m|h|d|w|y)$")
@@ -774,10 +791,11 @@ def duration_seconds(text: str, what: str) -> float:
 
 
 def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
-    hang_seconds = config_module.load({"hang_seconds": args.hang_seconds}).hang_seconds
+    config = engine_config(args)
     t = Thresholds(
         selector=args.selector.strip().strip("{}").strip(),
-        hang_seconds=hang_seconds,
+        hang_seconds=config.hang_seconds,
+        ild=IldPolicy(op_shift_seconds=config.ild_op_shift_seconds),
         scrape_interval_seconds=duration_seconds(args.scrape_interval, "flag --scrape-interval"),
         runbook_url=args.runbook_url,
         grafana_url=args.grafana_url,

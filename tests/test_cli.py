@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter import cli, promql
+from flare_exporter import cli, diagnosis, promql, sources
 from flare_exporter.local_job import free_port
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.targets import Target, TargetsError, read_targets
@@ -127,3 +127,34 @@ def test_start_up_imports_no_torch_yaml_or_prometheus_client():
 def test_the_garbage_collector_is_back_on_after_a_command(tmp_path):
     assert cli.main(["diagnose", "--targets", str(tmp_path / "missing")]) == cli.EXIT_USAGE
     assert gc.isenabled()
+
+
+def test_the_ild_op_shift_threshold_is_a_flag_of_diagnose(tmp_path, monkeypatch, capsys):
+    """A per-op shift of 100 ns on one rank of four: below the default threshold (400 ns, for ranks that
+    share cores), a regression at --ild-op-shift-seconds 5e-8 (dedicated cores)."""
+    records = [
+        diagnosis.RankRecord(
+            rank,
+            host=f"h{rank}",
+            ild_ks={"host_dispatch": 0.02},
+            ild_wasserstein={"host_dispatch": 1e-8},
+            ild_op_shift={"host_dispatch": 1e-7 if rank == 2 else 1e-9},
+        )
+        for rank in range(4)
+    ]
+    snapshot = diagnosis.Snapshot({record.rank: record for record in records}, 1e9, "r", 4)
+    monkeypatch.setattr(sources, "from_targets", lambda *args: snapshot)
+    monkeypatch.delenv("FLARE_ILD_OP_SHIFT_SECONDS", raising=False)
+    (tmp_path / "t.txt").write_text("127.0.0.1:1\n")
+    command = ["diagnose", "--targets", str(tmp_path / "t.txt"), "--json"]
+    assert cli.main(command) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["verdicts"] == []
+    assert cli.main([*command, "--ild-op-shift-seconds", "5e-8"]) == cli.EXIT_ANOMALY
+    verdicts = json.loads(capsys.readouterr().out)["verdicts"]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [("ild_regression", [2])]
+    assert verdicts[0]["evidence"]["op_shift_threshold_seconds"] == 5e-8
+    monkeypatch.setenv("FLARE_ILD_OP_SHIFT_SECONDS", "5e-8")  # or from the environment
+    assert cli.main(command) == cli.EXIT_ANOMALY
+    capsys.readouterr()
+    assert cli.main([*command, "--ild-op-shift-seconds", "-1"]) == cli.EXIT_USAGE
+    assert "flag --ild-op-shift-seconds" in capsys.readouterr().err

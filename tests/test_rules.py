@@ -150,6 +150,22 @@ def test_short_thresholds_for_tests_follow_the_config(monkeypatch):
     assert "max_age_seconds >= 42" in out
 
 
+def test_the_ild_op_shift_threshold_follows_the_flag_then_the_environment(monkeypatch):
+    def shifted_ks(out: str) -> str:
+        document = yaml.safe_load(out)
+        rules = [rule for group in document["groups"] for rule in group["rules"]]
+        return next(
+            r["expr"] for r in rules if r.get("record") == "run_rank_distribution:flare_ild_drift:shifted_ks"
+        )
+
+    monkeypatch.delenv("FLARE_ILD_OP_SHIFT_SECONDS", raising=False)
+    assert ") >= 4e-07" in shifted_ks(flare_rules()[1])
+    monkeypatch.setenv("FLARE_ILD_OP_SHIFT_SECONDS", "2.5e-8")
+    assert ") >= 2.5e-08" in shifted_ks(flare_rules()[1])
+    code, out, _ = flare_rules("--ild-op-shift-seconds", "1e-7")  # the flag beats the environment
+    assert code == 0 and ") >= 1e-07" in shifted_ks(out) and "4e-07" not in shifted_ks(out)
+
+
 def test_selector_scopes_every_series(tmp_path):
     code, out, _ = flare_rules("--selector", 'cluster="eu-1"')
     assert code == 0
@@ -170,6 +186,8 @@ def test_selector_scopes_every_series(tmp_path):
         (["--for", "5 minutes"], "flag --for: '5 minutes' is not a Prometheus duration"),
         (["--scrape-interval", "fast"], "flag --scrape-interval: 'fast' is not a Prometheus duration"),
         (["--hang-seconds", "-1"], "--hang-seconds"),
+        (["--ild-op-shift-seconds", "0"], "flag --ild-op-shift-seconds"),
+        (["--ild-op-shift-seconds", "fast"], "flag --ild-op-shift-seconds"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
