@@ -338,15 +338,17 @@ def _unusable(samples: list[scrape.Sample], now: float) -> str:
 
 # The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
 # series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
-# A query over several metrics keeps `__name__`, and its answer is split by it; a one-metric query is named
-# by its key. Placeholders: `{sel}` the selector of the run (or of its named ranks), `{matchers}` the same
-# without braces, `{sel_not_native}` it without the native shim's collectives, `{window}` the lookback.
+# A query's answer is named by its key (or by `__name__` where it keeps one). Placeholders: `{sel}` the
+# selector of the run (or of its named ranks), `{sel_not_native}` it without the native shim's
+# collectives, `{window}` the lookback.
 # Identity, groups and exceptions look back (a dead rank's last word); the rest is the current state.
 
 
-def _current(names: Iterable[str], labels: str) -> str:
-    """A query for the current value of each metric in `names`, one series per (name, rank, `labels`)."""
-    return f'max by (__name__, rank{labels}) ({{__name__=~"{"|".join(names)}", {{matchers}}}})'
+def _current(names: Iterable[str], labels: str) -> dict[str, str]:
+    """A query per metric in `names` for its current value, one series per (rank, `labels`). Each alone:
+    one query over several metrics (`{__name__=~"a|b"}` grouped by `__name__`) took Prometheus twice as
+    long as the queries of its metrics together (6,144 ranks: 0.94 s against 0.46 s for the windows)."""
+    return {name: f"max by (rank{labels}) ({name}{{sel}})" for name in names}
 
 
 IN_FLIGHT_METRICS = (
@@ -377,11 +379,11 @@ FAULT_QUERIES = {
     "flare_collective_in_flight_info": (
         "max by (rank, group, op, state) (flare_collective_in_flight_info{sel})"
     ),
-    "in_flight": _current(IN_FLIGHT_METRICS, ", group"),
+    **_current(IN_FLIGHT_METRICS, ", group"),
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
 # the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
-PROGRESS_QUERIES = {"progress": _current(PROGRESS_METRICS, "")}
+PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # Who is in each group and who is behind in it: every rank (asked when a collective has been in flight for
 # the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
 # the groups the hang rules read (diagnosis.groups_read_by_hang_rules) when told the threshold.
@@ -398,18 +400,16 @@ GONE_GROUP_QUERIES = {
     ),
 }
 # Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
-# stragglers and ILD only then). The straggler windows in two queries: Prometheus evaluates each query on one
-# core, and these are most of the series of the round.
+# stragglers and ILD only then). The straggler windows are most of the series of the round.
 PACE_QUERIES = {
-    "straggler_windows": _current(STRAGGLER_METRICS[:-1], ", ago"),
-    "flare_straggler_window_wait_seconds": ("max by (rank, ago) (flare_straggler_window_wait_seconds{sel})"),
+    **_current(STRAGGLER_METRICS, ", ago"),
     "flare_step_duration_seconds_count": (
         "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
     ),
 }
 # Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
 # only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
-ILD_QUERIES = {"ild_drift": _current(ILD_METRICS, ", distribution")}
+ILD_QUERIES = _current(ILD_METRICS, ", distribution")
 
 
 def ild_screen(policy: diagnosis.IldPolicy) -> dict[str, str]:
@@ -439,7 +439,7 @@ CUMULATIVE_QUERIES = {
 DETAIL_QUERIES = {
     **PROGRESS_QUERIES,
     "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
-    "gpu_health": _current(GPU_HEALTH_METRICS, ""),
+    **_current(GPU_HEALTH_METRICS, ""),
     # only the clock events that are active: the others would be most of the answer
     "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
 }
@@ -615,7 +615,6 @@ def _fetch(
     exprs = [
         template.replace("{sel}", f"{{{matchers}}}")
         .replace("{sel_not_native}", f"{{{not_native}}}")
-        .replace("{matchers}", matchers)
         .replace("{window}", window)
         for template in queries.values()
     ]
