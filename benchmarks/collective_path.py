@@ -121,9 +121,9 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
             for report in reports
             for block in report["blocks"]
         ]
-        plain = statistics.median(block["plain"][measure] for report in reports for block in report["blocks"])
-        wrapped = statistics.median(
-            block["wrapped"][measure] for report in reports for block in report["blocks"]
+        plain, wrapped = (
+            statistics.median(block[side][measure] for report in reports for block in report["blocks"])
+            for side in SIDES
         )
         difference = statistics.median(differences)
         interval = median_ci(differences)
