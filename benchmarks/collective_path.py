@@ -3,13 +3,15 @@ alternated in blocks of steps.
 
     python benchmarks/collective_path.py                        # 4 ranks, 40 pairs of blocks of 50 steps
     python benchmarks/collective_path.py --ranks 1 --blocks 60 --json out.json
+    python benchmarks/collective_path.py --recorder python      # the Python hooks instead of the C++ backend
 
 The end-to-end A/B (overhead.py) compares two processes, one with flare and one without; on a shared
 machine two runs of the same process differ by a few per cent (placement, the heap's layout, the other
 jobs), which hides a cost of 0.5 %. Here every rank process holds two copies of the same DDP model: one
 reduces its gradients over the plain gloo world group (created before `attach()`, so flare does not wrap
-it), the other over a group created after `attach()`, which flare wraps (FlareProcessGroup: every
-collective issued, tracked and timed as in a real job). Each rank trains them in alternating blocks of
+it), the other over a group created after `attach()`, which flare wraps (every collective issued,
+tracked and timed as in a real job: by flare's C++ recording backend, or with `--recorder python` by the
+Python hooks of FlareProcessGroup). Each rank trains them in alternating blocks of
 `--block-steps` steps (order A/B, then B/A), in lockstep with the other ranks, and measures each step's
 wall time and its training thread's CPU time. Everything else is the same on both sides: the same
 process, threads, heap, and flare's other hooks (the global optimizer step hook and its listeners run
@@ -55,6 +57,7 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
         MASTER_PORT=str(master_port),
         FLARE_PORT="0",  # nothing scrapes here: the endpoint is the end-to-end benchmark's business
         FLARE_RUN="collective-path",
+        FLARE_NATIVE_COLLECTIVES=str(args.recorder == "cpp").lower(),
     )
     import torch
     import torch.distributed as dist
@@ -62,15 +65,15 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
     from torch.nn.parallel import DistributedDataParallel
 
     import flare_exporter
-    from flare_exporter.process_group import FlareProcessGroup
     from flare_exporter.workloads.train_ddp import WIDTH, make_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # before attach(): the world group stays plain
     attachment = flare_exporter.attach()
     groups = {"plain": dist.group.WORLD, "wrapped": dist.new_group(backend="gloo")}
-    if isinstance(groups["plain"], FlareProcessGroup) or not isinstance(groups["wrapped"], FlareProcessGroup):
-        raise SystemExit("collective_path: the group created after attach() is not flare's wrapped group")
+    recorders = [tracker.timing.recorder for tracker in attachment.state.groups.values()]
+    if recorders != [args.recorder]:  # flare saw one group, the wrapped one, and records it as asked
+        raise SystemExit(f"collective_path: flare records {recorders} groups, not one with {args.recorder}")
     models = {side: DistributedDataParallel(make_model(), process_group=groups[side]) for side in SIDES}
     # One optimizer for both: flare's step hook counts the steps of one optimizer (a second one in the same
     # iteration is not a step), so with one each, only one side would pay for the hook and its listeners.
@@ -114,7 +117,12 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
 
 
 def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
-    results: dict[str, Any] = {"ranks": args.ranks, "blocks": args.blocks, "block_steps": args.block_steps}
+    results: dict[str, Any] = {
+        "ranks": args.ranks,
+        "blocks": args.blocks,
+        "block_steps": args.block_steps,
+        "recorder": args.recorder,
+    }
     for measure, what in (("wall", "step time"), ("cpu", "training thread's CPU per step")):
         differences = [
             block["wrapped"][measure] - block["plain"][measure]
@@ -150,6 +158,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-steps", type=int, default=50, help="steps per block (default 50)")
     parser.add_argument("--warmup", type=int, default=100, help="steps of each model before the blocks")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--recorder",
+        choices=("cpp", "python"),
+        default="cpp",
+        help="what records the wrapped group's collectives: flare's C++ backend (default; built if need be) "
+        "or the Python hooks",
+    )
     parser.add_argument("--json", default="", metavar="OUT", help="also write every number as JSON to OUT")
     args = parser.parse_args(argv)
     for name in ("ranks", "blocks", "block_steps", "batch"):
@@ -167,8 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(
         f"collective path, in-process A/B: {args.ranks} gloo ranks, {args.blocks} pairs of blocks of "
-        f"{args.block_steps} steps (batch {args.batch}), plain world group vs flare-wrapped group"
+        f"{args.block_steps} steps (batch {args.batch}), plain world group vs flare-wrapped group, "
+        f"recorded by {'the C++ backend' if args.recorder == 'cpp' else 'the Python hooks'}"
     )
+    if args.recorder == "cpp":
+        from flare_exporter import op_timer
+
+        try:
+            op_timer.build()
+        except (op_timer.BuildError, OSError) as error:
+            print(f"collective_path: error: {error}", file=sys.stderr)
+            return 1
     with tempfile.TemporaryDirectory(prefix="flare-collective-path-") as tmp:
         outs = [str(Path(tmp) / f"rank{rank}.json") for rank in range(args.ranks)]
         try:

@@ -137,7 +137,9 @@ def attach(config: config_module.Config | None = None) -> Attachment:
             "flare-exporter: attach() after init_process_group: groups created so far are not observed"
         )
     process_group.install(
-        process_group.Wrapping(state.groups, state.manager, state.health, config.max_groups, on_group)
+        process_group.Wrapping(
+            state.groups, state.manager, state.health, config.max_groups, on_group, config.native_collectives
+        )
     )
     state.steps.install()
     if state.ild is not None:

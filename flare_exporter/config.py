@@ -72,6 +72,12 @@ class Config:
         "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
         *_between(0.001, 10),
     )
+    native_collectives: bool = _setting(
+        True,
+        "Record gloo groups' collectives in C++, in flare's torch extension (built by `python -m "
+        "flare_exporter.op_timer`): the training thread runs no Python for a collective. false, or without "
+        "the extension: Python hooks.",
+    )
     max_groups: int = _setting(
         64,
         "Most process groups tracked per rank; collectives of further groups are counted as dropped.",

@@ -110,13 +110,21 @@ class GroupTracker:
         if record is None:
             return
         try:
-            if len(self.pending) < self.max_pending:
-                self.pending.append(record)
-            else:
-                self.health.drop("in_flight_collectives")
+            self.remember(record)
             self.timing.track(record, work)
         except Exception as error:
             self.health.error("collective_timing", error)
+
+    def remember(self, record: CollectiveRecord) -> None:
+        """Queue `record` in `pending` (by the hook on the training thread, or the manager: C++ backend)."""
+        if len(self.pending) < self.max_pending:
+            self.pending.append(record)
+        else:
+            self.health.drop("in_flight_collectives")
+
+    def progress_at(self) -> float:
+        """perf_counter time of the newest collective issued (0: none yet); any thread."""
+        return self.timing.last_issued_at(self)
 
     def forget_finished(self) -> None:
         """Drop finished collectives from the front of `pending`; publish the oldest unfinished one.

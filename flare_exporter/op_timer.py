@@ -1,11 +1,13 @@
-"""The native host dispatch timer (csrc/op_timer.cpp): built once per torch and Python, loaded if built.
+"""flare's torch extension (csrc/): built once per torch and Python, loaded if built.
 
-    python -m flare_exporter.op_timer            # build it (a C++ compiler, about 20 s), print where
+    python -m flare_exporter.op_timer            # build it (a C++ compiler, about 30 s), print where
 
-It is a torch RecordFunction observer that times every aten op in a sampling window for tens of ns per op,
-where the Python dispatch mode (dispatch.py) costs microseconds. Built into a directory named after the
-source, torch and Python versions, under `FLARE_OP_TIMER_DIR` (default: ~/.cache/flare-exporter), so a new
-torch needs a new build and never loads a stale one. Without a build the exporter uses the dispatch mode.
+It holds the native host dispatch timer (csrc/op_timer.cpp), a torch RecordFunction observer that times
+every aten op in a sampling window for tens of ns per op, where the Python dispatch mode (dispatch.py)
+costs microseconds; and the recording backend (csrc/collectives.cpp), which records every collective of a
+gloo group in C++ (process_group.py). Built into a directory named after the sources, torch and Python
+versions, under `FLARE_OP_TIMER_DIR` (default: ~/.cache/flare-exporter), so a new torch needs a new build
+and never loads a stale one. Without a build the exporter uses the dispatch mode and Python hooks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "op_timer.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = [SOURCE_DIR / "op_timer.cpp", SOURCE_DIR / "collectives.cpp"]  # and their headers, in SOURCE_DIR
 MODULE_NAME = "flare_op_timer"
 COMPILER_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-Wall"]
 
@@ -37,7 +40,9 @@ class BuildError(RuntimeError):
 
 def build_directory() -> Path:
     root = os.environ.get("FLARE_OP_TIMER_DIR") or Path.home() / ".cache" / "flare-exporter"
-    identity = SOURCE.read_bytes() + f"{torch.__version__} {sys.version} {sys.platform}".encode()
+    sources = sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
+    code = b"".join(path.read_bytes() for path in sources)
+    identity = code + f"{torch.__version__} {sys.version} {sys.platform}".encode()
     return Path(root) / f"op_timer-{hashlib.sha256(identity).hexdigest()[:16]}"
 
 
@@ -56,7 +61,7 @@ def compile_command(output: Path) -> list[str]:
         *COMPILER_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-isystem{path}" for path in includes),
-        str(SOURCE),
+        *map(str, SOURCES),
         f"-L{torch_lib}",
         f"-Wl,-rpath,{torch_lib}",
         "-lc10",
@@ -83,7 +88,7 @@ def build() -> Path:
             first = next(
                 (line for line in result.stderr.splitlines() if "error" in line), result.stderr[:200]
             )
-            raise BuildError(f"compiling {SOURCE.name} failed: {first.strip()}")
+            raise BuildError(f"compiling {', '.join(path.name for path in SOURCES)} failed: {first.strip()}")
         os.replace(output, target)  # whole, or not at all, for ranks loading it at the same time
     return target
 

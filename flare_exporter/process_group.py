@@ -1,10 +1,16 @@
 """See every collective of every process group by wrapping the process-group backend.
 
 `install()` registers the backends `flare_gloo` and `flare_nccl` with `dist.Backend.register_backend`.
-Each creates the real ProcessGroupGloo / ProcessGroupNCCL and returns a FlareProcessGroup, a
-`dist.ProcessGroup` subclass that delegates every collective to it. Because the wrapper *is* the group,
-collectives issued from C++ (DDP's bucket all-reduce, FSDP, functional collectives, Megatron) go through
-it as well as Python calls.
+Each creates the real ProcessGroupGloo / ProcessGroupNCCL and wraps it:
+
+- gloo, with flare's torch extension built (op_timer.py): in its recording backend (csrc/collectives.cpp),
+  a c10d Backend that records each collective in C++ and delegates it; torch registers it as the group's
+  CPU backend, so the training thread runs no Python for a collective (timing.NativeTiming);
+- otherwise (NCCL, gloo without the extension or with `native_collectives` off): in a FlareProcessGroup,
+  a `dist.ProcessGroup` subclass whose Python methods record each collective, then delegate it.
+
+Either way the wrapper is what the group calls, so collectives issued from C++ (DDP's bucket all-reduce,
+FSDP, functional collectives, Megatron) go through it as well as Python calls.
 
 So that unmodified scripts use it, `install()` wraps torch's group factory
 (`distributed_c10d._new_process_group_helper`): a request for `gloo` or `nccl` builds `flare_gloo` /
@@ -26,7 +32,7 @@ import torch.distributed.distributed_c10d as c10d
 from . import op_timer
 from .groups import GroupTracker, group_name
 from .health import ExporterHealth
-from .timing import CudaEventTiming, FutureTiming, TimingManager
+from .timing import CudaEventTiming, FutureTiming, NativeTiming, TimingBackend, TimingManager
 
 log = logging.getLogger("flare_exporter")
 
@@ -101,8 +107,10 @@ class Wrapping:
         health: ExporterHealth,
         max_groups: int,
         on_group: Callable[[str, int, int, str], None],
+        native_collectives: bool = True,
     ) -> None:
         self.groups = groups
+        self.native_collectives = native_collectives
         self.on_group = on_group
         self.manager = manager
         self.health = health
@@ -121,25 +129,38 @@ class Wrapping:
             if len(self.groups) >= self.max_groups:
                 self.health.drop("process_groups")
                 return inner  # unwrapped: still correct, just not observed
-            timing = (
-                CudaEventTiming(self.manager)
-                if backend_name == "nccl"
-                else FutureTiming(self.manager, op_timer.load())
-            )
+            timing = self._timing(backend_name)
             tracker = GroupTracker(
                 name, options.group_size, backend_name, timing, self.health, self.manager.queue_size
             )
-            wrapper = FlareProcessGroup(inner, options.group_rank, options.group_size, tracker)
-            wrapper._register_backend(
-                torch.device("cuda" if backend_name == "nccl" else "cpu"), _backend_type(backend_name), inner
-            )
+            if isinstance(timing, NativeTiming):
+                wrapper = timing.wrap(inner)  # a c10d Backend: torch registers it for the CPU
+            else:
+                wrapper = FlareProcessGroup(inner, options.group_rank, options.group_size, tracker)
+                wrapper._register_backend(
+                    torch.device("cuda" if backend_name == "nccl" else "cpu"),
+                    _backend_type(backend_name),
+                    inner,
+                )
         except Exception as error:
             self.health.error("process_group_wrap", error)
             return inner
         self.groups[name] = tracker
         self.manager.add_group(tracker)
+        if isinstance(timing, NativeTiming):
+            self.manager.add_log(timing, tracker)
         self.on_group(name, options.group_rank, options.group_size, backend_name)
         return wrapper
+
+    def _timing(self, backend_name: str) -> TimingBackend:
+        """NCCL: its CUDA events. gloo: the extension's recording backend, with no Python on the training
+        thread (unless `native_collectives` is off); without the extension, Python hooks and a callback."""
+        if backend_name == "nccl":
+            return CudaEventTiming(self.manager)
+        extension = op_timer.load()
+        if self.native_collectives and hasattr(extension, "wrap_backend"):
+            return NativeTiming(self.manager, extension)
+        return FutureTiming(self.manager, extension)
 
     def helper(
         self,

@@ -114,8 +114,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_process_group_info",
         INFO,
         "",
-        "A process group of this rank: its stable name, role and size.",
-        ("group", "role", "size"),
+        "A process group of this rank: its stable name, role and size, and what records its collectives "
+        "(cpp: flare's C++ backend, no Python on the training thread; python: hooks).",
+        ("group", "role", "size", "recorder"),
     ),
     MetricSpec(
         "flare_collective_duration_seconds",

@@ -83,7 +83,7 @@ def sample_thread(thread_id: int, waiting_on_collective: bool) -> StackSample | 
 
 def last_progress(state: Any) -> float:
     """perf_counter time of the rank's last progress: a step or a collective issued (0 if none yet)."""
-    return max([state.steps.last_step_at] + [group.last_progress_at for group in list(state.groups.values())])
+    return max([state.steps.last_step_at] + [group.progress_at() for group in list(state.groups.values())])
 
 
 class StallWatcher:

@@ -10,6 +10,9 @@ never waits. Backends behind one interface:
 - CudaEventTiming (GPU, NCCL): ProcessGroupNCCL records CUDA start/end events on the collective's own
   stream when TORCH_NCCL_ENABLE_TIMING=1; the manager polls `is_completed()` and reads the event
   duration, so no thread ever synchronizes with the device.
+- NativeTiming (CPU, gloo, with flare's torch extension): no Python hook at all. The extension's recording
+  backend (csrc/collectives.cpp) wraps the real gloo backend in C++, stamps issue and completion times
+  into the group's CollectiveLog, and the manager takes the log at every drain.
 
 Device events (kernel issue latency, ILD) go through a second interface, EventBackend: record an event
 on a stream (training thread, never waits), query it, read the host-clock time at which the device reached
@@ -85,6 +88,7 @@ class TimingManager:
         self.events: deque[tuple[EventBackend, Any, float, int, EventSink]] = deque()
         self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
         self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
+        self.logs: list[tuple[NativeTiming, Any]] = []  # recording backends' logs, with their GroupTrackers
         self.polls_often = False
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
@@ -105,6 +109,10 @@ class TimingManager:
     def add_group(self, group: Any) -> None:
         """Keep `group`'s in-flight collective current at every drain (a GroupTracker)."""
         self.groups.append(group)
+
+    def add_log(self, timing: NativeTiming, group: Any) -> None:
+        """Take `timing`'s log into `group` (a GroupTracker, also added as a group) at every drain's start."""
+        self.logs.append((timing, group))
 
     def complete(self, record: CollectiveRecord) -> None:
         """Hand over a record whose duration is known (any thread; never blocks)."""
@@ -156,6 +164,8 @@ class TimingManager:
             self._draining.release()
 
     def _drain(self) -> None:
+        for timing, group in list(self.logs):  # what the recording backend recorded since the last drain
+            timing.take(group)
         for _ in range(len(self.polled)):
             record, work, backend = self.polled.popleft()
             try:
@@ -212,6 +222,8 @@ class TimingManager:
 class TimingBackend:
     """How one kind of process group tells the manager that a collective finished."""
 
+    recorder = "python"  # what records the collectives (label of flare_process_group_info): hooks in Python
+
     def __init__(self, manager: TimingManager) -> None:
         self.manager = manager
 
@@ -224,6 +236,10 @@ class TimingBackend:
         if not work.is_completed():
             return None
         return time.perf_counter() - record.issued_at
+
+    def last_issued_at(self, group: Any) -> float:
+        """perf_counter time of `group`'s newest collective issued (0: none yet); any thread."""
+        return float(group.last_progress_at)
 
 
 class FutureTiming(TimingBackend):
@@ -276,6 +292,58 @@ class CompletionStamps(TimingBackend):
         if stamp.failed:
             raise CollectiveFailed
         return completed_at - record.issued_at
+
+
+MAX_LOG_CAPACITY = 16384  # collectives a recording backend holds between two drains (48 bytes each)
+
+
+class NativeTiming(TimingBackend):
+    """gloo groups recorded by the extension's backend (csrc/collectives.cpp): no hook on the training thread.
+
+    The backend records each collective in `log` (a CollectiveLog) from C++. At the start of every drain the
+    manager takes the log into the group's `pending` queue, as the hooks would have queued its records: the
+    collectives completed since (their durations set), and the oldest one still in flight. That record stays
+    the same object until it completes, so the group's `in_flight` and the straggler windows follow it as
+    they follow a hook's record; the newer collectives in flight behind it are seen once they complete.
+    """
+
+    recorder = "cpp"
+
+    def __init__(self, manager: TimingManager, extension: Any) -> None:
+        super().__init__(manager)
+        self.extension = extension
+        self.log = extension.CollectiveLog(min(manager.queue_size, MAX_LOG_CAPACITY))
+
+    def wrap(self, inner: Any) -> Any:
+        """The recording backend around `inner` (a c10d Backend), recording into this log."""
+        return self.extension.wrap_backend(inner, self.log)
+
+    def track(self, record: CollectiveRecord, work: Any) -> None:
+        raise TypeError("the recording backend records its collectives itself")
+
+    def take(self, group: Any) -> None:
+        """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's)."""
+        completed, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take()
+        in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
+        for op, nbytes, seq, issued_at, seconds in completed:
+            if in_flight is not None and (in_flight.seq, in_flight.issued_at) == (seq, issued_at):
+                record = in_flight
+            else:
+                record = CollectiveRecord(group, op, nbytes, seq, issued_at)
+                group.remember(record)
+            record.duration = seconds
+            self.manager.complete(record)
+        if oldest is not None and (in_flight is None or (in_flight.seq, in_flight.issued_at) != oldest[2:]):
+            group.remember(CollectiveRecord(group, *oldest))
+        group.last_issued_seq = last_issued_seq
+        group.last_progress_at = last_issued_at
+        if dropped:
+            self.manager.health.drop("in_flight_collectives", dropped)
+        if failed:
+            self.manager.health.drop("failed_collectives", failed)
+
+    def last_issued_at(self, group: Any) -> float:
+        return float(self.log.last_issued_at)  # live: the stall watcher reads it between drains
 
 
 class CudaEventTiming(TimingBackend):

@@ -71,6 +71,7 @@ def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sampl
 def ddp_job(tmp_path_factory: pytest.TempPathFactory):
     """4 ranks of the unmodified DDP script under the launcher; Prometheus (if installed) scrapes them."""
     work = tmp_path_factory.mktemp("ddp_job")
+    torch_extension()  # built, so that its gloo groups are recorded in C++ as by default after `make`
     # two ranks per pretend host, named through FLARE_HOST (on a cluster the hostname says it)
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
     # paced as real jobs are (every rank starts each step together): flat out, four ranks sharing two cores

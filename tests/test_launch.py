@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import one_rank_env
+from conftest import one_rank_env, torch_extension
 
 from flare_exporter import scrape
 from flare_exporter.local_job import ObservedJob, free_port, free_port_block
@@ -64,8 +64,13 @@ def test_under_torchrun(tmp_path):
 
 
 @pytest.mark.multirank
-def test_subgroups_get_stable_names_shared_by_their_members(tmp_path):
-    job = ObservedJob(str(tmp_path), os.path.join(JOBS, "groups_job.py"), [], 4, "test-groups")
+@pytest.mark.parametrize("recorder", ["cpp", "python"])
+def test_subgroups_get_stable_names_shared_by_their_members(tmp_path, recorder):
+    """Whichever records the collectives (flare's C++ backend or the Python hooks): same groups, counts."""
+    if recorder == "cpp":
+        torch_extension()  # built, so that the ranks load it
+    env = {"FLARE_NATIVE_COLLECTIVES": "true" if recorder == "cpp" else "false"}
+    job = ObservedJob(str(tmp_path), os.path.join(JOBS, "groups_job.py"), [], 4, "test-groups", env=env)
     with job:
         try:
             results = samples_when(
@@ -80,13 +85,18 @@ def test_subgroups_get_stable_names_shared_by_their_members(tmp_path):
     groups = []
     for target in targets:
         info = [s.labels for s in results[target] if s.name == "flare_process_group_info"]
+        assert {labels["recorder"] for labels in info} == {recorder}
         sub = [labels for labels in info if labels["group"] != "world"]
         assert len(sub) == 1 and sub[0]["role"] == "dp" and sub[0]["size"] == "2"
         groups.append(sub[0]["group"])
-        count = scrape.value(
-            results[target], "flare_collective_duration_seconds_count", group=sub[0]["group"], op="allreduce"
-        )
-        assert count == 3
+        for op, count, nbytes in (("allreduce", 3, 3 * 4000), ("broadcast", 1, 40)):
+            group = sub[0]["group"] if op == "allreduce" else "world"
+            samples = results[target]
+            assert count == scrape.value(
+                samples, "flare_collective_duration_seconds_count", group=group, op=op
+            )
+            assert scrape.value(samples, "flare_collective_bytes_total", group=group, op=op) == nbytes
+        assert scrape.value(results[target], "flare_collective_last_issued_seq", group=sub[0]["group"]) == 3
     assert groups[0] == groups[1] != groups[2] == groups[3]
     assert groups[0].startswith("data_parallel-")
 
@@ -144,7 +154,8 @@ def test_bad_config_is_a_one_line_error_naming_key_and_source(tmp_path, yaml_tex
 
 
 def test_attach_from_code_and_a_failing_hook_never_breaks_training():
-    env = one_rank_env(0, MASTER_PORT=str(free_port()))  # FLARE_PORT 0: no endpoint needed here
+    # FLARE_PORT 0: no endpoint needed here; the Python hooks, whose failure the job injects
+    env = one_rank_env(0, MASTER_PORT=str(free_port()), FLARE_NATIVE_COLLECTIVES="false")
     result = subprocess.run(
         [sys.executable, os.path.join(JOBS, "attach_in_code_job.py")],
         env=env,

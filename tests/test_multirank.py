@@ -57,6 +57,12 @@ def test_ddp_allreduces_are_counted_with_consistent_sequence_numbers(ddp_job):
     assert issued.pop() > STEPS
 
 
+def test_the_ranks_record_their_collectives_in_cpp(ddp_job):
+    for target in ddp_job.targets:
+        info = [s.labels for s in ddp_job.samples[target] if s.name == "flare_process_group_info"]
+        assert [(labels["group"], labels["recorder"]) for labels in info] == [("world", "cpp")]
+
+
 def test_bytes_and_durations_are_plausible(ddp_job):
     expected_bytes = STEPS * param_bytes()
     for target in ddp_job.targets:

@@ -23,5 +23,7 @@ class IdentityCollector:
         rank_info.add_metric(families.labels(*info.values()), 1)
         group_info = families.new("flare_process_group_info")
         for tracker in list(self.state.groups.values()):
-            group_info.add_metric(families.labels(tracker.name, tracker.role, str(tracker.size)), 1)
+            group_info.add_metric(
+                families.labels(tracker.name, tracker.role, str(tracker.size), tracker.timing.recorder), 1
+            )
         return [rank_info, group_info]

@@ -11,7 +11,8 @@
 // For benchmarks and tests, inject_delay(seconds) registers a second observer, always enabled, that
 // busy-waits at the end of every op: a slower host, inside each op's timed interval.
 //
-// The same extension stamps collective completions (stamp_completion): a C++ callback on the work's future
+// The same extension records gloo groups' collectives without Python (collectives.cpp), and stamps the
+// completions of the collectives that the Python hooks record (stamp_completion): a C++ callback on the work's future
 // notes the host time at which the collective completed, on the thread that completes it (gloo's), without
 // the GIL; the timing manager reads the stamp at its next drain. A Python callback there would take the GIL
 // from training for every collective, and create and destroy a Python thread state each time.
@@ -28,7 +29,9 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
-#include <time.h>
+
+#include "clock.h"
+#include "collectives.h"
 
 namespace {
 
@@ -59,11 +62,7 @@ struct ThreadStack {
 };
 thread_local ThreadStack stack;
 
-inline int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);  // the clock of Python's time.perf_counter on Linux
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
+using flare::now_ns;
 
 // FNV-1a over the name's length and its last 24 characters (where op names differ: the autograd ones share a
 // 37-character prefix): a key per op for ~10 ns; a collision only merges two ops' minimums.
@@ -226,7 +225,7 @@ std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::j
 }  // namespace
 
 PYBIND11_MODULE(flare_op_timer, m) {
-  m.doc() = "flare-exporter's torch extension: the host dispatch timer and collective completion stamps";
+  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps";
   m.def("open_window", &open_window, "time every aten op from now on, tagged with the window's step");
   m.def("close_window", &close_window, "stop timing ops");
   pybind11::class_<StepCounts>(m, "StepCounts")
@@ -245,4 +244,5 @@ PYBIND11_MODULE(flare_op_timer, m) {
       .def_property_readonly("failed", &CompletionStamp::has_failed, "the future completed with an error");
   m.def("stamp_completion", &stamp_completion,
         "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
+  flare::add_collectives(m);
 }
