@@ -105,15 +105,17 @@ class GroupTracker:
             self.health.error("collective_hook", error)
             return None
 
-    def track(self, record: CollectiveRecord | None, work: Any) -> None:
-        """Hand the issued work to the timing backend; never raises into training code."""
+    def track(self, record: CollectiveRecord | None, work: Any) -> Any:
+        """Hand the issued work to the timing backend; the work to return to the caller (`work`, or one that
+        tells the backend when it was waited for). Never raises into training code."""
         if record is None:
-            return
+            return work
         try:
             self.remember(record)
-            self.timing.track(record, work)
+            return self.timing.track(record, work)
         except Exception as error:
             self.health.error("collective_timing", error)
+            return work
 
     def remember(self, record: CollectiveRecord) -> None:
         """Queue `record` in `pending` (by the hook on the training thread, or the manager: C++ backend)."""

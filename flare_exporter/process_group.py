@@ -78,8 +78,55 @@ class FlareProcessGroup(dist.ProcessGroup):
         payload = args[payload_index] if payload_index is not None and len(args) > payload_index else None
         record = tracker.issue(op, payload)
         work = getattr(self._inner, method)(*args, **kwargs)  # the user's collective: its errors are theirs
-        tracker.track(record, work)
-        return work
+        return tracker.track(record, work)
+
+
+class WaitedWork(dist.Work):
+    """A work whose completion only its wait() shows: gloo's reduce_scatter has no future, and its
+    is_completed() stays False after the collective completed. Its first wait() that returns calls
+    `on_waited(failed)` (as csrc/collectives.cpp's WaitedWork stamps its record); the rest is the real work's.
+    """
+
+    def __init__(self, inner: Any, on_waited: Callable[[bool], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._on_waited: Callable[[bool], None] | None = on_waited
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            done = bool(self._inner.wait() if timeout is None else self._inner.wait(timeout))
+        except BaseException:
+            self._waited(failed=True)
+            raise
+        if done:
+            self._waited(failed=False)
+        return done
+
+    def _waited(self, failed: bool) -> None:
+        on_waited, self._on_waited = self._on_waited, None
+        if on_waited is not None:
+            on_waited(failed)
+
+    def is_completed(self) -> bool:
+        return self._on_waited is None or bool(self._inner.is_completed())
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+    def is_success(self) -> bool:
+        return bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
 
 
 def _make_method(method: str, payload_index: int | None) -> Callable[..., Any]:
@@ -160,7 +207,7 @@ class Wrapping:
         extension = op_timer.load()
         if self.native_collectives and hasattr(extension, "wrap_backend"):
             return NativeTiming(self.manager, extension)
-        return FutureTiming(self.manager, extension)
+        return FutureTiming(self.manager, extension, WaitedWork)
 
     def helper(
         self,

@@ -227,9 +227,11 @@ class TimingBackend:
     def __init__(self, manager: TimingManager) -> None:
         self.manager = manager
 
-    def track(self, record: CollectiveRecord, work: Any) -> None:
-        """Called on the training thread right after the collective was issued; must not wait."""
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
+        """Called on the training thread right after the collective was issued; must not wait. Returns the
+        work to hand to the caller."""
         self.manager.poll_later(record, work, self)
+        return work
 
     def poll(self, work: Any, record: CollectiveRecord) -> float | None:
         """Duration in seconds if `work` has completed, else None; called on the manager thread."""
@@ -246,20 +248,29 @@ class FutureTiming(TimingBackend):
     """CPU collectives: the work's future marks the completion time (gloo's own thread).
 
     `extension` is flare's torch extension (op_timer.load()): its completion stamps are filled in from C++,
-    without the GIL; None: a Python callback on the future.
+    without the GIL; None: a Python callback on the future. A work without a future is polled (gloo's send
+    and recv), or handed back wrapped by `waited` (process_group.WaitedWork) when its completion only its
+    wait() shows (gloo's reduce_scatter).
     """
 
-    def __init__(self, manager: TimingManager, extension: Any = None) -> None:
+    def __init__(
+        self,
+        manager: TimingManager,
+        extension: Any = None,
+        waited: Callable[[Any, Callable[[bool], None]], Any] | None = None,
+    ) -> None:
         super().__init__(manager)
         self.stamp_completion = getattr(extension, "stamp_completion", None)
         self.stamps = CompletionStamps(manager)
+        self.waited = waited  # waited(work, on_waited(failed)): a work that calls on_waited once waited for
 
-    def track(self, record: CollectiveRecord, work: Any) -> None:
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
         try:
             future = work.get_future()
-        except RuntimeError:  # some works (gloo send/recv) have no future: poll them instead
-            super().track(record, work)
-            return
+        except RuntimeError:  # no future: gloo's send and recv are polled; its reduce_scatter is waited for
+            if record.seq == 0 or self.waited is None:
+                return super().track(record, work)
+            return self.waited(work, lambda failed: self._completed(record, failed))
         if self.stamp_completion is not None:
             try:
                 stamp = self.stamp_completion(future)
@@ -267,19 +278,25 @@ class FutureTiming(TimingBackend):
                 pass
             else:
                 self.manager.poll_later(record, stamp, self.stamps)
-                return
-        manager = self.manager
+                return work
 
         def on_done(done: Any) -> None:
             try:
                 done.value()
-            except Exception:  # a failed collective did not complete: it stays in flight
-                manager.health.drop("failed_collectives")
-                return
-            record.duration = time.perf_counter() - record.issued_at
-            manager.complete(record)
+            except Exception:
+                self._completed(record, failed=True)
+            else:
+                self._completed(record, failed=False)
 
         future.add_done_callback(on_done)
+        return work
+
+    def _completed(self, record: CollectiveRecord, failed: bool) -> None:
+        if failed:  # a failed collective did not complete: it stays in flight
+            self.manager.health.drop("failed_collectives")
+            return
+        record.duration = time.perf_counter() - record.issued_at
+        self.manager.complete(record)
 
 
 class CompletionStamps(TimingBackend):
@@ -318,7 +335,7 @@ class NativeTiming(TimingBackend):
         """The recording backend around `inner` (a c10d Backend), recording into this log."""
         return self.extension.wrap_backend(inner, self.log)
 
-    def track(self, record: CollectiveRecord, work: Any) -> None:
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
         raise TypeError("the recording backend records its collectives itself")
 
     def take(self, group: Any) -> None:

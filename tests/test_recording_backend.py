@@ -19,9 +19,9 @@ from conftest import torch_extension
 
 from flare_exporter.groups import GroupTracker, payload_bytes
 from flare_exporter.health import ExporterHealth
-from flare_exporter.process_group import WRAPPED_METHODS
+from flare_exporter.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.prometheus_process import wait_for
-from flare_exporter.timing import NativeTiming, TimingManager
+from flare_exporter.timing import FutureTiming, NativeTiming, TimingManager
 
 
 def on_both(call: Callable[[int], Any]) -> list[Any]:
@@ -226,3 +226,26 @@ def test_the_timing_manager_takes_the_log_into_the_group():
     assert manager.stats[("world", "allreduce")].bytes_total == 16
     assert sum(manager.stats[("world", "barrier")].durations.counts) == 1
     assert not health.dropped and not health.errors
+
+
+def test_the_python_hooks_complete_a_reduce_scatter_once_it_is_waited_for():
+    """The same for the Python hooks (no extension, or native_collectives off): gloo's reduce_scatter work has
+    no future and never says it completed, so the hooks hand back a work whose wait() completes the record."""
+    health = ExporterHealth()
+    manager = TimingManager(health, queue_size=1024, interval_seconds=60)
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=30)
+    glooes = on_both(lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout))
+    tracker = GroupTracker("world", 2, "gloo", FutureTiming(manager, None, WaitedWork), health)
+    manager.add_group(tracker)
+    hooked = FlareProcessGroup(glooes[0], 0, 2, tracker)
+    arguments = [COLLECTIVES["reduce_scatter"](rank) for rank in (0, 1)]
+    work = hooked.reduce_scatter(*arguments[0])
+    glooes[1].reduce_scatter(*arguments[1]).wait()
+    manager.drain()
+    assert tracker.in_flight is not None and tracker.in_flight.op == "reduce_scatter"  # not waited for yet
+    work.wait()
+    manager.drain()
+    assert tracker.in_flight is None and tracker.last_completed_seq == 1
+    assert sum(manager.stats[("world", "reduce_scatter")].durations.counts) == 1
+    assert arguments[0][0][0].tolist() == [2.0] * 4  # the real collective ran: the sum of both ranks' ones
