@@ -125,8 +125,12 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
   // work to hand to the caller: `work`, or a WaitedWork around it.
   c10::intrusive_ptr<c10d::Work> track(Record* record, const c10::intrusive_ptr<c10d::Work>& work);
 
-  // The real backend raised: the collective was never issued. Its record is handed over as nothing.
-  void abandon(Record* record) { record->state.store(kTaken, std::memory_order_release); }
+  // The real backend raised (the collective was never issued), or its completion cannot be followed
+  // (`dropped`: counted as such). Its record is handed over as nothing.
+  void abandon(Record* record, bool dropped = false) {
+    if (dropped) dropped_.fetch_add(1, std::memory_order_relaxed);
+    record->state.store(kTaken, std::memory_order_release);
+  }
 
   // Any thread, once.
   static void complete(Record* record, bool failed, int64_t completed_ns) {
@@ -442,7 +446,13 @@ class RecordingBackend : public c10d::Backend {
       if (record != nullptr) log_->abandon(record);
       throw;
     }
-    return record != nullptr ? log_->track(record, work) : work;
+    if (record == nullptr) return work;
+    try {
+      return log_->track(record, work);
+    } catch (...) {  // out of memory for the callback: never into training; the collective goes unrecorded
+      log_->abandon(record, /*dropped=*/true);
+      return work;
+    }
   }
 
   c10::intrusive_ptr<c10d::Backend> inner_;
