@@ -503,6 +503,24 @@ def judged_by_windows(snapshot: Snapshot) -> bool:
     return bool(live) and all(record.step_windows for record in live)
 
 
+def decided_by_last_windows(snapshot: Snapshot, policy: StragglerPolicy) -> bool:
+    """Whether the straggler rules weigh no window older than each live rank's last `hold_windows`, so that
+    older ones would change no verdict: every live rank has the same last window and the `hold_windows - 1`
+    before it, and exports its best step time (else its fastest window, however old, stands in for it). A
+    source can leave the older windows unread then (sources.from_prometheus)."""
+    live = [record for record in snapshot.ranks.values() if record.up]
+    if policy.hold_windows < 1 or not live:
+        return False
+    if not all(record.step_windows and record.best_step_seconds for record in live):
+        return False
+    newest = max(live[0].step_windows)
+    needed = range(newest - policy.hold_windows + 1, newest + 1)
+    return all(
+        max(record.step_windows) == newest and all(window in record.step_windows for window in needed)
+        for record in live
+    )
+
+
 def straggler_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict]:
     """Stragglers from the exported windows, else from the cumulative step and collective times (see
     judged_by_windows); a straggler's verdict carries its GPU's hardware reasons."""
@@ -529,12 +547,13 @@ def _scores_below_median(shares: Mapping[int, float]) -> dict[int, tuple[float, 
     In a small group one straggler moves the median and the MAD it is measured with, so each rank is
     compared with the others only; in a large one its own weight is negligible and one median serves all.
     """
-    out = {}
     if len(shares) > LEAVE_ONE_OUT_RANKS:
         median, spread = _robust(list(shares.values()))
+        scale = max(spread, MIN_SHARE_SPREAD)
+        return {rank: (median, (median - share) / scale, median - share) for rank, share in shares.items()}
+    out = {}
     for rank, share in shares.items():
-        if len(shares) <= LEAVE_ONE_OUT_RANKS:
-            median, spread = _robust([other for key, other in shares.items() if key != rank])
+        median, spread = _robust([other for key, other in shares.items() if key != rank])
         out[rank] = (median, (median - share) / max(spread, MIN_SHARE_SPREAD), median - share)
     return out
 
@@ -547,42 +566,72 @@ def window_scores(snapshot: Snapshot, policy: StragglerPolicy) -> tuple[list[int
     same over the windows together, and `gap` that distance as a share of the step. `slowdown_ratio` is its
     step time in each window over its own best window's.
     """
-    rows = {record.rank: record for record in snapshot.ranks.values() if record.up and record.step_windows}
-    if len(rows) < policy.min_ranks:  # a rank is scored against the others: too few, nothing to compare
-        return [], {}
-    common = set.intersection(*(set(record.step_windows) for record in rows.values()))
-    windows = sorted(common)[-policy.hold_windows :]
-    if len(windows) < policy.hold_windows:
-        return windows, {}
-    scores: dict[int, dict[str, Any]] = {rank: {"window_z": [], "window_gap": []} for rank in sorted(rows)}
-    for window in windows:
-        shares = {rank: _share(*record.step_windows[window]) for rank, record in rows.items()}
-        for rank, (_, z, gap) in _scores_below_median(shares).items():
-            scores[rank]["window_z"].append(round(z, 3))
-            scores[rank]["window_gap"].append(round(gap, 6))
-    pooled = {
-        rank: _share(
-            sum(record.step_windows[window][0] for window in windows),
-            sum(record.step_windows[window][1] for window in windows),
-        )
-        for rank, record in rows.items()
-    }
-    pooled_scores = _scores_below_median(pooled)
-    for rank, record in rows.items():
-        best = record.best_step_seconds or min(step for step, _ in record.step_windows.values())
-        median, z, gap = pooled_scores[rank]
-        scores[rank].update(
-            wait_share=round(pooled[rank], 6),
-            median_wait_share=round(median, 6),
-            pooled_z=round(z, 3),
-            gap=round(gap, 6),
-            best_step_seconds=best,
-            step_seconds=record.step_windows[windows[-1]][0],
-        )
-        scores[rank]["slowdown_ratio"] = [
-            round(record.step_windows[window][0] / best, 4) if best > 0 else 1.0 for window in windows
+    scored = WindowScores(snapshot, policy)
+    return scored.windows, {rank: scored.row(rank) for rank in scored.ranks}
+
+
+class WindowScores:
+    """window_scores's numbers, each rank's row of them (rounded, as a verdict carries it) built only when
+    asked: a verdict reads a few rows, and rounding every rank's took most of the rules' time at thousands
+    of ranks (twice per `flare diagnose`)."""
+
+    def __init__(self, snapshot: Snapshot, policy: StragglerPolicy) -> None:
+        self.windows: list[int] = []
+        self.ranks: list[int] = []  # the scored ones, in order; none when too few ranks or windows
+        rows = {
+            record.rank: record for record in snapshot.ranks.values() if record.up and record.step_windows
+        }
+        if len(rows) < policy.min_ranks:  # a rank is scored against the others: too few, nothing to compare
+            return
+        common = set.intersection(*(set(record.step_windows) for record in rows.values()))
+        self.windows = sorted(common)[-policy.hold_windows :]
+        if len(self.windows) < policy.hold_windows:
+            return
+        self.records = rows
+        # each rank's (step, wait) in each of the windows, in their order; the scores per window, then pooled
+        self.weighed = {
+            rank: [rows[rank].step_windows[window] for window in self.windows] for rank in sorted(rows)
+        }
+        self.ranks = list(self.weighed)
+        self.per_window = [
+            _scores_below_median({rank: _share(*found[index]) for rank, found in self.weighed.items()})
+            for index in range(len(self.windows))
         ]
-    return windows, scores
+        self.pooled = {
+            rank: _share(sum(step for step, _ in found), sum(wait for _, wait in found))
+            for rank, found in self.weighed.items()
+        }
+        self.pooled_scores = _scores_below_median(self.pooled)
+
+    def stands_out(self, rank: int, policy: StragglerPolicy) -> bool:
+        """Whether the rank's wait share over the windows together lies `pooled_z` robust sigmas and
+        `min_wait_gap` of its step below the median (as its row rounds them)."""
+        _, z, gap = self.pooled_scores[rank]
+        return round(z, 3) >= policy.pooled_z and round(gap, 6) >= policy.min_wait_gap
+
+    def slowdown_ratio(self, rank: int) -> list[float]:
+        """The rank's step time in each window over its own best window's (as its row rounds it)."""
+        best = self._best(rank)
+        return [round(step / best, 4) if best > 0 else 1.0 for step, _ in self.weighed[rank]]
+
+    def _best(self, rank: int) -> float:
+        record = self.records[rank]
+        return record.best_step_seconds or min(step for step, _ in record.step_windows.values())
+
+    def row(self, rank: int) -> dict[str, Any]:
+        """The rank's scores as window_scores gives them and a verdict's evidence carries them."""
+        median, z, gap = self.pooled_scores[rank]
+        return {
+            "window_z": [round(scored[rank][1], 3) for scored in self.per_window],
+            "window_gap": [round(scored[rank][2], 6) for scored in self.per_window],
+            "wait_share": round(self.pooled[rank], 6),
+            "median_wait_share": round(median, 6),
+            "pooled_z": round(z, 3),
+            "gap": round(gap, 6),
+            "best_step_seconds": self._best(rank),
+            "step_seconds": self.weighed[rank][-1][0],
+            "slowdown_ratio": self.slowdown_ratio(rank),
+        }
 
 
 def _share(step_seconds: float, wait_seconds: float) -> float:
@@ -598,21 +647,19 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
     domain job, no culprit rank (every rank slowed alike: software, data, the network, the cluster), as
     long as no rank's wait share stands out over the windows together (else it is a straggler that did
     not hold in every window yet, and no verdict is better than the wrong one)."""
-    windows, scores = window_scores(snapshot, policy)
-    if len(scores) < policy.min_ranks:
+    scored = WindowScores(snapshot, policy)
+    windows = scored.windows
+    if len(scored.ranks) < policy.min_ranks:
         return []
-    stands_out = [
-        rank
-        for rank, row in scores.items()
-        if row["pooled_z"] >= policy.pooled_z and row["gap"] >= policy.min_wait_gap
-    ]
+    stands_out = [rank for rank in scored.ranks if scored.stands_out(rank, policy)]
+    scores = {rank: scored.row(rank) for rank in stands_out}
     slow = [
         rank
         for rank in stands_out
         if min(scores[rank]["window_z"]) >= policy.window_z
         and min(scores[rank]["window_gap"]) >= policy.window_gap
     ]
-    if slow and len(slow) * 2 < len(scores):
+    if slow and len(slow) * 2 < len(scored.ranks):
         first = scores[slow[0]]
         evidence = {"windows": windows, "ranks": {str(rank): scores[rank] for rank in slow}}
         return [
@@ -629,7 +676,8 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
             )
         ]
     threshold = 1 + policy.job_slowdown
-    if not stands_out and all(min(row["slowdown_ratio"]) >= threshold for row in scores.values()):
+    if not stands_out and all(min(scored.slowdown_ratio(rank)) >= threshold for rank in scored.ranks):
+        scores = {rank: scored.row(rank) for rank in scored.ranks}
         ratios = [row["slowdown_ratio"][-1] for row in scores.values()]
         evidence = {
             "windows": windows,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -21,6 +22,7 @@ from flare_exporter.diagnosis import (
     Snapshot,
     StragglerPolicy,
     Verdict,
+    decided_by_last_windows,
     diagnose,
     follow_chain,
     hardware_reasons,
@@ -460,6 +462,72 @@ def test_windowed_straggler_named_when_it_holds_over_the_windows():
     assert verdict.evidence["windows"] == [10, 11, 12]
     assert verdict.evidence["ranks"]["2"]["gap"] == pytest.approx(0.10, abs=0.01)
     assert "hardware" not in verdict.evidence
+
+
+def exported(r: int, last: int, windows: list[tuple[float, float]], best: float | None = 1.0) -> RankRecord:
+    """A rank that closed window `last` and exports the windows before it, newest first (ago 0, 1, ...)."""
+    numbered = {last - ago: window for ago, window in enumerate(windows)}
+    return RankRecord(r, step_count=100, step_windows=numbered, best_step_seconds=best)
+
+
+def last_windows(record: RankRecord, hold: int) -> RankRecord:
+    """The record with only its last `hold` windows (ago below it), as a source that reads those first."""
+    last = max(record.step_windows, default=0)
+    recent = {number: w for number, w in record.step_windows.items() if number > last - hold}
+    return dataclasses.replace(record, step_windows=recent)
+
+
+HEALTHY = [(1.0, 0.40), (1.0, 0.41), (1.0, 0.39), (0.5, 0.10)]  # newest first; the fourth the fastest
+
+
+def test_the_last_windows_decide_only_when_every_rank_closed_the_same_one_and_exports_its_best():
+    policy = StragglerPolicy()
+    straggler = [(1.0, 0.30), (1.0, 0.31), (1.0, 0.29), (1.0, 0.3)]
+    records = [exported(r, 12, HEALTHY) for r in (0, 1, 3)] + [exported(2, 12, straggler)]
+    assert decided_by_last_windows(snapshot(*records), policy)
+    assert decided_by_last_windows(snapshot(*[last_windows(r, 3) for r in records]), policy)
+    ahead = [*records[:3], exported(2, 13, straggler)]  # it closed one more: the shared ones are 10-12
+    assert not decided_by_last_windows(snapshot(*ahead), policy)  # its 10 is older than its last three
+    assert not decided_by_last_windows(snapshot(*[last_windows(r, 3) for r in ahead]), policy)
+    no_best = [*records[:3], exported(2, 12, straggler, best=None)]  # its fastest window stands in
+    assert not decided_by_last_windows(snapshot(*[last_windows(r, 3) for r in no_best]), policy)
+    too_few = [*records[:3], exported(2, 12, straggler[:2])]
+    assert not decided_by_last_windows(snapshot(*too_few), policy)
+    assert not decided_by_last_windows(snapshot(*records), StragglerPolicy(hold_windows=0))  # every window
+
+
+_window = st.tuples(st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.02, 0.3, 0.4, 0.41]))
+
+
+@given(
+    ranks=st.lists(
+        st.tuples(
+            st.integers(min_value=11, max_value=12),  # the last window each closed
+            st.lists(_window, min_size=1, max_size=5),  # its windows, newest first
+            st.none() | st.sampled_from([0.0, 0.5, 1.0]),  # its best step time
+        ),
+        min_size=3,
+        max_size=7,
+    ),
+    hold=st.integers(min_value=1, max_value=4),
+)
+@example(  # a straggler, named from the last three of four windows
+    ranks=[(12, HEALTHY, 1.0)] * 3 + [(12, [(2.0, 0.02)] * 4, 1.0)], hold=3
+)
+@example(  # the job-wide case: every rank twice as slow as its best in the last three windows
+    ranks=[(12, [(2.0, 0.4)] * 3 + [(1.0, 0.4)], 1.0)] * 4, hold=3
+)
+@example(  # a straggler without its best step time: its oldest window, the fastest, stands in
+    ranks=[(12, HEALTHY, 1.0)] * 3 + [(12, [(2.0, 0.02)] * 3 + [(0.5, 0.02)], None)], hold=3
+)
+def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ranks, hold):
+    """sources.from_prometheus leaves the older windows unread when the last decide: so they must."""
+    policy = StragglerPolicy(hold_windows=hold)
+    records = [exported(r, last, windows, best) for r, (last, windows, best) in enumerate(ranks)]
+    recent = snapshot(*[last_windows(record, hold) for record in records])
+    if decided_by_last_windows(recent, policy):
+        every = [v.to_json() for v in diagnose(snapshot(*records), HANG, policy)]
+        assert [v.to_json() for v in diagnose(recent, HANG, policy)] == every
 
 
 def test_windowed_straggler_not_named_when_one_window_does_not_hold():

@@ -12,7 +12,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -223,6 +223,57 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_screen", [])} == expected
     assert 0 < len(expected) < cluster.ranks or floors in ((1.0, 0.043, 1e-3), (0.0, 0.0, 0.0))
+    # the pace round's candidates: the same floors but W1's, so every rank the screen names and more
+    candidates = {
+        rank
+        for rank, record in everything.ranks.items()
+        if any(shift >= op_shift for shift in record.ild_op_shift.values())
+        or any(drift_ks >= ks for drift_ks in record.ild_ks.values())
+    }
+    found = sources._fetch(
+        clusters.prometheus.url, sources.ild_candidates(policy), matchers, "5m", 10.0, time.time()
+    )
+    assert {int(labels["rank"]) for labels, _ in found.get("ild_candidates", [])} == candidates >= expected
+    assert candidates != expected or floors != (1.0, 0.043, 1e-3)
+
+
+def test_the_recent_and_the_older_straggler_windows_are_every_window_once(clusters):
+    """The pace round's straggler windows in two parts (the last hold_windows, then the older ones only
+    when the rules would weigh them): together every window a rank exports, each in one part only."""
+    cluster = clusters.large
+    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    matchers = f'run="{cluster.run}"'
+    parts = []
+    for queries in sources.recent_windows(diagnosis.StragglerPolicy()):
+        found = sources._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
+        parts.append(
+            {(labels["rank"], labels["ago"], name) for name, rows in found.items() for labels, _ in rows}
+        )
+    recent, older = parts
+    assert {ago for _, ago, _ in recent} == {"0", "1", "2"} and {ago for _, ago, _ in older} == {"3"}
+    windows = {
+        (str(rank), str(ago), name)
+        for rank, record in everything.ranks.items()
+        for ago in range(len(record.step_windows))
+        for name in sources.WINDOW_METRICS
+    }
+    assert recent | older == windows and not recent & older
+
+
+def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds(monkeypatch):
+    sent: list[str] = []
+    monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
+    queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(diagnosis.StragglerPolicy())[0]}
+    sources._fetch("http://x", queries, sources._matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW)
+    run = 'run="a{sel}{window}{sel_not_native}"'
+    assert sorted(sent) == sorted(
+        [
+            f"sum by (rank) (increase(flare_step_duration_seconds_sum{{{run}}}[5m]))",
+            f'sum by (rank) (increase(flare_collective_duration_seconds_sum{{{run}, group!="native"}}[5m]))',
+            f'max by (rank, ago) (flare_straggler_window_step_seconds{{{run}, ago=~"0|1|2"}})',
+            f'max by (rank, ago) (flare_straggler_window_wait_seconds{{{run}, ago=~"0|1|2"}})',
+        ]
+    )
 
 
 def series_of(*rows: tuple[str, dict, float]) -> dict[str, list]:
@@ -297,34 +348,49 @@ def job(fault: str, ild_shifted: bool = True) -> dict[str, list]:
     return series_of(*rows)
 
 
-def screened(everything: dict[str, list]) -> dict[str, list]:
-    """What Prometheus answers to sources.ild_screen (IldPolicy's floors): a series per rank reaching them."""
+def screened(everything: dict[str, list], ranks: set[str] | None, name: str) -> dict[str, list]:
+    """What Prometheus answers to sources.ild_screen (`name` "ild_screen", IldPolicy's floors) or to
+    sources.ild_candidates (the same without the W1 floor): a series per rank reaching them, of the ranks
+    named (all if None)."""
     op_shift, ks, wasserstein = diagnosis.IldPolicy().floors()
+    if name == "ild_candidates":
+        wasserstein = -math.inf
 
-    def drifts(name: str) -> dict[tuple[str, str], float]:
-        return {(labels["rank"], labels["distribution"]): value for labels, value in everything.get(name, [])}
+    def drifts(metric: str) -> dict[tuple[str, str], float]:
+        return {
+            (labels["rank"], labels["distribution"]): value for labels, value in everything.get(metric, [])
+        }
 
     shifts, kss = drifts("flare_ild_op_shift_seconds"), drifts("flare_ild_drift_ks")
     w1s = drifts("flare_ild_drift_wasserstein_seconds")
-    ranks = {key[0] for key, value in shifts.items() if value >= op_shift}
-    ranks |= {
+    found = {key[0] for key, value in shifts.items() if value >= op_shift}
+    found |= {
         key[0] for key, value in kss.items() if value >= ks and not w1s.get(key, math.inf) < wasserstein
     }
-    return {"ild_screen": [({"rank": rank}, 1.0) for rank in sorted(ranks)]}
+    return {name: [({"rank": rank}, 1.0) for rank in sorted(found) if ranks is None or rank in ranks]}
 
 
 def answer(
-    everything: dict[str, list], name: str, ranks: set[str] | None, groups: set[str] | None = None
+    everything: dict[str, list], template: str, ranks: set[str] | None, groups: set[str] | None = None
 ) -> dict[str, list]:
-    """What Prometheus answers to query `name` of sources.PROMETHEUS_QUERIES: the series of the metrics its
-    expression names (left of `unless`), of the ranks named (all if None), in the groups named (all)."""
-    expr = sources.PROMETHEUS_QUERIES[name].split(" unless ")[0]
+    """What Prometheus answers to query `template` (of sources' queries): the series of the metrics it names
+    (left of `unless`), of the ranks named (all if None), in the groups named (all), of the windows its
+    `ago` matcher selects (all without one)."""
+    expr = template.split(" unless ")[0]
+    ago = re.search(r'ago(=~|!~)"([^"]*)"', expr)
+
+    def selected(labels: dict[str, str]) -> bool:
+        if ago is None:
+            return True
+        return (labels.get("ago", "") in ago.group(2).split("|")) == (ago.group(1) == "=~")
+
     return {
         metric: [
             (dict(labels), value)
             for labels, value in found
             if (ranks is None or labels["rank"] in ranks)
             and (groups is None or labels.get("group") in groups)
+            and selected(labels)
         ]
         for metric, found in everything.items()
         if re.search(rf"(?<!\w){metric}(?!\w)", expr)
@@ -350,11 +416,11 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
         named, groups = named_in(matchers, "rank"), named_in(matchers, "group")
         state["asked"].append((set(queries), named, groups))
         found: dict[str, list] = {}
-        for name in queries:
-            if name == "ild_screen":
-                got = screened(state["job"])
+        for name, template in queries.items():
+            if name in ("ild_screen", "ild_candidates"):
+                got = screened(state["job"], named, name)
             else:
-                got = answer(state["job"], name, named, groups)
+                got = answer(state["job"], template, named, groups)
             for metric, rows in got.items():
                 found.setdefault(metric, []).extend(rows)
         return found
@@ -364,12 +430,15 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
     return state
 
 
-def read(record: diagnosis.RankRecord, field: str) -> object:
+def read(record: diagnosis.RankRecord, field: str, windows: Sequence[int] = ()) -> object:
     """A field of a record as the rules read it: a group's name for the record's state in that group (its
-    last issued number and what is in flight, not the last completed: only views read that)."""
+    last issued number and what is in flight, not the last completed: only views read that); of its
+    straggler windows, the `windows` the rules weigh (the rounds leave older ones unread)."""
     if field not in diagnosis.RankRecord.__dataclass_fields__:
         state = record.groups.get(field)
         return None if state is None else (state.last_issued, state.in_flight)
+    if field == "step_windows":
+        return {window: record.step_windows.get(window) for window in windows}
     return getattr(record, field)
 
 
@@ -408,11 +477,12 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         fields = (*FAULT_FIELDS, "world")
     else:  # faults, progress of 3, (nothing in flight: no groups), pace, (drifts,) detail of 5
         pace, detail = (
-            (set(sources.PACE_QUERIES) | {"ild_screen"}, None, None),
+            (set(sources.PACE_QUERIES) | {"ild_candidates"}, None, None),
             (set(sources.DETAIL_QUERIES), {"5"}, None),
         )
-        drifts = [(set(sources.ILD_QUERIES), None, None)] if ild_shifted else []  # only where one could count
-        assert asked == [faults, (progress[0], {"3"}, None), pace, *drifts, detail]
+        # only where one could count: the screen of the candidates (rank 5), then every rank's drift
+        screen = [({"ild_screen"}, {"5"}, None), (set(sources.ILD_QUERIES), None, None)]
+        assert asked == [faults, (progress[0], {"3"}, None), pace, *(screen if ild_shifted else []), detail]
         ild = [("ild_regression", [5])] if ild_shifted else []
         assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), *ild]
         assert "SM clock" in verdicts[0]["summary"]  # the detail round's GPU health
@@ -420,9 +490,15 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         if not ild_shifted:  # not read: the rules find no drift, and no shift in none
             fields = tuple(field for field in fields if not field.startswith("ild_"))
             assert all(record.ild_ks == {} for record in snapshot.ranks.values())
+    windows, _ = diagnosis.window_scores(everything, diagnosis.StragglerPolicy())
+    if fault == "straggler":  # the last three, of every rank alike: the rounds read no older one
+        assert diagnosis.window_scores(snapshot, diagnosis.StragglerPolicy())[0] == windows == [7, 8, 9]
+        assert all(set(record.step_windows) == {7, 8, 9} for record in snapshot.ranks.values())
     for rank, record in snapshot.ranks.items():
         full = everything.ranks[rank]
-        assert [read(record, name) for name in fields] == [read(full, name) for name in fields]
+        assert [read(record, name, windows) for name in fields] == [
+            read(full, name, windows) for name in fields
+        ]
         detail = (record.steps, record.heartbeat, record.gpu, record.frames)
         if rank in named:
             assert detail == (full.steps, full.heartbeat, full.gpu, full.frames)
@@ -441,6 +517,64 @@ PACE_FIELDS = (
     "ild_ks",
     "ild_wasserstein",
 )
+
+
+def with_windows(job: dict[str, list], rank: int = 0, **changes: float | None) -> dict[str, list]:
+    """`job` with `rank`'s straggler series changed: `last` its last window, `best` its best step time
+    (None: not exported), `oldest_step` the step time of its oldest window (ago 3)."""
+    changed = dict(job)
+
+    def replaced(name: str, value: object, ago: str | None = None) -> None:
+        rows = []
+        for labels, old in changed[name]:
+            if labels["rank"] == str(rank) and (ago is None or labels.get("ago") == ago):
+                if value is None:
+                    continue
+                old = value
+            rows.append((labels, old))
+        changed[name] = rows
+
+    if "last" in changes:
+        replaced("flare_straggler_last_window", changes["last"])
+    if "best" in changes:
+        replaced("flare_straggler_best_step_seconds", changes["best"])
+    if "oldest_step" in changes:
+        replaced("flare_straggler_window_step_seconds", changes["oldest_step"], ago="3")
+    return changed
+
+
+@pytest.mark.parametrize(
+    "changes, older_read",
+    [
+        ({}, False),
+        # rank 0 closed one more window than the others: the rules weigh the three they share (7-9), one of
+        # them rank 0's fourth last
+        ({"rank": 0, "last": 10.0}, True),
+        # the straggler exports no best step time: its oldest window (the fastest) stands in for it
+        ({"rank": 5, "best": None, "oldest_step": 0.1}, True),
+        ({"rank": 5, "oldest_step": 0.1}, False),  # ... which its best step time makes moot
+    ],
+)
+def test_older_straggler_windows_are_read_only_where_the_rules_would_weigh_them(
+    fake_prometheus, changes, older_read
+):
+    fake_prometheus["job"] = with_windows(job("straggler", ild_shifted=False), **changes)
+    everything = sources.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5])]
+    windows = set(sources.recent_windows(diagnosis.StragglerPolicy())[1])
+    asked = [names for names, _, _ in fake_prometheus["asked"]]
+    assert (windows in asked) == older_read
+    if older_read:  # then every window, as all at once
+        assert all(
+            record.step_windows == everything.ranks[rank].step_windows
+            for rank, record in snapshot.ranks.items()
+        )
+    if "best" in changes:  # the fastest window, the oldest, in the straggler's slowdown
+        assert verdicts[0]["evidence"]["ranks"]["5"]["slowdown_ratio"] == [2.0, 2.0, 2.0]
 
 
 def chained_job() -> dict[str, list]:
