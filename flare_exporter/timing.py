@@ -342,15 +342,16 @@ class NativeTiming(TimingBackend):
         """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's)."""
         completed, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take()
         in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
+        seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
         for op, nbytes, seq, issued_at, seconds in completed:
-            if in_flight is not None and (in_flight.seq, in_flight.issued_at) == (seq, issued_at):
+            if (seq, issued_at) == seen:
                 record = in_flight
             else:
                 record = CollectiveRecord(group, op, nbytes, seq, issued_at)
                 group.remember(record)
             record.duration = seconds
             self.manager.complete(record)
-        if oldest is not None and (in_flight is None or (in_flight.seq, in_flight.issued_at) != oldest[2:]):
+        if oldest is not None and oldest[2:] != seen:
             group.remember(CollectiveRecord(group, *oldest))
         group.last_issued_seq = last_issued_seq
         group.last_progress_at = last_issued_at

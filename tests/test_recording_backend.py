@@ -45,14 +45,21 @@ def on_both(call: Callable[[int], Any]) -> list[Any]:
     return results
 
 
+def gloo_pair(timeout_seconds: float = 30) -> list[Any]:
+    """Ranks 0 and 1 of a real gloo group (ProcessGroupGloo), created at once: their rendezvous meets."""
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    return on_both(lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout))
+
+
 def recorded_pair(capacity: int = 64, timeout_seconds: float = 30) -> tuple[list[Any], list[Any]]:
     """Two ranks of a gloo group, each wrapped in the recording backend: (backends, their logs)."""
     extension = torch_extension()
-    store = dist.HashStore()
-    timeout = datetime.timedelta(seconds=timeout_seconds)
-    glooes = on_both(lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout))
     logs = [extension.CollectiveLog(capacity) for _ in range(2)]
-    return [extension.wrap_backend(gloo, log) for gloo, log in zip(glooes, logs, strict=True)], logs
+    backends = [
+        extension.wrap_backend(gloo, log) for gloo, log in zip(gloo_pair(timeout_seconds), logs, strict=True)
+    ]
+    return backends, logs
 
 
 def taken_until(log: Any, condition: Callable[[tuple], bool], what: str) -> tuple:
@@ -196,9 +203,7 @@ def test_the_timing_manager_takes_the_log_into_the_group():
     health = ExporterHealth()
     manager = TimingManager(health, queue_size=1024, interval_seconds=60)
     timing = NativeTiming(manager, extension)
-    store = dist.HashStore()
-    timeout = datetime.timedelta(seconds=30)
-    glooes = on_both(lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout))
+    glooes = gloo_pair()
     backend = timing.wrap(glooes[0])
     peer = glooes[1]
     tracker = GroupTracker("world", 2, "gloo", timing, health)
@@ -233,9 +238,7 @@ def test_the_python_hooks_complete_a_reduce_scatter_once_it_is_waited_for():
     no future and never says it completed, so the hooks hand back a work whose wait() completes the record."""
     health = ExporterHealth()
     manager = TimingManager(health, queue_size=1024, interval_seconds=60)
-    store = dist.HashStore()
-    timeout = datetime.timedelta(seconds=30)
-    glooes = on_both(lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout))
+    glooes = gloo_pair()
     tracker = GroupTracker("world", 2, "gloo", FutureTiming(manager, None, WaitedWork), health)
     manager.add_group(tracker)
     hooked = FlareProcessGroup(glooes[0], 0, 2, tracker)

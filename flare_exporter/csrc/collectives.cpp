@@ -185,8 +185,6 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
   // perf_counter time of the newest collective issued (0 before the first): any thread.
   double last_issued_at() const { return seconds(last_issued_ns_.load(std::memory_order_relaxed)); }
 
-  uint64_t capacity() const { return mask_ + 1; }
-
  private:
   static double seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
 
@@ -311,8 +309,7 @@ class RecordingBackend : public c10d::Backend {
     return recorded(kBroadcast, bytes_of(tensors), [&] { return inner_->broadcast(tensors, opts); });
   }
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
-    int64_t nbytes = tensors.size() == 1 ? bytes_of(tensors[0]) : bytes_of(tensors);
-    return recorded(kAllreduce, nbytes, [&] { return inner_->allreduce(tensors, opts); });
+    return recorded(kAllreduce, bytes_of(tensors), [&] { return inner_->allreduce(tensors, opts); });
   }
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
                               const c10d::AllreduceCoalescedOptions& opts) override {
@@ -468,8 +465,7 @@ void add_collectives(pybind11::module_& module) {
            "(completed [(op, bytes, seq, issued_at, seconds)], oldest in flight (op, bytes, seq, issued_at) or "
            "None, last issued seq, last issued_at, dropped since the last take, failed since the last take)")
       .def_property_readonly("last_issued_at", &CollectiveLog::last_issued_at,
-                             "perf_counter time of the newest collective issued (0 before the first)")
-      .def_property_readonly("capacity", &CollectiveLog::capacity);
+                             "perf_counter time of the newest collective issued (0 before the first)");
   module.def(
       "wrap_backend",
       [](c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<CollectiveLog> log) {
