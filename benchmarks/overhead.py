@@ -207,6 +207,8 @@ class RunResult:
     thread_cpu: float
     process_cpu: float
     scrapes: ScrapeCounts | None
+    # CPU per step of each Python thread by name (the exporter's flare-* threads), median over ranks
+    threads_cpu: dict[str, float] = field(default_factory=dict)
 
 
 def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str) -> RunResult:
@@ -290,6 +292,7 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
             _kill_group(proc)
 
     rank_medians, thread_cpu, process_cpu = [], [], []
+    threads_cpu: dict[str, list[float]] = {}
     training = []  # (first step began, last step ended): the report is written right after the last step
     for rank in range(args.ranks):
         report = workdir / f"report{rank}.json"
@@ -315,6 +318,8 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         rank_medians.append(statistics.median(kept))
         thread_cpu.append(statistics.median(step_cpu[args.warmup :]))
         process_cpu.append(statistics.fmean(step_process_cpu[args.warmup :]))
+        for name, seconds in reported.get("threads_cpu", {}).items():
+            threads_cpu.setdefault(name, []).append(seconds / len(times))
     scrapes = scraper.counts(training) if scraper is not None else None
     return RunResult(
         with_exporter,
@@ -325,7 +330,18 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         statistics.median(thread_cpu),
         statistics.median(process_cpu),
         scrapes,
+        {name: statistics.median(values) for name, values in threads_cpu.items()},
     )
+
+
+def thread_breakdown(pairs: list[dict]) -> dict[str, float]:
+    """Median over the runs with the exporter of each Python thread's CPU per step, busiest first."""
+    per_thread: dict[str, list[float]] = {}
+    for pair in pairs:
+        for name, seconds in pair["with"]["threads_cpu"].items():
+            per_thread.setdefault(name, []).append(seconds)
+    medians = {name: statistics.median(values) for name, values in per_thread.items()}
+    return dict(sorted(medians.items(), key=lambda item: -item[1]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -408,9 +424,16 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     from flare_exporter.identity import RankIdentity
     from flare_exporter.state import FlareState
 
-    full = FlareState.create(Config(), RankIdentity(0, 0, 1, "micro", "localhost", os.getpid()))
-    assert full.ild is not None
-    full.steps.step_listeners.append(full.ild.dispatch.on_step)
+    def with_all_signals(native: bool) -> tuple[FlareState, Callable[..., None]]:
+        state = FlareState.create(Config(), RankIdentity(0, 0, 1, "micro", "localhost", os.getpid()))
+        hook = state.steps.hook(native)
+        assert state.ild is not None
+        state.ild.install()
+        return state, hook
+
+    installed_hook = steps.hook()  # as attach() installs it: the extension's C function where built
+    full, full_hook = with_all_signals(native=True)
+    full_python, full_python_hook = with_all_signals(native=False)
 
     class FakeOptimizer:
         pass
@@ -436,15 +459,15 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         for _ in range(n):
             allreduce(bucket)
 
-    def step_hook(n: int) -> None:
-        on_step = steps.on_step
-        for _ in range(n):
-            on_step(optimizer, (), {})
+    def calls(hook: Callable[..., None]) -> Callable[[int], None]:
+        def loop(n: int) -> None:
+            for _ in range(n):
+                hook(optimizer, (), {})
 
-    def step_hook_all_signals(n: int) -> None:
-        on_step = full.steps.on_step
-        for _ in range(n):
-            on_step(optimizer, (), {})
+        return loop
+
+    step_hook, step_hook_all_signals = calls(installed_hook), calls(full_hook)
+    step_hook_python = calls(full_python_hook)
 
     drain_ns: list[float] = []
 
@@ -472,7 +495,7 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     # Each repetition times every loop back to back and takes the differences within it, so that a slow
     # moment of a noisy machine weighs on both sides of a difference; the median over repetitions is reported.
     raw: dict[str, list[float]] = {
-        name: [] for name in ("empty", "hooks", "direct", "wrapper", "step", "step_all")
+        name: [] for name in ("empty", "hooks", "direct", "wrapper", "step", "step_all", "step_python")
     }
     for _ in range(repeats):
         raw["empty"].append(_time_once(empty, loops))
@@ -483,16 +506,21 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         drain()
         raw["step"].append(_time_once(step_hook, loops))
         raw["step_all"].append(_time_once(step_hook_all_signals, loops))
+        raw["step_python"].append(_time_once(step_hook_python, loops))
     # the same hooks, each call alone after compute evicted the caches (see _cold_ns)
     issue, track = tracker.issue, tracker.track
     cold_collective_ns = _cold_ns(lambda: track(issue("allreduce", bucket), work), drain)
-    cold_step_ns = _cold_ns(lambda: full.steps.on_step(optimizer, (), {}), full.manager.drain)
-    full.ild.dispatch.close()
-    if health.errors or health.dropped or full.health.errors:
-        raise RunError(
-            f"micro: hooks reported errors {dict(health.errors) or dict(full.health.errors)}, "
-            f"drops {dict(health.dropped)}"
-        )
+    cold_step_ns = _cold_ns(lambda: full_hook(optimizer, (), {}), full.manager.drain)
+    cold_step_python_ns = _cold_ns(lambda: full_python_hook(optimizer, (), {}), full_python.manager.drain)
+    cold_empty_ns = _cold_ns(lambda: None, full.manager.drain)  # the timed call itself, cold
+    errors = dict(health.errors)
+    for state in (full, full_python):
+        assert state.ild is not None
+        state.ild.remove()
+        state.steps.report_errors()
+        errors.update(state.health.errors)
+    if errors or health.dropped:
+        raise RunError(f"micro: hooks reported errors {errors}, drops {dict(health.dropped)}")
     result: dict[str, float] = {
         "loops": loops,
         "repeats": repeats,
@@ -501,12 +529,16 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         "completion_stamped": float(getattr(extension, "stamp_completion", None) is not None),
         "collective_hook_cold_ns": cold_collective_ns,
         "step_hook_all_signals_cold_ns": cold_step_ns,
+        "step_hook_python_cold_ns": cold_step_python_ns,
+        "empty_call_cold_ns": cold_empty_ns,
+        "step_hook_native": float(full.steps.counter is not None),
     }
     for key, timed, baseline in (
         ("collective_hook", "hooks", "empty"),
         ("wrapper_path", "wrapper", "direct"),
         ("step_hook", "step", "empty"),
         ("step_hook_all_signals", "step_all", "empty"),
+        ("step_hook_python", "step_python", "empty"),
     ):
         # median of the differences within a repetition; best case as timeit gives it (min minus min)
         pairs = zip(raw[timed], raw[baseline], strict=True)
@@ -548,6 +580,7 @@ def print_micro(result: dict[str, float]) -> None:
         f"micro (ns per call on the training thread, net of the baseline loop; median [best] of "
         f"{result['repeats']} repetitions x {result['loops']} calls):"
     )
+    step_hook = "C function" if result["step_hook_native"] else "StepTracker.on_step"
     rows = [
         (
             "collective hook",
@@ -556,15 +589,16 @@ def print_micro(result: dict[str, float]) -> None:
             "collective_hook",
         ),
         ("wrapper path", "FlareProcessGroup.allreduce minus inner.allreduce", "wrapper_path"),
-        ("step hook", "StepTracker.on_step (vs. an empty loop)", "step_hook"),
+        ("step hook", f"StepTracker's hook ({step_hook}) vs. an empty loop", "step_hook"),
         (
             "step hook, all",
             "the same with every default signal's listener (ILD windows)",
             "step_hook_all_signals",
         ),
+        ("step hook, Python", "StepTracker.on_step with the same listener", "step_hook_python"),
     ]
     for name, what, key in rows:
-        print(f"  {name:16} {what:64} {result[key + '_ns']:7.0f} ns  [{result[key + '_min_ns']:6.0f}]")
+        print(f"  {name:17} {what:63} {result[key + '_ns']:7.0f} ns  [{result[key + '_min_ns']:6.0f}]")
     print(
         f"  {'collective hook, cold':22} the same, each call alone after compute evicted the caches "
         f"{result['collective_hook_cold_ns']:7.0f} ns  (median of {COLD_CALLS})"
@@ -574,7 +608,12 @@ def print_micro(result: dict[str, float]) -> None:
         f"{result['step_hook_all_signals_cold_ns']:7.0f} ns"
     )
     print(
-        f"  (empty loop: {result['empty_loop_ns']:.0f} ns per iteration; off the training thread, "
+        f"  {'step hook, Python, cold':22} the same for StepTracker.on_step with the same listener      "
+        f"{result['step_hook_python_cold_ns']:7.0f} ns"
+    )
+    print(
+        f"  (empty loop: {result['empty_loop_ns']:.0f} ns per iteration; an empty call, cold: "
+        f"{result['empty_call_cold_ns']:.0f} ns; off the training thread, "
         f"the timing manager's drain: {result['manager_drain_ns']:.0f} ns per collective)"
     )
 
@@ -780,6 +819,11 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             f"{found['median_with'] * 1e6:.1f} us with; "
             f"ratio median {found['median_ratio']:.4f}{interval_text}"
         )
+    threads = thread_breakdown(pairs)
+    print(
+        "  CPU per step of each Python thread, with the exporter (median over runs; all steps): "
+        + ", ".join(f"{name} {seconds * 1e6:.1f} us" for name, seconds in threads.items())
+    )
     if scrapes.never_answered:
         print(f"  WARNING: {len(scrapes.never_answered)} rank-runs never answered a scrape")
     for failure in scrapes.failures:
@@ -803,6 +847,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             "min_ratio": min(ratios),
             "max_ratio": max(ratios),
             "median_ratio_ci95": list(ci) if ci else None,
+            "threads_cpu_with": threads,
             "goal_ratio": GOAL_RATIO,
             "goal_met": median_ratio <= GOAL_RATIO,
             "scrapes": asdict(scrapes),

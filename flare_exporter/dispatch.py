@@ -93,17 +93,19 @@ class DispatchSampler:
         self._cuda_events: EventBackend | None = None
         self._cuda_checked = False
 
-    def on_step(self, steps: int) -> None:
-        """`steps` optimizer steps are done: close the open window; open one if step `steps` is sampled."""
+    def on_step(self, steps: int) -> bool:
+        """`steps` optimizer steps are done: close the open window; open one if step `steps` is sampled.
+
+        The step tracker calls it on every `every`-th step and on the step after a call that returned true
+        (a window to close, or a stale one to pop): the other steps run no Python (progress.py)."""
         try:
-            # window_open or a stale window, spelled out: 15 steps in 16 have nothing to close, and on the
-            # training thread each call (a property's too) costs microseconds once compute evicted the caches
             if self.native_window_open or self.window is not None or self.stale:
                 self._close()
             if self.every and steps % self.every == 0:
                 self._open(steps)
         except Exception as error:
             self.health.error("dispatch_sampler", error)
+        return self.native_window_open or self.window is not None or bool(self.stale)
 
     def close(self) -> None:
         """Close the open window, if any (at the exporter's shutdown); never raises."""

@@ -20,12 +20,12 @@ class ExporterHealth:
         self.errors: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
 
-    def error(self, component: str, error: BaseException | None = None) -> None:
+    def error(self, component: str, error: BaseException | None = None, count: int = 1) -> None:
         if self.errors[component] == 0:
             log.warning(
                 "flare-exporter: %s failed (%r); counting further failures silently", component, error
             )
-        self.errors[component] += 1
+        self.errors[component] += count
 
     def drop(self, queue: str, count: int = 1) -> None:
         self.dropped[queue] += count

@@ -15,10 +15,12 @@ class Histogram:
 
     __slots__ = ("bounds", "counts", "sum")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(
+        self, bounds: tuple[float, ...], counts: list[int] | None = None, total: float = 0.0
+    ) -> None:
         self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
+        self.counts = counts if counts is not None else [0] * (len(bounds) + 1)
+        self.sum = total
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1

@@ -363,10 +363,9 @@ class IldState:
     def install(self) -> None:
         """Watch fake-device launches and open host-dispatch windows from the optimizer step hook."""
         fake_device.set_launch_hook(self.on_fake_launch)
-        self.steps.step_listeners.append(self.dispatch.on_step)
+        self.steps.set_listener(self.dispatch.on_step, self.dispatch.every)
 
     def remove(self) -> None:
         fake_device.set_launch_hook(None)
-        if self.dispatch.on_step in self.steps.step_listeners:
-            self.steps.step_listeners.remove(self.dispatch.on_step)
+        self.steps.set_listener(None, 0)
         self.dispatch.close()

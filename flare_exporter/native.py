@@ -311,7 +311,7 @@ class ShimFeed:
         records = self.reader.read()
         if not records:
             return
-        boundaries = list(self.steps.boundaries) if self.steps is not None else []
+        boundaries = self.steps.boundaries if self.steps is not None else []
         steps = [step for step, _ in boundaries]
         times = [at for _, at in boundaries]
         current_step = self.steps.steps if self.steps is not None else 0

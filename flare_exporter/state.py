@@ -38,6 +38,7 @@ class FlareState:
         health = ExporterHealth()
         manager = TimingManager(health, config.queue_size, config.timing_interval_seconds)
         steps = StepTracker(health)
+        manager.after_drain.append(steps.report_errors)
         groups: dict[str, GroupTracker] = {}
         windows = StepWindows(steps, groups, health, config.straggler_window_steps, config.straggler_windows)
         manager.add_group(windows)  # its forget_finished() runs at the end of every drain

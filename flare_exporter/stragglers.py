@@ -110,7 +110,7 @@ class StepWindows:
 
     def __init__(
         self,
-        steps: Any,  # StepTracker: .boundaries
+        steps: Any,  # StepTracker: .boundaries_after()
         groups: Mapping[str, Any],  # GroupTrackers by name: .pending
         health: ExporterHealth,
         steps_per_window: int,
@@ -135,7 +135,7 @@ class StepWindows:
 
     def _advance(self) -> None:
         # Boundaries first: a collective issued before a boundary we read was queued before it (one thread).
-        boundaries = self.steps.boundaries.copy()
+        boundaries = self.steps.boundaries_after(self._last_step)
         self._see_new_collectives()
         still = []
         for record in self._unfinished:

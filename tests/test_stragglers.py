@@ -60,6 +60,9 @@ class FakeSteps:
     def __init__(self) -> None:
         self.boundaries: deque[tuple[int, float]] = deque(maxlen=100)
 
+    def boundaries_after(self, step: int) -> list[tuple[int, float]]:
+        return [boundary for boundary in self.boundaries if boundary[0] > step]
+
 
 class FakeGroup:
     def __init__(self, name: str) -> None:

@@ -32,6 +32,7 @@
 
 #include "clock.h"
 #include "collectives.h"
+#include "steps.h"
 
 namespace {
 
@@ -225,7 +226,7 @@ std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::j
 }  // namespace
 
 PYBIND11_MODULE(flare_op_timer, m) {
-  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps";
+  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps, the step counter";
   m.def("open_window", &open_window, "time every aten op from now on, tagged with the window's step");
   m.def("close_window", &close_window, "stop timing ops");
   pybind11::class_<StepCounts>(m, "StepCounts")
@@ -245,4 +246,5 @@ PYBIND11_MODULE(flare_op_timer, m) {
   m.def("stamp_completion", &stamp_completion,
         "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
   flare::add_collectives(m);
+  flare::add_steps(m);
 }

@@ -5,7 +5,7 @@
 --wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
 --report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
   time, the training thread's CPU time and the whole process's CPU time (every thread: gloo's, and an
-  attached exporter's).
+  attached exporter's); and each Python thread's CPU time over the steps, by name.
 --fault KIND --fault-rank R --fault-step S makes rank R misbehave at step S, the way real jobs do:
   stuck     R loops in Python before its next collective, forever (a livelock in its own code);
   mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
@@ -44,6 +44,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 WIDTH = 256
 FAULTS = ("none", "stuck", "mismatch", "raise", "host-stall", "contention", "host-delay")
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of each Python thread alive, by name (an attached exporter's threads among them)."""
+    seconds: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            clock = time.pthread_getcpuclockid(thread.ident or 0)
+            seconds[thread.name] = seconds.get(thread.name, 0.0) + time.clock_gettime(clock)
+        except OSError:  # it ended meanwhile
+            pass
+    return seconds
 
 
 def make_model() -> nn.Module:
@@ -162,6 +174,7 @@ def main() -> None:
     else:
         extra_compute = args.slowdown * compute_seconds(args.batch)
     step_cpu, process_cpu = [], []
+    threads_before = threads_cpu()
     for step in range(args.steps):
         started = time.perf_counter()
         cpu_started, process_started = time.thread_time(), time.process_time()
@@ -202,12 +215,16 @@ def main() -> None:
         step_cpu.append(time.thread_time() - cpu_started)
         process_cpu.append(time.process_time() - process_started)
     if args.report:
+        threads_after = threads_cpu()
         with open(args.report, "w") as out:
             report = {
                 "rank": rank,
                 "step_times": step_times,
                 "step_cpu": step_cpu,
                 "process_cpu": process_cpu,
+                "threads_cpu": {
+                    name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after
+                },
             }
             json.dump(report, out)
     dist.barrier()

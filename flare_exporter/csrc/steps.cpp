@@ -1,0 +1,228 @@
+// Optimizer steps counted in C++ (progress.py): the global optimizer step hook is a C function, so that a
+// step costs the training thread no Python frame. Python's hook, compiled out of the cache by the backward
+// pass just before it, cost 10-16 µs per step; this one is a few compare-and-stores.
+//
+// StepCounter keeps what StepTracker exposes: the step count, the time of the last step (the heartbeat), a
+// histogram of step durations, and the last `kept` step boundaries (step number, time) for the straggler
+// windows. The training thread is its only writer; readers (scrapes, the timing manager) read atomics, and
+// the boundaries through a per-slot sequence check, so no lock is shared with them.
+//
+// The step's listener (the ILD sampler, which opens a dispatch window on one step in N and closes it at the
+// next) is called only on the steps that concern it: every `every`-th step, and the step after any call that
+// returned true. The other steps run no Python at all.
+
+#include "steps.h"
+
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "clock.h"
+
+namespace flare {
+namespace {
+
+bool is_alive(PyObject* weak_reference) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* referent = nullptr;
+  int found = PyWeakref_GetRef(weak_reference, &referent);
+  Py_XDECREF(referent);
+  if (found < 0) PyErr_Clear();
+  return found == 1;
+#else
+  PyObject* referent = PyWeakref_GetObject(weak_reference);  // borrowed; None once it died
+  return referent != nullptr && referent != Py_None;
+#endif
+}
+
+struct Boundary {
+  std::atomic<int64_t> step{0};  // 0 while being written
+  std::atomic<int64_t> at_ns{0};
+};
+
+class StepCounter {
+ public:
+  StepCounter(std::vector<double> bounds, int64_t kept)
+      : bounds_(std::move(bounds)),
+        counts_(new std::atomic<uint64_t>[bounds_.size() + 1]()),
+        boundaries_(new Boundary[std::max<int64_t>(kept, 1)]),
+        kept_(std::max<int64_t>(kept, 1)) {}
+
+  ~StepCounter() {  // the last reference goes with a Python object: the GIL is held
+    Py_CLEAR(counted_ref_);
+    Py_CLEAR(listener_);
+  }
+
+  // The hook's body, on the training thread with the GIL held. False: the listener raised an exception that
+  // must reach the caller (KeyboardInterrupt, SystemExit); every Exception is counted and cleared.
+  bool on_step(PyObject* optimizer) {
+    if (optimizer != counted_ && !adopt(optimizer)) return true;  // a second optimizer: one step counted once
+    int64_t now = now_ns();
+    int64_t last = last_step_ns_.load(std::memory_order_relaxed);
+    if (last != 0) observe(static_cast<double>(now - last) * 1e-9);
+    int64_t step = steps_.load(std::memory_order_relaxed) + 1;
+    Boundary& slot = boundaries_[step % kept_];
+    slot.step.store(0, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    slot.at_ns.store(now, std::memory_order_relaxed);
+    slot.step.store(step, std::memory_order_release);
+    last_step_ns_.store(now, std::memory_order_release);
+    steps_.store(step, std::memory_order_release);
+    if (listener_ != nullptr && (call_next_ || (every_ > 0 && step % every_ == 0))) return call_listener(step);
+    return true;
+  }
+
+  int64_t steps() const { return steps_.load(std::memory_order_acquire); }
+
+  double last_step_at() const { return static_cast<double>(last_step_ns_.load(std::memory_order_acquire)) * 1e-9; }
+
+  // (count per bucket, the last one +Inf; sum of the durations)
+  std::tuple<std::vector<uint64_t>, double> durations() const {
+    std::vector<uint64_t> counts(bounds_.size() + 1);
+    for (size_t index = 0; index < counts.size(); ++index) counts[index] = counts_[index].load(std::memory_order_relaxed);
+    return {counts, sum_.load(std::memory_order_relaxed)};
+  }
+
+  // (step, perf_counter time) of the kept boundaries after step `after`, oldest first
+  std::vector<std::tuple<int64_t, double>> boundaries(int64_t after) const {
+    int64_t newest = steps();
+    std::vector<std::tuple<int64_t, double>> out;
+    int64_t first = std::max({after + 1, newest - kept_ + 1, int64_t{1}});
+    if (first > newest) return out;
+    out.reserve(static_cast<size_t>(newest - first + 1));
+    for (int64_t step = first; step <= newest; ++step) {
+      const Boundary& slot = boundaries_[step % kept_];
+      int64_t seen = slot.step.load(std::memory_order_acquire);
+      int64_t at = slot.at_ns.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (seen == step && slot.step.load(std::memory_order_relaxed) == step) {
+        out.emplace_back(step, static_cast<double>(at) * 1e-9);
+      }  // else overwritten by a newer step while we read: it is no longer kept
+    }
+    return out;
+  }
+
+  // Called on the training thread (under the GIL) as described at the top; None removes it.
+  void set_listener(pybind11::object listener, int64_t every) {
+    PyObject* old = listener_;
+    listener_ = listener.is_none() ? nullptr : listener.release().ptr();
+    every_ = every;
+    call_next_ = false;
+    Py_XDECREF(old);
+  }
+
+  uint64_t listener_errors() const { return listener_errors_.load(std::memory_order_relaxed); }
+
+ private:
+  bool adopt(PyObject* optimizer) {
+    if (counted_ref_ != nullptr) {
+      if (is_alive(counted_ref_)) return false;
+      Py_CLEAR(counted_ref_);
+    }
+    counted_ref_ = PyWeakref_NewRef(optimizer, nullptr);
+    if (counted_ref_ == nullptr) PyErr_Clear();  // not weakly referenceable: counted by identity alone
+    counted_ = optimizer;
+    return true;
+  }
+
+  void observe(double seconds) {
+    size_t bucket = std::lower_bound(bounds_.begin(), bounds_.end(), seconds) - bounds_.begin();
+    counts_[bucket].fetch_add(1, std::memory_order_relaxed);
+    sum_.store(sum_.load(std::memory_order_relaxed) + seconds, std::memory_order_relaxed);
+  }
+
+  bool call_listener(int64_t step) {
+    PyObject* listener = listener_;
+    Py_INCREF(listener);  // set_listener may drop it while the call runs Python
+    PyObject* number = PyLong_FromLongLong(step);
+    PyObject* result = number != nullptr ? PyObject_CallOneArg(listener, number) : nullptr;
+    Py_XDECREF(number);
+    Py_DECREF(listener);
+    if (result != nullptr) {
+      int wants_next = PyObject_IsTrue(result);
+      Py_DECREF(result);
+      call_next_ = wants_next == 1;
+      if (wants_next >= 0) return true;
+    }
+    call_next_ = false;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return false;
+    PyErr_Clear();
+    listener_errors_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  const std::vector<double> bounds_;
+  std::unique_ptr<std::atomic<uint64_t>[]> counts_;
+  std::atomic<double> sum_{0.0};
+  std::unique_ptr<Boundary[]> boundaries_;
+  const int64_t kept_;
+  std::atomic<int64_t> steps_{0};
+  std::atomic<int64_t> last_step_ns_{0};
+  std::atomic<uint64_t> listener_errors_{0};
+  PyObject* counted_ = nullptr;      // the optimizer whose steps are counted (compared by identity)
+  PyObject* counted_ref_ = nullptr;  // a weak reference to it: once it dies, the next optimizer is counted
+  PyObject* listener_ = nullptr;
+  int64_t every_ = 0;
+  bool call_next_ = false;
+};
+
+constexpr const char* kCapsuleName = "flare.StepCounter";
+
+// The hook torch calls as hook(optimizer, args, kwargs); its self is a capsule holding the counter.
+PyObject* step_hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* counter = static_cast<std::shared_ptr<StepCounter>*>(PyCapsule_GetPointer(self, kCapsuleName));
+  if (counter == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  if (nargs >= 1 && !(*counter)->on_step(args[0])) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef step_hook_def = {"flare_step_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step_hook)),
+                             METH_FASTCALL, "flare-exporter's optimizer step post hook (hook(optimizer, args, kwargs))"};
+
+void free_capsule(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<StepCounter>*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+}
+
+pybind11::object make_hook(const std::shared_ptr<StepCounter>& counter) {
+  auto* held = new std::shared_ptr<StepCounter>(counter);
+  PyObject* capsule = PyCapsule_New(held, kCapsuleName, free_capsule);
+  if (capsule == nullptr) {
+    delete held;
+    throw pybind11::error_already_set();
+  }
+  PyObject* hook = PyCFunction_NewEx(&step_hook_def, capsule, nullptr);
+  Py_DECREF(capsule);
+  if (hook == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(hook);
+}
+
+}  // namespace
+
+void add_steps(pybind11::module_& module) {
+  pybind11::class_<StepCounter, std::shared_ptr<StepCounter>>(module, "StepCounter")
+      .def(pybind11::init<std::vector<double>, int64_t>(), pybind11::arg("bounds"), pybind11::arg("kept"))
+      .def_property_readonly("hook", [](const std::shared_ptr<StepCounter>& counter) { return make_hook(counter); },
+                             "a C function to register with torch's register_optimizer_step_post_hook")
+      .def_property_readonly("steps", &StepCounter::steps, "optimizer steps counted")
+      .def_property_readonly("last_step_at", &StepCounter::last_step_at,
+                             "perf_counter time of the last step (0 before the first)")
+      .def("durations", &StepCounter::durations,
+           "(count per bucket of `bounds`, then +Inf; sum of seconds) of the step durations")
+      .def("boundaries", &StepCounter::boundaries, pybind11::arg("after") = 0,
+           "[(step, perf_counter time)] of the kept steps after step `after`, oldest first")
+      .def("set_listener", &StepCounter::set_listener, pybind11::arg("listener"), pybind11::arg("every"),
+           "call listener(step) on every `every`-th step and on the step after any call that returned true")
+      .def_property_readonly("listener_errors", &StepCounter::listener_errors,
+                             "exceptions the listener raised (each counted and cleared)");
+}
+
+}  // namespace flare
