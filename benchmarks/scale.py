@@ -86,6 +86,9 @@ def first(samples: list[scrape.Sample], name: str, **labels: str) -> float:
     return float("nan") if found is None else found
 
 
+SLOWEST_RULES = 6
+
+
 def prometheus_load(url: str, seconds: float) -> dict[str, Any]:
     """Ingestion, rule evaluation, scrape interval and CPU of Prometheus over `seconds` of steady state."""
     before, started = prometheus_metrics(url), time.monotonic()
@@ -110,6 +113,12 @@ def prometheus_load(url: str, seconds: float) -> dict[str, Any]:
         for s in after
         if s.name == "prometheus_target_interval_length_seconds" and s.labels.get("quantile")
     }
+    with urllib.request.urlopen(url + "/api/v1/rules", timeout=30) as response:
+        rule_groups = json.load(response)["data"]["groups"]
+    rules = sorted(
+        ((rule["name"], rule.get("evaluationTime", 0.0)) for group in rule_groups for rule in group["rules"]),
+        key=lambda item: -item[1],
+    )
     scrape_seconds = promql.query(url, f'quantile(0.5, scrape_duration_seconds{{run="{RUN}"}})', 30)
     scrape_max = promql.query(url, f'max(scrape_duration_seconds{{run="{RUN}"}})', 30)
     return {
@@ -120,6 +129,7 @@ def prometheus_load(url: str, seconds: float) -> dict[str, Any]:
         "resident_bytes": first(after, "process_resident_memory_bytes"),
         "rule_group_seconds": groups,
         "rule_group_interval_seconds": evaluations,
+        "slowest_rules_seconds": dict(rules[:SLOWEST_RULES]),  # each rule's last evaluation
         "target_interval_seconds": interval,
         "scrape_duration_median_seconds": float(scrape_seconds[0]["value"][1]) if scrape_seconds else None,
         "scrape_duration_max_seconds": float(scrape_max[0]["value"][1]) if scrape_max else None,
@@ -296,6 +306,8 @@ def phases(
         f"the head, {load['resident_bytes'] / 2**30:.2f} GiB resident, {load['cpu_cores']:.2f} CPU cores"
     )
     print(f"  rule evaluation (last, per group): {rules}")
+    slowest = ", ".join(f"{rule} {_seconds(took)}" for rule, took in load["slowest_rules_seconds"].items())
+    print(f"  slowest rules (last evaluation): {slowest}")
     print(
         f"  scrape duration median {_seconds(load['scrape_duration_median_seconds'] or 0)}, max "
         f"{_seconds(load['scrape_duration_max_seconds'] or 0)}; interval between scrapes of a target: "

@@ -5,7 +5,10 @@ step. Two timers, the same samples (one per op, tagged with the window's step):
 
 - the native timer (op_timer.py, csrc/op_timer.cpp), when built: a torch RecordFunction observer, present
   only in windows, that times each aten op (nested ones too) in C++ for ~0.3 µs per op and leaves the
-  samples in a bounded ring that the timing manager takes (collect()); nothing is handed over at close;
+  samples in a bounded ring that the timing manager takes (collect()); nothing is handed over at close.
+  Where the step hook is the extension's C function (progress.py), the sampler's first window hands the
+  windows over to it: it opens and closes them itself, and no step runs Python. Should CUDA come up later
+  (without the native shim), the timing manager's thread takes them back for the dispatch mode below;
 - otherwise, and in processes that use CUDA without the native shim (cuda_hooks/, which samples kernel
   launches below Python; without it the window does, below), a TorchDispatchMode that sees each aten op
   after autograd and appends its duration to a bounded list, handed to the timing manager at the window's
@@ -75,6 +78,7 @@ class DispatchSampler:
         every: int,
         event_pool_size: int,
         health: ExporterHealth,
+        steps: Any = None,
     ) -> None:
         self.latency = latency
         self.kernels = kernels
@@ -84,7 +88,9 @@ class DispatchSampler:
         self.health = health
         self.window: DispatchWindow | None = None
         self.window_step = 0
-        self.windows = 0
+        self.steps = steps  # the StepTracker: its C hook can open and close the native timer's windows itself
+        self.handed_over = False  # it does: the windows cost the training thread no Python
+        self._windows_closed = 0
         self.stale: list[DispatchWindow] = []  # disabled windows that another mode kept us from popping
         self.native = op_timer.load() if every else None  # None: dispatch-mode windows only
         self.native_window_open = False
@@ -110,6 +116,9 @@ class DispatchSampler:
     def close(self) -> None:
         """Close the open window, if any (at the exporter's shutdown); never raises."""
         try:
+            if self.handed_over:
+                self.handed_over = False
+                self._counter().set_windows(0)  # closes its open window
             self._close()
         except Exception as error:
             self.health.error("dispatch_sampler", error)
@@ -126,12 +135,21 @@ class DispatchSampler:
 
     @property
     def window_open(self) -> bool:
-        return self.native_window_open or self.window is not None
+        counter = self._counter()
+        return self.native_window_open or self.window is not None or bool(counter and counter.window_open)
+
+    @property
+    def windows(self) -> int:
+        """Windows opened and closed so far."""
+        counter = self._counter()
+        return self._windows_closed + (counter.windows_closed if counter is not None else 0)
 
     def collect(self) -> None:
         """Move the native timer's samples into the histogram (the timing manager's thread)."""
         if self.native is None:
             return
+        if self.handed_over and not self.launches_from_shim and _cuda_initialized():
+            self._take_back()
         for taken in self.native.take(self.latency.histogram.bounds):
             self.latency.add_counts(taken.step, taken.buckets, taken.seconds, taken.op_minimums)
         dropped = self.native.dropped_samples()
@@ -144,6 +162,8 @@ class DispatchSampler:
         self.window_step = step
         cuda_events = self.cuda_events()
         if self.native is not None and (cuda_events is None or self.launches_from_shim):
+            if self._hand_over():
+                return
             self.native.open_window(step)
             self.native_window_open = True
             return
@@ -151,12 +171,33 @@ class DispatchSampler:
         window.__enter__()
         self.window = window
 
+    def _counter(self) -> Any:
+        """The step hook's C counter (csrc/steps.cpp), if the hook is the C function."""
+        return getattr(self.steps, "counter", None)
+
+    def _hand_over(self) -> bool:
+        """Give the windows to the C step hook, which opens this step's window and every `every`-th step's
+        after it, and closes each at the next step, with no Python; False where the hook is Python's."""
+        counter = self._counter()
+        if counter is None:
+            return False
+        self.steps.set_listener(None, 0)
+        counter.set_windows(self.every)
+        self.handed_over = True
+        return True
+
+    def _take_back(self) -> None:
+        """CUDA came up after the hand-over: windows need the dispatch mode, whose ops record CUDA events."""
+        self.handed_over = False
+        self._counter().set_windows(0)  # closes its open window
+        self.steps.set_listener(self.on_step, self.every)
+
     def _close(self) -> None:
         self._pop_stale()
         if self.native_window_open:
             self.native_window_open = False
             self.native.close_window()  # type: ignore[union-attr]  # open only with a native timer
-            self.windows += 1
+            self._windows_closed += 1
             return
         window = self.window
         if window is None:
@@ -167,7 +208,7 @@ class DispatchSampler:
             window.__exit__(None, None, None)
         else:  # a mode pushed after ours is still active: ours stays under it, disabled, until it leaves
             self.stale.append(window)
-        self.windows += 1
+        self._windows_closed += 1
         if window.dropped:
             self.health.drop("ild_dispatch_samples", window.dropped)
         if window.samples:
@@ -176,3 +217,7 @@ class DispatchSampler:
     def _pop_stale(self) -> None:
         while self.stale and _get_current_dispatch_mode() is self.stale[-1]:
             self.stale.pop().__exit__(None, None, None)
+
+
+def _cuda_initialized() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -344,6 +344,7 @@ class IldState:
             config.ild_dispatch_every_steps,
             config.ild_events,
             health,
+            steps,
         )
         self.steps = steps
         manager.after_drain.append(self.refresh)

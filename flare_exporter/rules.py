@@ -555,7 +555,7 @@ def gpu_alerts(t: Thresholds) -> list[Alert]:
     return [
         Alert(
             "FlareGPUThrottled",
-            _with_host(f"max by (run, rank, reason) (flare_gpu_clock_event_active{slowing}) == 1"),
+            _with_host(f"max by (run, rank, reason) (flare_gpu_clock_event_active{slowing} == 1)"),
             t.gpu_for,
             "warning",
             "The GPU of rank {{ $labels.rank }} is throttled ({{ $labels.reason }})",
@@ -568,8 +568,8 @@ def gpu_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareGPUClockBelowMax",
             _with_host(
-                f"max by (run, rank) (flare_gpu_sm_clock_hertz{s} / flare_gpu_sm_clock_max_hertz{s}) "
-                f"< {t.stragglers.clock_below_max:g}\n{busy}"
+                f"max by (run, rank) (flare_gpu_sm_clock_hertz{s} / flare_gpu_sm_clock_max_hertz{s} "
+                f"< {t.stragglers.clock_below_max:g})\n{busy}"
             ),
             t.gpu_for,
             "warning",
@@ -600,7 +600,7 @@ def gpu_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareGPUXidErrors",
             _with_host(
-                f"max by (run, rank) (increase(flare_gpu_xid_events_total{s}[{t.gpu_errors_window}])) > 0"
+                f"max by (run, rank) (increase(flare_gpu_xid_events_total{s}[{t.gpu_errors_window}]) > 0)"
             ),
             t.gpu_errors_for,
             "critical",
@@ -617,8 +617,8 @@ def gpu_alerts(t: Thresholds) -> list[Alert]:
             "FlareGPUMemoryErrors",
             _with_host(
                 "max by (run, rank) (increase(flare_gpu_ecc_errors_total"
-                f"{uncorrected}[{t.gpu_errors_window}])) > 0\n"
-                f"or on (run, rank) max by (run, rank) (flare_gpu_row_remap_failed{s}) == 1"
+                f"{uncorrected}[{t.gpu_errors_window}]) > 0)\n"
+                f"or on (run, rank) max by (run, rank) (flare_gpu_row_remap_failed{s} == 1)"
             ),
             t.gpu_errors_for,
             "critical",
@@ -637,7 +637,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareExporterErrors",
             f"sum by (run, rank, component) (increase(flare_exporter_errors_total{selector(t)}"
-            f"[{t.exporter_window}])) > 0",
+            f"[{t.exporter_window}]) > 0)",
             t.exporter_for,
             "warning",
             "The exporter of rank {{ $labels.rank }} reports {{ $labels.component }} errors",
@@ -650,7 +650,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareExporterDroppingEvents",
             f"sum by (run, rank, queue) (increase(flare_exporter_dropped_events_total"
-            f"{not_failed}[{t.exporter_window}])) > 0",
+            f"{not_failed}[{t.exporter_window}]) > 0)",
             t.exporter_for,
             "warning",
             "The exporter of rank {{ $labels.rank }} drops events from {{ $labels.queue }}",
@@ -662,7 +662,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareExporterCollectorFailing",
-            f"max by (run, rank, collector) (flare_exporter_collector_success{selector(t)}) == 0",
+            f"max by (run, rank, collector) (flare_exporter_collector_success{selector(t)} == 0)",
             t.exporter_for,
             "warning",
             "The {{ $labels.collector }} collector of rank {{ $labels.rank }} fails",

@@ -169,6 +169,32 @@ def test_the_fast_renderer_writes_what_generate_latest_writes():
     assert " 1\n" in fast and " 1.0\n" not in fast  # integral values as Go writes them
 
 
+def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(monkeypatch):
+    from flare_exporter import exposition
+
+    now = time.perf_counter()
+    unstable = re.compile(
+        rb"^(flare_exporter_collector_duration_seconds\{[^}]*\}|flare_heartbeat\S+) \S+\n", re.MULTILINE
+    )
+
+    def rendered(registry, prefixes=None) -> bytes:  # type: ignore[no-untyped-def]
+        return unstable.sub(b"", exposition.render_text(registry, prefixes))
+
+    state = vc.rank_state(5, 64, "budget", now, busiest_faults(now))
+    registry = build_registry(state)
+    prefixes: dict = {}
+    first = rendered(registry, prefixes)
+    assert first == rendered(registry) and len(prefixes) > 200
+    vc.advance(state, 5, 64, 40, now + 4.0, busiest_faults(now))  # values move on, labels stay
+    again = rendered(registry, prefixes)
+    assert again == rendered(registry) and again != first
+    other = build_registry(vc.rank_state(6, 64, "budget", now, busiest_faults(now)))  # another rank's labels
+    assert rendered(other, prefixes) == rendered(other) and b'rank="6"' in rendered(other, prefixes)
+    monkeypatch.setattr(exposition, "MAX_PREFIXES", 50)  # bounded: a full dict starts over
+    bounded: dict = {}
+    assert rendered(registry, bounded) == rendered(registry) and 0 < len(bounded) <= 50
+
+
 def test_gpu_health_series_come_from_the_fake_nvml():
     state = vc.rank_state(2, 16, "budget", time.perf_counter())
     names = {family.name for family in GpuHealthCollector(state).collect(Families(("2", "budget")))}

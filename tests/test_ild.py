@@ -239,6 +239,7 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
         state.manager.drain()
         # opened when 3, 6 and 9 steps were done, each closed at the next step; the last is still open
         assert state.ild.dispatch.windows == 2 and state.ild.dispatch.window_open
+        assert state.ild.dispatch.handed_over == (dispatch_timer == "native")  # to the C step hook
         assert state.ild.host_dispatch.active
         histogram = state.ild.host_dispatch.histogram
         # two windows of one step: mul, sum, their backward and the SGD update, a few to tens of ops each
@@ -260,6 +261,55 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
     state.manager.drain()
     assert state.health.errors == {} and state.health.dropped == {}
+
+
+def test_the_c_step_hook_takes_the_windows_over_and_gives_them_back_when_cuda_comes_up(monkeypatch):
+    from flare_exporter import dispatch
+
+    torch_extension()
+    state = make_state(ild_dispatch_every_steps=2, ild_launch_sample_every=10**6)
+    sampler = state.ild.dispatch
+    calls: list[int] = []
+    on_step = sampler.on_step
+
+    def counted(step: int) -> bool:
+        calls.append(step)
+        return on_step(step)
+
+    monkeypatch.setattr(sampler, "on_step", counted)
+    state.steps.install()
+    state.ild.install()
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            (weight * 2).sum().backward()
+            optimizer.step()
+
+    try:
+        steps(6)
+        # Python ran once, at the first window's step; the C hook opened windows at 2, 4, 6, closed 2 of them
+        assert calls == [2] and sampler.handed_over
+        assert sampler.windows == 2 and sampler.window_open
+        state.manager.drain()
+        assert state.ild.host_dispatch.active and sum(state.ild.host_dispatch.histogram.counts) >= 8
+        assert set(state.ild.host_dispatch.drift.windows) <= {2, 4}
+        # a GPU job that initialises CUDA after attach, without the native shim: at the next drain the windows
+        # go back to the listener, whose dispatch-mode windows record CUDA events
+        monkeypatch.setattr(dispatch, "_cuda_initialized", lambda: True)
+        monkeypatch.setattr(sampler, "cuda_events", lambda: state.ild.fake_events)
+        state.manager.drain()
+        assert not sampler.handed_over and not sampler.window_open and sampler.windows == 3
+        steps(2)  # steps 7 and 8: the listener's again, called at 8 only
+        assert calls == [2, 8] and sampler.window is not None
+        steps(1)
+        assert calls == [2, 8, 9] and sampler.window is None and sampler.windows == 4
+    finally:
+        state.steps.remove()
+        state.ild.remove()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    assert state.health.errors == {}
 
 
 def test_native_timer_hands_over_each_step_counted_into_buckets():

@@ -32,6 +32,7 @@
 
 #include "clock.h"
 #include "collectives.h"
+#include "op_timer.h"
 #include "steps.h"
 
 namespace {
@@ -118,6 +119,10 @@ void busy_wait(const at::RecordFunction&, at::ObserverContext*) {
 
 std::unique_ptr<at::ObserverContext> no_start(const at::RecordFunction&) { return nullptr; }
 
+}  // namespace
+
+namespace flare {
+
 // Open a window: ops from now on are timed and tagged with `step`. The observer exists only inside
 // windows: a registered callback, even disabled, costs every op outside them a little (about 1 % of the
 // benchmark's small step), so it is added here and removed at close, as torch's profiler does.
@@ -140,6 +145,10 @@ void close_window() {
     timer_handle = at::INVALID_CALLBACK_HANDLE;
   }
 }
+
+}  // namespace flare
+
+namespace {
 
 // One step's samples since the last take, counted into histogram buckets, and each op's fastest time.
 struct StepCounts {
@@ -227,8 +236,8 @@ std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::j
 
 PYBIND11_MODULE(flare_op_timer, m) {
   m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps, the step counter";
-  m.def("open_window", &open_window, "time every aten op from now on, tagged with the window's step");
-  m.def("close_window", &close_window, "stop timing ops");
+  m.def("open_window", &flare::open_window, "time every aten op from now on, tagged with the window's step");
+  m.def("close_window", &flare::close_window, "stop timing ops");
   pybind11::class_<StepCounts>(m, "StepCounts")
       .def_readonly("step", &StepCounts::step)
       .def_readonly("seconds", &StepCounts::seconds, "the sum of the step's samples")

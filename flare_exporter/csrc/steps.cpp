@@ -7,9 +7,11 @@
 // windows. The training thread is its only writer; readers (scrapes, the timing manager) read atomics, and
 // the boundaries through a per-slot sequence check, so no lock is shared with them.
 //
-// The step's listener (the ILD sampler, which opens a dispatch window on one step in N and closes it at the
-// next) is called only on the steps that concern it: every `every`-th step, and the step after any call that
-// returned true. The other steps run no Python at all.
+// On CPU hosts the counter itself opens the host dispatch timer's window (op_timer.cpp) on one step in N and
+// closes it at the next (set_windows). Where the ILD sampler needs Python for its windows (a GPU without the
+// native shim: a dispatch mode that records CUDA events), it is the step's listener instead, called only on
+// the steps that concern it: every `every`-th step, and the step after any call that returned true. The other
+// steps run no Python at all.
 
 #include "steps.h"
 
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "clock.h"
+#include "op_timer.h"
 
 namespace flare {
 namespace {
@@ -74,6 +77,8 @@ class StepCounter {
     slot.step.store(step, std::memory_order_release);
     last_step_ns_.store(now, std::memory_order_release);
     steps_.store(step, std::memory_order_release);
+    if (window_open_) close_open_window();
+    if (window_every_ > 0 && step % window_every_ == 0) open_step_window(step);
     if (listener_ != nullptr && (call_next_ || (every_ > 0 && step % every_ == 0))) return call_listener(step);
     return true;
   }
@@ -117,6 +122,20 @@ class StepCounter {
     Py_XDECREF(old);
   }
 
+  // Open the host dispatch timer's window on every `every`-th step and close it at the next: from now on, if
+  // the last step is one of them (the ILD sampler hands its windows over from its listener), else from the
+  // next. 0: never, and an open window is closed now. Called under the GIL, as the hook runs.
+  void set_windows(int64_t every) {
+    window_every_ = std::max<int64_t>(every, 0);
+    int64_t step = steps();
+    if (window_every_ == 0 && window_open_) close_open_window();
+    if (window_every_ > 0 && !window_open_ && step > 0 && step % window_every_ == 0) open_step_window(step);
+  }
+
+  bool window_open() const { return window_open_; }
+
+  int64_t windows_closed() const { return windows_closed_; }
+
   uint64_t listener_errors() const { return listener_errors_.load(std::memory_order_relaxed); }
 
  private:
@@ -129,6 +148,17 @@ class StepCounter {
     if (counted_ref_ == nullptr) PyErr_Clear();  // not weakly referenceable: counted by identity alone
     counted_ = optimizer;
     return true;
+  }
+
+  void open_step_window(int64_t step) {
+    open_window(step);
+    window_open_ = true;
+  }
+
+  void close_open_window() {
+    close_window();
+    window_open_ = false;
+    ++windows_closed_;
   }
 
   void observe(double seconds) {
@@ -170,6 +200,9 @@ class StepCounter {
   PyObject* listener_ = nullptr;
   int64_t every_ = 0;
   bool call_next_ = false;
+  int64_t window_every_ = 0;
+  bool window_open_ = false;
+  int64_t windows_closed_ = 0;
 };
 
 constexpr const char* kCapsuleName = "flare.StepCounter";
@@ -221,6 +254,10 @@ void add_steps(pybind11::module_& module) {
            "[(step, perf_counter time)] of the kept steps after step `after`, oldest first")
       .def("set_listener", &StepCounter::set_listener, pybind11::arg("listener"), pybind11::arg("every"),
            "call listener(step) on every `every`-th step and on the step after any call that returned true")
+      .def("set_windows", &StepCounter::set_windows, pybind11::arg("every"),
+           "open the host dispatch timer's window on every `every`-th step, close it at the next (0: never)")
+      .def_property_readonly("window_open", &StepCounter::window_open, "a window it opened is open")
+      .def_property_readonly("windows_closed", &StepCounter::windows_closed, "windows it opened and closed")
       .def_property_readonly("listener_errors", &StepCounter::listener_errors,
                              "exceptions the listener raised (each counted and cleared)");
 }
