@@ -135,6 +135,7 @@ def _with_host(expr: str) -> str:
 
 def recording_rules(t: Thresholds) -> list[Recording]:
     s = selector(t)
+    held = selector(t, f'ago=~"{_held_windows(t)}"')
     return [
         # Every rank's host, one series per rank: the live identity, else the last one seen, else no host
         # (a rank that died before its first scrape); alerts join it to name the host.
@@ -211,13 +212,14 @@ def recording_rules(t: Thresholds) -> list[Recording]:
             "run_distribution:flare_ild_drift:ranks",
             f"count by (run, distribution) (flare_ild_drift_ks{s})",
         ),
-        # Stragglers, per exported window (ago=0 the last closed one): each rank's share of the step spent
-        # waiting in collectives, the run's median and MAD of it, and the rank's robust z below the median
-        # (a straggler waits least); then over the last hold_windows windows, its lowest z and mean gap.
+        # Stragglers, per window of the last hold_windows (ago=0 the last closed one; the older windows a rank
+        # exports are for dashboards): each rank's share of the step spent waiting in collectives, the run's
+        # median and MAD of it, and the rank's robust z below the median (a straggler waits least); then over
+        # those windows, its lowest z and mean gap.
         Recording(
             "run_rank_ago:flare_straggler_wait_share:ratio",
-            f"max by (run, rank, ago) (flare_straggler_window_wait_seconds{s} / "
-            f"flare_straggler_window_step_seconds{s})",
+            f"max by (run, rank, ago) (flare_straggler_window_wait_seconds{held} / "
+            f"flare_straggler_window_step_seconds{held})",
         ),
         Recording(
             "run_ago:flare_straggler_wait_share:median",
@@ -241,15 +243,15 @@ def recording_rules(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             "run_rank:flare_straggler_score:held",
-            f'min by (run, rank) (run_rank_ago:flare_straggler_score:robust_z{{ago=~"{_held_windows(t)}"}})',
+            "min by (run, rank) (run_rank_ago:flare_straggler_score:robust_z)",
         ),
         Recording(
             "run_rank:flare_straggler_wait_share:min_gap",
-            f'min by (run, rank) (run_rank_ago:flare_straggler_wait_share:gap{{ago=~"{_held_windows(t)}"}})',
+            "min by (run, rank) (run_rank_ago:flare_straggler_wait_share:gap)",
         ),
         Recording(
             "run_rank:flare_straggler_wait_share:gap",
-            f'avg by (run, rank) (run_rank_ago:flare_straggler_wait_share:gap{{ago=~"{_held_windows(t)}"}})',
+            "avg by (run, rank) (run_rank_ago:flare_straggler_wait_share:gap)",
         ),
     ]
 
