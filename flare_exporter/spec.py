@@ -114,9 +114,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_process_group_info",
         INFO,
         "",
-        "A process group of this rank: its stable name, role and size, and what records its collectives "
-        "(cpp: flare's C++ backend, no Python on the training thread; python: hooks).",
+        "A process group of this rank: stable name, role, size, and what records its collectives.",
         ("group", "role", "size", "recorder"),
+        detail="recorder: cpp (flare's C++ backend, no Python on the training thread) or python (hooks).",
     ),
     MetricSpec(
         "flare_collective_duration_seconds",
@@ -260,12 +260,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_op_shift_seconds",
         GAUGE,
         "seconds",
-        "Host dispatch: delay added to every op since the baseline, from per-op fastest times.",
+        "Delay added to every op since the baseline, from per-op fastest times.",
         ("distribution",),
         detail=(
-            "Weighted median over ops (by baseline stability) of each op's fastest time per sampled step "
-            "minus its baseline's, after the part proportional to each op's time (a slower core) is taken "
-            "out; native timer only; absent until the window has ops with a baseline."
+            "Host dispatch only. Weighted median over ops (by baseline stability) of each op's fastest "
+            "time per sampled step minus its baseline's, after the part proportional to each op's time (a "
+            "slower core) is taken out; native timer only; absent until the window has ops with a baseline."
         ),
     ),
     MetricSpec(

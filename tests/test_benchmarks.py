@@ -39,3 +39,9 @@ def test_collective_path_rejects_bad_arguments():
     command = [sys.executable, str(REPO / "benchmarks" / "collective_path.py"), "--blocks", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2 and "--blocks must be at least 1" in done.stderr
+
+
+def test_instructions_rejects_bad_arguments():
+    command = [sys.executable, str(REPO / "benchmarks" / "instructions.py"), "--short", "50", "--long", "50"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr

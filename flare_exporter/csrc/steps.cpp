@@ -31,16 +31,17 @@
 namespace flare {
 namespace {
 
-bool is_alive(PyObject* weak_reference) {
+// What a weak reference refers to, compared by identity only (nullptr once it died).
+PyObject* referent_of(PyObject* weak_reference) {
 #if PY_VERSION_HEX >= 0x030D0000
   PyObject* referent = nullptr;
-  int found = PyWeakref_GetRef(weak_reference, &referent);
-  Py_XDECREF(referent);
-  if (found < 0) PyErr_Clear();
-  return found == 1;
+  if (PyWeakref_GetRef(weak_reference, &referent) < 0) PyErr_Clear();
+  Py_XDECREF(referent);  // never dereferenced: the caller holds the object it compares it with
+  return referent;
 #else
   PyObject* referent = PyWeakref_GetObject(weak_reference);  // borrowed; None once it died
-  return referent != nullptr && referent != Py_None;
+  if (referent == nullptr) PyErr_Clear();
+  return referent == Py_None ? nullptr : referent;
 #endif
 }
 
@@ -65,7 +66,10 @@ class StepCounter {
   // The hook's body, on the training thread with the GIL held. False: the listener raised an exception that
   // must reach the caller (KeyboardInterrupt, SystemExit); every Exception is counted and cleared.
   bool on_step(PyObject* optimizer) {
-    if (optimizer != counted_ && !adopt(optimizer)) return true;  // a second optimizer: one step counted once
+    // The counted optimizer, unless it died and another took its address; else a second optimizer's step
+    // (one step is counted once), or the first step of the next optimizer once the counted one died.
+    bool counted = optimizer == counted_ && (counted_ref_ == nullptr || referent_of(counted_ref_) == optimizer);
+    if (!counted && !adopt(optimizer)) return true;
     int64_t now = now_ns();
     int64_t last = last_step_ns_.load(std::memory_order_relaxed);
     if (last != 0) observe(static_cast<double>(now - last) * 1e-9);
@@ -141,7 +145,7 @@ class StepCounter {
  private:
   bool adopt(PyObject* optimizer) {
     if (counted_ref_ != nullptr) {
-      if (is_alive(counted_ref_)) return false;
+      if (referent_of(counted_ref_) != nullptr) return false;
       Py_CLEAR(counted_ref_);
     }
     counted_ref_ = PyWeakref_NewRef(optimizer, nullptr);

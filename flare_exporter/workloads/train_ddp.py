@@ -3,6 +3,8 @@
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python flare_exporter/workloads/train_ddp.py
 
 --wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
+--start-after PATH makes each rank, ready to train, create PATH.ready and wait for PATH before its first step
+  (benchmarks/instructions.py starts counting instructions then);
 --report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
   time, the training thread's CPU time and the whole process's CPU time (every thread: gloo's, and an
   attached exporter's); and each Python thread's CPU time over the steps, by name.
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--wait-for", default="")
+    parser.add_argument("--start-after", default="")
     parser.add_argument("--report", default="")
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
@@ -174,6 +177,10 @@ def main() -> None:
     else:
         extra_compute = args.slowdown * compute_seconds(args.batch)
     step_cpu, process_cpu = [], []
+    if args.start_after:
+        open(f"{args.start_after}.ready", "w").close()
+        while not os.path.exists(args.start_after):
+            time.sleep(0.01)
     threads_before = threads_cpu()
     for step in range(args.steps):
         started = time.perf_counter()

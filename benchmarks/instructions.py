@@ -1,0 +1,194 @@
+"""What flare-exporter adds to a training step, in instructions: counted by valgrind, not timed.
+
+    python benchmarks/instructions.py                       # 1 rank, 40 and 240 steps, both sides
+    python benchmarks/instructions.py --short 20 --long 120 --json out.json --keep DIR  # callgrind's files
+
+Step times on a shared 2-core machine differ by a few per cent between two runs of the same process, which
+hides a cost of 0.5 % (overhead.py can only say "noise-limited"). Instructions do not depend on what else
+the machine runs. Each run executes flare_exporter/workloads/train_ddp.py as one gloo rank (world size 1,
+so no peer's pace enters) under `valgrind --tool=callgrind --separate-threads=yes`, with instrumentation off
+until the rank is ready to train (`--start-after`: its first step waits for `callgrind_control -i on`),
+and reads each thread's instruction total when it exits. Each side runs twice, `--short` and `--long`
+steps; the difference divided by the difference in steps is the instructions per step of the training
+thread (start-up and exit cancel out) and of every other thread (gloo's; with the exporter, also its
+timing manager, HTTP server, stall watcher and GPU health reader, which reads the fake NVML).
+
+- without: `python flare_exporter/workloads/train_ddp.py`
+- with: `python -m flare_exporter.launch flare_exporter/workloads/train_ddp.py`, every signal at its
+  defaults. Nothing scrapes it (under valgrind a scrape would land on a different step each run); the
+  footprint benchmark gives what a scrape costs.
+
+Printed: instructions per step of the training thread and of the other threads, each side, and the training
+thread's ratio with / without. The other threads wake on the clock (the timing manager, the GPU health
+reader, the stall watcher), not per step, and a step takes about a hundred times longer under valgrind, so
+their count per step here overstates them by as much: overhead.py's CPU time per thread is their cost.
+valgrind runs threads one at a time and counts instructions, not cache misses: what the exporter's threads
+cost the training thread through the shared caches and cores is not in these numbers either.
+
+Exit status: 0 when every run completed, 1 when one failed (valgrind missing, a rank that exited non-zero),
+2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
+
+SCRIPT = REPO / "flare_exporter" / "workloads" / "train_ddp.py"
+TOTALS = re.compile(rb"^totals: (\d+)", re.MULTILINE)
+READY_TIMEOUT_S = 600.0
+
+
+class RunError(RuntimeError):
+    """A run could not be measured; the message names the run and why."""
+
+
+def thread_instructions(out_dir: Path, pid: int) -> dict[int, int]:
+    """Instructions per thread (1: the main thread) from callgrind's per-thread output files."""
+    counts = {}
+    for path in out_dir.glob(f"cg.{pid}-*"):
+        found = TOTALS.search(path.read_bytes())
+        if found:
+            counts[int(path.name.rsplit("-", 1)[1])] = int(found.group(1))
+    return counts
+
+
+def run(with_exporter: bool, steps: int, workdir: Path, timeout: float) -> dict[int, int]:
+    """One rank of `steps` steps under callgrind, counted from its first step: instructions per thread."""
+    label = f"{'with' if with_exporter else 'without'} the exporter, {steps} steps"
+    workdir.mkdir(parents=True)
+    start = workdir / "start"
+    env = dict(
+        os.environ,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+    )
+    if with_exporter:
+        env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
+        env.setdefault("FLARE_NVML_MODULE", "flare_exporter.testing.fake_nvml")
+    prefix = ["-m", "flare_exporter.launch"] if with_exporter else []
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        "--separate-threads=yes",
+        f"--callgrind-out-file={workdir}/cg.%p",
+        sys.executable,
+        *prefix,
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--start-after",
+        str(start),
+    ]
+    log = workdir / "log.txt"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        ready = Path(f"{start}.ready")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RunError(f"{label}: the rank never got ready to train; log: {_tail(log)}")
+            time.sleep(0.1)  # polling a file the rank writes: there is nothing to wait on instead
+        control = subprocess.run(
+            ["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, text=True, timeout=60
+        )
+        if control.returncode != 0:
+            raise RunError(f"{label}: callgrind_control failed: {control.stderr.strip() or control.stdout}")
+        start.touch()
+        if proc.wait(timeout=timeout) != 0:
+            raise RunError(f"{label}: the rank exited with code {proc.returncode}; log: {_tail(log)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    counts = thread_instructions(workdir, proc.pid)
+    if 1 not in counts:
+        raise RunError(f"{label}: callgrind wrote no count for the main thread; log: {_tail(log)}")
+    return counts
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return " | ".join(lines[-3:]) if lines else "(empty)"
+
+
+def per_step(short: dict[int, int], long: dict[int, int], steps: int) -> tuple[float, float]:
+    """(training thread, every other thread) instructions per step between the two runs."""
+    main = (long[1] - short[1]) / steps
+    others = (sum(long.values()) - long[1] - (sum(short.values()) - short[1])) / steps
+    return main, others
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
+    parser.add_argument("--long", type=int, default=240, help="steps of the long runs (default 240)")
+    parser.add_argument(
+        "--timeout", type=float, default=1200.0, help="seconds one run may take (default 1200)"
+    )
+    parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument(
+        "--keep", default="", metavar="DIR", help="keep callgrind's files in DIR (for callgrind_annotate)"
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.short < args.long:
+        parser.error(f"--short ({args.short}) must be positive and below --long ({args.long})")
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions: error: valgrind (callgrind_control) is not installed", file=sys.stderr)
+        return 1
+    steps = args.long - args.short
+    print(f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side")
+    results: dict[str, dict[str, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
+            tmp = args.keep or scratch
+            for with_exporter in (False, True):
+                side = "with" if with_exporter else "without"
+                short = run(with_exporter, args.short, Path(tmp) / f"{side}-short", args.timeout)
+                long = run(with_exporter, args.long, Path(tmp) / f"{side}-long", args.timeout)
+                main_thread, others = per_step(short, long, steps)
+                results[side] = {"training_thread": main_thread, "other_threads": others}
+                print(
+                    f"  {side:8} training thread {main_thread:12,.0f} instructions per step, "
+                    f"other threads {others:10,.0f} ({len(long)} threads)"
+                )
+    except RunError as error:
+        print(f"instructions: error: {error}", file=sys.stderr)
+        return 1
+    without, with_ = results["without"], results["with"]
+    thread_ratio = with_["training_thread"] / without["training_thread"]
+    print(
+        f"  training thread: with / without {thread_ratio:.4f} "
+        f"({with_['training_thread'] - without['training_thread']:+,.0f} instructions per step)"
+    )
+    print(
+        "  (the other threads wake on the clock, not per step, and a step takes ~100 times longer under "
+        "valgrind:\n   their count per step here is not what they cost at full speed; see overhead.py's "
+        "CPU per thread)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({**results, "thread_ratio": thread_ratio}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
