@@ -8,6 +8,8 @@ and derives the count from that copy, so the buckets it exposes are always cumul
 from __future__ import annotations
 
 from bisect import bisect_left
+from functools import lru_cache
+from itertools import accumulate
 
 
 class Histogram:
@@ -30,13 +32,10 @@ class Histogram:
         """Cumulative (le, count) pairs ending with +Inf, and the sum."""
         counts = self.counts.copy()
         total = self.sum
-        cumulative = []
-        running = 0
-        for bound, count in zip(self.bounds + (float("inf"),), counts, strict=True):
-            running += count
-            cumulative.append((_format_bound(bound), running))
-        return cumulative, total
+        return list(zip(bucket_labels(self.bounds), accumulate(counts), strict=True)), total
 
 
-def _format_bound(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(float(bound))
+@lru_cache(maxsize=64)
+def bucket_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The `le` label values of `bounds` and +Inf, formatted once per set of bounds."""
+    return (*(repr(float(bound)) for bound in bounds), "+Inf")

@@ -9,6 +9,7 @@
 #   5. a torch CUDA workload (matmuls + NCCL all-reduce, world size 1) under LD_PRELOAD: the ring's records
 #   6. flare-run --native end to end: the kernel_issue histogram and the `native` collective statistics
 #   7. NVML through flare_exporter.gpu_health (pynvml)
+#   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 # Exit status: 0 if no part failed, 1 otherwise.
 # shellcheck disable=SC2317  # the part functions are called indirectly, through part()
 set -u
@@ -206,6 +207,51 @@ sys.exit(0 if monitor.up else 1)
 EOF
 }
 
+c_step_hook_on_cuda() {
+    "$PY" -m flare_exporter.op_timer >/dev/null || exit 1
+    "$PY" - <<'EOF'
+import sys
+import torch
+if not torch.cuda.is_available():
+    print("no CUDA device"); sys.exit(77)
+from flare_exporter.config import Config
+from flare_exporter.identity import RankIdentity
+from flare_exporter.state import FlareState
+
+def train(state, model, optimizer, steps, device):
+    for _ in range(steps):
+        model(torch.randn(64, 256, device=device)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    state.manager.drain()
+
+# the C step hook counts; on CPU the ILD windows go to it, and come back once CUDA is up (no native shim)
+config = Config(ild_dispatch_every_steps=4, ild_launch_sample_every=1, gpu_health=False)
+state = FlareState.create(config, RankIdentity(0, 0, 1, "gpu", "h", 1))
+state.steps.install()
+state.ild.install()
+model = torch.nn.Linear(256, 256)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+train(state, model, optimizer, 8, "cpu")
+print("CPU: counted", state.steps.steps, "C hook", state.steps.counter is not None,
+      "windows handed over", state.ild.dispatch.handed_over)
+ok = state.steps.steps == 8 and state.steps.counter is not None and state.ild.dispatch.handed_over
+model.cuda()  # CUDA comes up after attach
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+train(state, model, optimizer, 1, "cuda")  # the drain takes the windows back
+train(state, model, optimizer, 24, "cuda")
+kernels = sum(state.ild.kernel_issue.histogram.counts)
+print("CUDA: counted", state.steps.steps, "windows handed over", state.ild.dispatch.handed_over,
+      "kernel issue samples", kernels, "errors", dict(state.health.errors))
+ok = ok and state.steps.steps == 33 and not state.ild.dispatch.handed_over and kernels > 0
+state.steps.remove()
+state.ild.remove()
+sys.exit(0 if ok and not state.health.errors else 1)
+EOF
+}
+
 part "1 nvidia-smi summary" nvidia_smi_summary
 part "2 torch.cuda events" torch_events
 part "3 cupy events" cupy_events
@@ -213,6 +259,7 @@ part "4 build the native shim" build_shim
 part "5 shim under a torch CUDA + NCCL workload" shim_under_torch
 part "6 flare-run --native end to end" flare_run_native
 part "7 NVML via flare_exporter.gpu_health" nvml_health
+part "8 the C step hook on CUDA: ILD windows back to the dispatch mode" c_step_hook_on_cuda
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import cache
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from .. import spec
 from ..histogram import Histogram
@@ -44,5 +46,17 @@ class Families:
         return [*self.common_values, *values]
 
     def add_histogram(self, family: Any, values: tuple[str, ...], histogram: Histogram) -> None:
+        """The samples HistogramMetricFamily.add_metric adds (each bucket, _count, _sum), built with less
+        work per bucket: a scrape adds hundreds of buckets."""
         buckets, total = histogram.snapshot()
-        family.add_metric(self.labels(*values), buckets=buckets, sum_value=total)
+        name = family.name
+        labels = dict(zip(_label_names(name), self.labels(*values), strict=True))
+        bucket = name + "_bucket"
+        family.samples.extend([Sample(bucket, {**labels, "le": le}, count) for le, count in buckets])
+        family.samples.append(Sample(name + "_count", labels, buckets[-1][1]))
+        family.samples.append(Sample(name + "_sum", dict(labels), total))
+
+
+@cache  # one entry per metric of the spec
+def _label_names(name: str) -> tuple[str, ...]:
+    return (*spec.COMMON_LABELS, *spec.BY_NAME[name].labels)
