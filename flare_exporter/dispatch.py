@@ -126,7 +126,7 @@ class DispatchSampler:
     def cuda_events(self) -> EventBackend | None:
         """torch CUDA events once this process has initialised CUDA, else None (checked until then)."""
         if self._cuda_events is None and not self._cuda_checked:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if _cuda_initialized():
                 from .timing import TorchCudaEvents
 
                 self._cuda_events = TorchCudaEvents(self.health, self.event_pool_size)
@@ -220,4 +220,5 @@ class DispatchSampler:
 
 
 def _cuda_initialized() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    """This process has initialised CUDA: a Python flag, no device query on a drain or a step."""
+    return torch.cuda.is_initialized()

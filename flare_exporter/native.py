@@ -20,6 +20,7 @@ import os
 import struct
 import time
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -303,6 +304,12 @@ class ShimFeed:
         self.kernel_issue = kernel_issue
         self.manager = manager
         self.steps = steps
+        # the step boundaries the records are tagged by, read from the tracker from the last one on
+        self._boundaries: deque[tuple[int, float]] = deque()
+        if steps is not None:
+            from .progress import STEP_BOUNDARIES_KEPT  # imports torch, as a step tracker does already
+
+            self._boundaries = deque(maxlen=STEP_BOUNDARIES_KEPT)
         self.failed_calls = 0  # records of calls that returned an error: their timing means nothing
         # step tags need the shim's clock to be perf_counter's (both CLOCK_MONOTONIC on Linux)
         self._same_clock = "CLOCK_MONOTONIC" in time.get_clock_info("perf_counter").implementation
@@ -311,10 +318,13 @@ class ShimFeed:
         records = self.reader.read()
         if not records:
             return
-        boundaries = self.steps.boundaries if self.steps is not None else []
-        steps = [step for step, _ in boundaries]
-        times = [at for _, at in boundaries]
-        current_step = self.steps.steps if self.steps is not None else 0
+        current_step = 0
+        if self.steps is not None:
+            last = self._boundaries[-1][0] if self._boundaries else 0
+            self._boundaries.extend(self.steps.boundaries_after(last))
+            current_step = self.steps.steps
+        steps = [step for step, _ in self._boundaries]
+        times = [at for _, at in self._boundaries]
         stats = self.manager.stats
         for record in records:
             if record.result != 0:

@@ -92,13 +92,9 @@ class StepTracker:
         counts, total = self.counter.durations()
         return Histogram(spec.STEP_DURATION_BUCKETS, counts, total)
 
-    @property
-    def boundaries(self) -> list[tuple[int, float]]:
-        """(step, perf_counter time) of the last STEP_BOUNDARIES_KEPT steps, oldest first (a copy)."""
-        return self.boundaries_after(0)
-
     def boundaries_after(self, step: int) -> list[tuple[int, float]]:
-        """The kept boundaries of the steps after `step` (a reader's incremental read)."""
+        """(step, perf_counter time) of the kept steps (the last STEP_BOUNDARIES_KEPT) after `step`,
+        oldest first: each reader reads from the last boundary it has seen."""
         if self.counter is not None:
             return self.counter.boundaries(step)  # type: ignore[no-any-return]
         return [boundary for boundary in list(self._boundaries) if boundary[0] > step]

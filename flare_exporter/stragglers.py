@@ -10,7 +10,7 @@ window n holds steps n*W+2 .. n*W+W+1 (step 1 has no start, as in flare_step_dur
 Where the numbers come from, without touching the training thread beyond the step hook:
 
 - step boundaries: the optimizer step hook appends (step number, perf_counter time) to
-  `StepTracker.boundaries`; step n spans (boundary n-1, boundary n];
+  `StepTracker.boundaries_after`; step n spans (boundary n-1, boundary n];
 - collective wait: every collective's issue time and duration (issue to completion, as in
   flare_collective_duration_seconds), from the groups' pending queues. A collective belongs to the step in
   which it was issued; a step is complete once every collective issued before its end has finished.

@@ -150,7 +150,10 @@ def test_a_ring_recreated_under_our_pid_is_read_from_its_start(tmp_path):
 
 def test_kernel_samples_are_tagged_with_the_step_they_were_launched_in(tmp_path):
     health = ExporterHealth()
-    steps = SimpleNamespace(boundaries=[(1, 1.0), (2, 2.0), (3, 3.0)], steps=3)  # StepTracker's reads
+    boundaries = [(1, 1.0), (2, 2.0), (3, 3.0)]
+    steps = SimpleNamespace(  # StepTracker's reads
+        boundaries_after=lambda step: [boundary for boundary in boundaries if boundary[0] > step], steps=3
+    )
     latency = IssueLatency("kernel_issue", Config())
     tagged: list[tuple[int, float]] = []
     latency.add = lambda step, seconds: tagged.append((step, seconds))  # type: ignore[method-assign]

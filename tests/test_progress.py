@@ -52,8 +52,8 @@ def test_steps_of_the_first_optimizer_count_once_each(tracker: StepTracker):
     assert buckets[-1] == ("+Inf", 2)  # durations are gaps between steps
     assert 0 < total < after - before
     assert [label for label, _ in buckets[:-1]] == [repr(bound) for bound in spec.STEP_DURATION_BUCKETS]
-    assert [step for step, _ in tracker.boundaries] == [1, 2, 3]
-    times = [at for _, at in tracker.boundaries]
+    assert [step for step, _ in tracker.boundaries_after(0)] == [1, 2, 3]
+    times = [at for _, at in tracker.boundaries_after(0)]
     assert times == sorted(times) and times[-1] == tracker.last_step_at
     assert total == pytest.approx(times[-1] - times[0])
 
@@ -83,7 +83,7 @@ def test_only_the_last_boundaries_are_kept(tracker: StepTracker):
     optimizer = make_optimizer()
     for _ in range(STEP_BOUNDARIES_KEPT + 5):
         optimizer.step()
-    boundaries = tracker.boundaries
+    boundaries = tracker.boundaries_after(0)
     assert len(boundaries) == STEP_BOUNDARIES_KEPT
     assert boundaries[0][0] == 6 and boundaries[-1][0] == STEP_BOUNDARIES_KEPT + 5
     if tracker.counter is not None:  # the drain's incremental read
