@@ -107,14 +107,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_rank_info",
         INFO,
         "",
-        "Identity of this rank; join on rank with group_left for these labels.",
+        "Identity of this rank (join on rank with group_left).",
         ("host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"),
     ),
     MetricSpec(
         "flare_process_group_info",
         INFO,
         "",
-        "A process group of this rank: stable name, role, size, and what records its collectives.",
+        "A process group of this rank: name, role, size, recorder.",
         ("group", "role", "size", "recorder"),
         detail="recorder: cpp (flare's C++ backend, no Python on the training thread) or python (hooks).",
     ),
@@ -154,7 +154,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_in_flight_info",
         INFO,
         "",
-        "Op and state of the group's oldest unfinished collective.",
+        "Op and state of the oldest unfinished collective.",
         ("group", "op", "state"),
         detail=(
             "State issued: handed to the backend; started: running on the device. Absent when nothing is in "
@@ -165,7 +165,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_in_flight_seq",
         GAUGE,
         "",
-        "Sequence number of the group's oldest unfinished collective.",
+        "Sequence number of the oldest unfinished collective.",
         ("group",),
         detail="0 for send/recv.",
     ),
@@ -173,21 +173,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_collective_in_flight_bytes",
         GAUGE,
         "bytes",
-        "Payload of the group's oldest unfinished collective.",
+        "Payload of the oldest unfinished collective.",
         ("group",),
     ),
     MetricSpec(
         "flare_collective_in_flight_started_timestamp_seconds",
         GAUGE,
         "seconds",
-        "Unix time the group's oldest unfinished collective was issued.",
+        "Unix time the oldest unfinished collective was issued.",
         ("group",),
     ),
     MetricSpec(
         "flare_rank_stack_info",
         INFO,
         "",
-        "What the training thread is doing while it makes no progress.",
+        "What the stalled training thread is doing.",
         ("activity", "frames"),
         detail=(
             "Present after stall_seconds without progress: its activity (collective, data or compute) and "
@@ -214,7 +214,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_kernel_issue_latency_seconds",
         HISTOGRAM,
         "seconds",
-        "Device start minus host launch of sampled kernel launches.",
+        "Device start minus host launch of sampled kernels.",
         (),
         ISSUE_LATENCY_BUCKETS,
         detail=(
@@ -226,7 +226,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_host_dispatch_latency_seconds",
         HISTOGRAM,
         "seconds",
-        "Time of framework ops from dispatch to return, in sampling windows.",
+        "Sampled framework ops' time from dispatch to return.",
         (),
         ISSUE_LATENCY_BUCKETS,
         detail=(
@@ -238,7 +238,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_drift_ks",
         GAUGE,
         "",
-        "Kolmogorov-Smirnov statistic of the window vs the baseline.",
+        "Kolmogorov-Smirnov statistic, window vs baseline.",
         ("distribution",),
         detail=(
             "Largest CDF difference (0..1) over the histogram buckets, against this rank's own baseline; "
@@ -249,7 +249,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_drift_wasserstein_seconds",
         GAUGE,
         "seconds",
-        "Wasserstein-1 distance of the window from the baseline.",
+        "Wasserstein-1 distance, window vs baseline.",
         ("distribution",),
         detail=(
             "Over the histogram buckets' log-midpoints, against this rank's own baseline; absent until both "
@@ -260,7 +260,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_ild_op_shift_seconds",
         GAUGE,
         "seconds",
-        "Delay added to every op since the baseline, from per-op fastest times.",
+        "Delay added to every op since the baseline.",
         ("distribution",),
         detail=(
             "Host dispatch only. Weighted median over ops (by baseline stability) of each op's fastest "
@@ -303,18 +303,18 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_straggler_window_wait_seconds",
         GAUGE,
         "seconds",
-        "Mean time per step spent in collectives over the same window.",
+        "Mean collective time per step over the window.",
         ("ago",),
         detail=(
-            "Issue to completion, summed over the step's collectives; a straggler waits least, the others "
-            "wait for it."
+            "Same window as flare_straggler_window_step_seconds. Issue to completion, summed over the step's "
+            "collectives; a straggler waits least, the others wait for it."
         ),
     ),
     MetricSpec(
         "flare_straggler_last_window",
         GAUGE,
         "",
-        "Number of the last closed window, to align the ranks' windows.",
+        "Number of the last closed straggler window.",
         detail="Window n holds steps n*straggler_window_steps+2 onwards, the same steps on every rank.",
     ),
     MetricSpec(
@@ -327,14 +327,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_straggler_slowdown_ratio",
         GAUGE,
         "",
-        "Last window's mean step time over the rank's own best window.",
-        detail="1: as fast as it has ever been.",
+        "Last window's mean step time over the best.",
+        detail="Best: the rank's own lowest window mean so far; 1: as fast as it has ever been.",
     ),
     MetricSpec(
         "flare_gpu_health_up",
         GAUGE,
         "",
-        "1 if NVML answered for this rank's GPU at the last poll, else 0.",
+        "1 if NVML answered at the last poll, else 0.",
         detail=(
             "0 with no NVML, no GPU, or GPU health disabled; the other flare_gpu_ series are present only "
             "when it is 1."
@@ -344,9 +344,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_clock_event_active",
         GAUGE,
         "",
-        "1 while NVML reports this clock-event (throttle) reason, else 0.",
+        "1 while NVML reports this throttle reason, else 0.",
         ("reason",),
-        detail="One series per reason of a fixed list.",
+        detail="NVML's clock-event (once throttle) reasons: one series per reason of a fixed list.",
     ),
     MetricSpec("flare_gpu_sm_clock_hertz", GAUGE, "", "Current SM clock of the rank's GPU."),
     MetricSpec("flare_gpu_sm_clock_max_hertz", GAUGE, "", "Maximum SM clock of the rank's GPU."),
@@ -384,9 +384,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_nvlink_errors_total",
         COUNTER,
         "",
-        "NVLink error counters of the GPU, summed over its active links.",
+        "NVLink errors of the GPU, summed over its links.",
         ("counter",),
-        detail="By counter: replay, recovery, crc_flit, crc_data.",
+        detail="By counter: replay, recovery, crc_flit, crc_data; summed over the active links.",
     ),
     MetricSpec(
         "flare_gpu_remapped_rows",
@@ -406,13 +406,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_gpu_row_remap_failed",
         GAUGE,
         "",
-        "1 if a row remapping failed (the GPU should be replaced), else 0.",
+        "1 if a row remapping failed (replace the GPU), else 0.",
     ),
     MetricSpec(
         "flare_exporter_errors_total",
         COUNTER,
         "",
-        "Errors the exporter caught and counted instead of raising, by component.",
+        "Errors the exporter caught instead of raising, by component.",
         ("component",),
     ),
     MetricSpec(
@@ -430,7 +430,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_exporter_collector_success",
         GAUGE,
         "",
-        "1 if the collector succeeded on this scrape, 0 if it failed.",
+        "1 if the collector succeeded on this scrape, else 0.",
         ("collector",),
     ),
     MetricSpec(
