@@ -43,15 +43,12 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from flare_exporter.agent import build_registry  # noqa: E402
 from flare_exporter.exposition import MetricsServer, metrics_body, render_text  # noqa: E402
 from flare_exporter.scrape import parse  # noqa: E402
+from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
 from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
 
 SERIES_GOAL = 300
 RUN = "4817233"  # a Slurm job id: the run label is on every series, so its length counts
 BYTES_GOAL = 32 * 1024
-PROMETHEUS_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
 
 
 def median_ms(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -67,7 +64,7 @@ def median_ms(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 def scrape_endpoint(port: int) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    connection.request("GET", "/metrics", headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
+    connection.request("GET", "/metrics", headers=PROMETHEUS_SCRAPE_HEADERS)
     response = connection.getresponse()
     body = response.read()
     connection.close()

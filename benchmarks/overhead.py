@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
+import http.client
 import itertools
 import json
 import math
@@ -41,8 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
+from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
 GOAL_RATIO = 1.005
@@ -119,6 +120,8 @@ class ScrapeCounts:
     shutdown: int = 0  # failed after the rank finished training (its endpoint closes as the process exits)
     never_answered: list[int] = field(default_factory=list)  # ranks that never answered in this run
     failures: list[str] = field(default_factory=list)  # first few failure reasons
+    attempts: int = 0  # every attempt, whatever its outcome
+    scraper_cpu_s: float = 0.0  # the scraper thread's CPU time: the benchmark's own, on the job's cores
 
     def add(self, other: ScrapeCounts) -> None:
         self.done += other.done
@@ -128,47 +131,64 @@ class ScrapeCounts:
         self.shutdown += other.shutdown
         self.never_answered += other.never_answered
         self.failures += other.failures[: max(0, 5 - len(self.failures))]
+        self.attempts += other.attempts
+        self.scraper_cpu_s += other.scraper_cpu_s
 
 
 class Scraper(threading.Thread):
-    """Scrapes every rank's /metrics once per second until stopped; classifies failures afterwards."""
+    """Scrapes every rank's /metrics once per second until stopped, as Prometheus does: one kept-alive
+    connection per rank, gzip and Prometheus's Accept header. Classifies failures afterwards."""
 
     def __init__(self, base_port: int, ranks: int, interval: float) -> None:
         super().__init__(name="overhead-scraper", daemon=True)
         self.interval = interval
-        self.urls = [f"http://127.0.0.1:{base_port + rank}/metrics" for rank in range(ranks)]
+        self.ports = [base_port + rank for rank in range(ranks)]
+        self.connections: list[http.client.HTTPConnection | None] = [None] * ranks
         self.stop_event = threading.Event()
         # per rank: (wall time the attempt started, None if it succeeded else the reason)
-        self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.urls]
+        self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.ports]
+        self.cpu_seconds = 0.0  # this thread's own CPU: the benchmark's, on the same cores as the job
 
     def run(self) -> None:
+        started_cpu = time.thread_time()
         next_at = time.monotonic()
         while not self.stop_event.is_set():
-            for rank, url in enumerate(self.urls):
-                self.attempts[rank].append((time.time(), self._scrape(url)))
+            for rank in range(len(self.ports)):
+                self.attempts[rank].append((time.time(), self._scrape(rank)))
+            self.cpu_seconds = time.thread_time() - started_cpu
             # after a slow round, carry on from now rather than catch up in a burst
             next_at = max(next_at + self.interval, time.monotonic())
             self.stop_event.wait(max(0.0, next_at - time.monotonic()))
+        for connection in self.connections:
+            if connection is not None:
+                connection.close()
 
-    @staticmethod
-    def _scrape(url: str) -> str | None:
+    def _scrape(self, rank: int) -> str | None:
+        connection = self.connections[rank]
+        if connection is None:
+            connection = http.client.HTTPConnection("127.0.0.1", self.ports[rank], timeout=SCRAPE_TIMEOUT_S)
+            self.connections[rank] = connection
         try:
-            with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-                body = response.read()
-                if response.status != 200:
-                    return f"HTTP {response.status}"
-        except urllib.error.HTTPError as error:
-            return f"HTTP {error.code}"
-        except (OSError, urllib.error.URLError) as error:
-            reason = getattr(error, "reason", error)
-            return f"{type(reason).__name__}: {reason}"
+            connection.request("GET", "/metrics", headers=PROMETHEUS_SCRAPE_HEADERS)
+            response = connection.getresponse()
+            body = response.read()
+            if response.status != 200:
+                return f"HTTP {response.status}"
+            if response.getheader("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()  # a new connection at the next attempt
+            self.connections[rank] = None
+            return f"{type(error).__name__}: {error}"
         if b"flare_" not in body:
             return "200 without flare_ metrics"
         return None
 
     def counts(self, training: list[tuple[float, float]]) -> ScrapeCounts:
         """Classify the attempts; `training` is each rank's (first step began, last step ended), wall time."""
-        counts = ScrapeCounts()
+        counts = ScrapeCounts(
+            attempts=sum(len(attempts) for attempts in self.attempts), scraper_cpu_s=self.cpu_seconds
+        )
         for rank, attempts in enumerate(self.attempts):
             answered = False
             trained_from, trained_until = training[rank]
@@ -791,7 +811,8 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
         f"  scrapes: {scrapes.done} done ({scrapes.during_training} while training), "
         f"{scrapes.failed} failed "
         f"(not counted: {scrapes.startup} refused before a rank's endpoint was up, "
-        f"{scrapes.shutdown} after a rank's training ended)"
+        f"{scrapes.shutdown} after a rank's training ended); the benchmark's scraper used "
+        f"{scrapes.scraper_cpu_s / max(1, scrapes.attempts) * 1e6:.0f} us of CPU per attempt"
     )
     cpu_without = statistics.median(p["without"]["cpu_s"] for p in pairs)
     cpu_with = statistics.median(p["with"]["cpu_s"] for p in pairs)

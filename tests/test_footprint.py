@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
@@ -167,6 +168,38 @@ def test_the_fast_renderer_writes_what_generate_latest_writes():
         (s.name, s.labels, s.value) for s in scrape.parse(reference)
     ]
     assert " 1\n" in fast and " 1.0\n" not in fast  # integral values as Go writes them
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        0,
+        1,
+        -1,
+        48_000,
+        999_999,
+        -999_999,
+        1_000_000,
+        -1_000_000,
+        2_415_919_104,
+        10**17,
+        -(10**17),
+        True,
+        0.0,
+        1.0,
+        -0.5,
+        2.415919104e11,
+        1e-7,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ],
+)
+def test_a_value_is_written_as_prometheus_client_writes_it_but_integral_without_dot_zero(value):
+    from flare_exporter.exposition import _value_text
+
+    expected = floatToGoString(value)
+    assert _value_text(value) == expected.removesuffix(".0")
 
 
 def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(monkeypatch):
