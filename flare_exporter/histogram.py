@@ -28,11 +28,16 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
-        """Cumulative (le, count) pairs ending with +Inf, and the sum."""
+    def cumulative(self) -> tuple[list[int], float]:
+        """Cumulative bucket counts ending with +Inf's (the count), and the sum."""
         counts = self.counts.copy()
         total = self.sum
-        return list(zip(bucket_labels(self.bounds), accumulate(counts), strict=True)), total
+        return list(accumulate(counts)), total
+
+    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative (le, count) pairs ending with +Inf, and the sum."""
+        counts, total = self.cumulative()
+        return list(zip(bucket_labels(self.bounds), counts, strict=True)), total
 
 
 @lru_cache(maxsize=64)

@@ -5,10 +5,11 @@
 It holds the native host dispatch timer (csrc/op_timer.cpp), a torch RecordFunction observer that times
 every aten op in a sampling window for tens of ns per op, where the Python dispatch mode (dispatch.py)
 costs microseconds; the recording backend (csrc/collectives.cpp), which records every collective of a
-gloo group in C++ (process_group.py); and the optimizer step hook as a C function (csrc/steps.cpp,
-progress.py). Built into a directory named after the sources, torch and Python
-versions, under `FLARE_OP_TIMER_DIR` (default: ~/.cache/flare-exporter), so a new torch needs a new build
-and never loads a stale one. Without a build the exporter uses the dispatch mode and Python hooks.
+gloo group in C++ (process_group.py); the optimizer step hook as a C function (csrc/steps.cpp,
+progress.py); and the text format a scrape serves (csrc/text_format.cpp, exposition.py). Built into a
+directory named after the sources, torch and Python versions, under `FLARE_OP_TIMER_DIR` (default:
+~/.cache/flare-exporter), so a new torch needs a new build and never loads a stale one. Without a build the
+exporter uses the dispatch mode, Python hooks and the Python text format.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # compiled together; their headers lie in SOURCE_DIR too
-SOURCES = [SOURCE_DIR / name for name in ("op_timer.cpp", "collectives.cpp", "steps.cpp")]
+SOURCES = [SOURCE_DIR / name for name in ("op_timer.cpp", "collectives.cpp", "steps.cpp", "text_format.cpp")]
 MODULE_NAME = "flare_op_timer"
 COMPILER_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-Wall"]
 

@@ -143,3 +143,13 @@ def dispatch_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     else:
         monkeypatch.setattr(op_timer, "load", lambda: None)
     return request.param
+
+
+@pytest.fixture(params=["native", "python"])
+def text_format(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both writers of the text format: the extension's (csrc/text_format.cpp, built here) and Python's."""
+    from flare_exporter import exposition
+
+    native = torch_extension().render_text if request.param == "native" else None
+    monkeypatch.setattr(exposition, "_native_text_format", lambda: native)
+    return request.param

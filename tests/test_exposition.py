@@ -258,3 +258,127 @@ def test_connections_beyond_the_limit_are_dropped_and_counted():
         assert wait_for(answered, 30, "the endpoint to answer again")
     finally:
         server.close()
+
+
+def hostile_families() -> list:
+    """Families flare's writers must write exactly as the Python one does: escapes, unicode, every kind of
+    value, no labels, info and histogram types."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        InfoMetricFamily,
+    )
+
+    gauge = GaugeMetricFamily(
+        "flare_odd", 'help with \\ a backslash,\na newline and "quotes"', labels=["a", "b"]
+    )
+    for value in ['quote " here', "back\\slash", "new\nline", "ünï©ødé ✓", "", "z", "Z", "é"]:
+        gauge.add_metric([value, "x"], 1.5)
+    values = [0, 1, -1, 999_999, 1_000_000, -(10**17), 2**70, True, False, 0.0, -0.0, 1e-7, 0.1, 123456.0]
+    values += [1234567.0, 2.415919104e11, 1e16, 1.5e300, -2.5e-300, float("inf"), float("-inf"), float("nan")]
+    for index, value in enumerate(values):
+        gauge.add_metric([str(index), "v"], value)
+    plain = GaugeMetricFamily("flare_plain", "no labels at all", value=3)
+    counter = CounterMetricFamily("flare_things", "Things.", labels=["kind"])
+    counter.add_metric(["a"], 7)
+    info = InfoMetricFamily("flare_build", "Build.", value={"version": "1.2", "commit": "abc"})
+    histogram = HistogramMetricFamily("flare_wait_seconds", "Waits.", labels=["op"])
+    histogram.add_metric(["allreduce"], [("0.001", 2), ("1.0", 5), ("+Inf", 6)], sum_value=1.25)
+    return [gauge, plain, counter, info, histogram]
+
+
+def python_text(metrics: list) -> bytes | None:
+    from flare_exporter import exposition
+
+    output: list[str] = []
+    try:
+        for metric in metrics:
+            exposition._family_text(metric, output)
+    except exposition._NotPlain:
+        return None
+    return "".join(output).encode("utf-8")
+
+
+def test_the_native_text_format_writes_what_the_python_one_writes():
+    from conftest import torch_extension
+
+    native = torch_extension().render_text
+    metrics = hostile_families()
+    text = native(metrics)
+    assert text == python_text(metrics)
+    assert b'a="quote \\" here"' in text and b'a="new\\nline"' in text and b"\\\\ a backslash" in text
+    assert b"2.415919104e+11" in text and b" NaN\n" in text and b" -Inf\n" in text and b" 999999\n" in text
+    flare = build_flare_families()
+    assert native(flare) == python_text(flare) and len(flare) > 40
+
+
+def build_flare_families() -> list:
+    import time
+
+    from flare_exporter.agent import build_registry
+    from flare_exporter.testing import virtual_cluster as vc
+
+    now = time.perf_counter()
+    state = vc.rank_state(3, 64, "run-1", now, vc.Faults(hung=5, hung_at=now - 600.0, straggler=3))
+    return list(build_registry(state).collect())
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        "timestamp",
+        "exemplar",
+        "created",
+        "summary",
+        "bad name",
+        "reserved label",
+        "label not str",
+        "value str",
+    ],
+)
+def test_what_the_native_text_format_cannot_write_it_leaves_to_prometheus_client(spoil):
+    from conftest import torch_extension
+    from prometheus_client.core import Exemplar, Metric, SummaryMetricFamily
+    from prometheus_client.samples import Sample
+
+    native = torch_extension().render_text
+    gauge = Metric("flare_spoilt", "Spoilt.", "gauge")
+    sample = {
+        "timestamp": Sample("flare_spoilt", {}, 1.0, 12.5),
+        "exemplar": Sample("flare_spoilt", {}, 1.0, None, Exemplar({"trace": "a"}, 1.0)),
+        "created": Sample("flare_spoilt_created", {}, 1.0),
+        "reserved label": Sample("flare_spoilt", {"__name": "x"}, 1.0),
+        "label not str": Sample("flare_spoilt", {"a": 3}, 1.0),
+        "value str": Sample("flare_spoilt", {}, "1.5"),
+    }.get(spoil, Sample("flare_spoilt", {}, 1.0))
+    gauge.samples.append(sample)
+    if spoil == "summary":
+        gauge = SummaryMetricFamily("flare_spoilt", "Spoilt.", count_value=1, sum_value=2.0)
+    elif spoil == "bad name":
+        gauge.name = "flare-spoilt"
+    metrics = [*hostile_families(), gauge]
+    assert native(metrics) is None
+    assert native(hostile_families()) is not None
+    if spoil not in ("label not str", "value str"):  # Python fails on these, as prometheus_client does
+        assert python_text(metrics) is None
+
+
+def test_render_text_falls_back_to_prometheus_client_for_a_family_it_cannot_write(text_format):
+    from prometheus_client.core import Exemplar, Metric
+    from prometheus_client.samples import Sample
+
+    from flare_exporter.exposition import render_text
+
+    class Odd:
+        def collect(self):
+            metric = Metric("flare_odd", "Odd.", "gauge")
+            metric.samples.append(Sample("flare_odd", {}, 2.0, None, Exemplar({"trace": "a"}, 1.0)))
+            return [metric]
+
+    steps = b'flare_steps_total{rank="3",run="run-1"} 12'
+    alone = make_registry(StepsCollector())
+    assert steps + b"\n" in render_text(alone)  # flare's writer: integral values as Go writes them
+    registry = make_registry(StepsCollector())
+    registry.register(Odd())
+    assert steps + b".0\n" in render_text(registry)  # generate_latest's, for the whole registry

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 from .. import spec
-from ..histogram import Histogram
+from ..histogram import Histogram, bucket_labels
 
 
 class Collector(Protocol):
@@ -32,29 +32,51 @@ class Families:
         self.common_values = common_values
 
     def new(self, name: str) -> Any:
-        metric = spec.BY_NAME[name]
-        labels = list(spec.COMMON_LABELS) + list(metric.labels)
-        family_class = {
-            spec.COUNTER: CounterMetricFamily,
-            spec.GAUGE: GaugeMetricFamily,
-            spec.INFO: GaugeMetricFamily,
-            spec.HISTOGRAM: HistogramMetricFamily,
-        }[metric.type]
-        return family_class(metric.name, metric.help, labels=labels, unit=metric.unit)
+        """An empty family of the spec's metric `name`: a copy of one built once (prometheus_client's
+        constructors validate the name, unit and labels every time; a scrape makes fifty)."""
+        prototype = _prototype(name)
+        family = object.__new__(prototype.__class__)
+        family.__dict__.update(prototype.__dict__)
+        family.samples = []
+        return family
 
     def labels(self, *values: str) -> list[str]:
         return [*self.common_values, *values]
 
     def add_histogram(self, family: Any, values: tuple[str, ...], histogram: Histogram) -> None:
         """The samples HistogramMetricFamily.add_metric adds (each bucket, _count, _sum), built with less
-        work per bucket: a scrape adds hundreds of buckets."""
-        buckets, total = histogram.snapshot()
+        work per bucket: a scrape adds hundreds of buckets, whose label dicts are built once per series."""
+        counts, total = histogram.cumulative()
         name = family.name
-        labels = dict(zip(_label_names(name), self.labels(*values), strict=True))
+        labels, bucket_labels = _histogram_labels(name, (*self.common_values, *values), histogram.bounds)
         bucket = name + "_bucket"
-        family.samples.extend([Sample(bucket, {**labels, "le": le}, count) for le, count in buckets])
-        family.samples.append(Sample(name + "_count", labels, buckets[-1][1]))
-        family.samples.append(Sample(name + "_sum", dict(labels), total))
+        family.samples.extend(
+            [Sample(bucket, le, count) for le, count in zip(bucket_labels, counts, strict=True)]
+        )
+        family.samples.append(Sample(name + "_count", labels, counts[-1]))
+        family.samples.append(Sample(name + "_sum", labels, total))
+
+
+@cache  # one entry per metric of the spec
+def _prototype(name: str) -> Metric:
+    metric = spec.BY_NAME[name]
+    family_class = {
+        spec.COUNTER: CounterMetricFamily,
+        spec.GAUGE: GaugeMetricFamily,
+        spec.INFO: GaugeMetricFamily,
+        spec.HISTOGRAM: HistogramMetricFamily,
+    }[metric.type]
+    return family_class(metric.name, metric.help, labels=_label_names(name), unit=metric.unit)
+
+
+# Per histogram series: its labels, and each bucket's with its `le`. Shared by every scrape's samples, which
+# nothing modifies; bounded like the series themselves (label values are bounded by the spec).
+@lru_cache(maxsize=1024)
+def _histogram_labels(
+    name: str, values: tuple[str, ...], bounds: tuple[float, ...]
+) -> tuple[dict[str, str], tuple[dict[str, str], ...]]:
+    labels = dict(zip(_label_names(name), values, strict=True))
+    return labels, tuple({**labels, "le": le} for le in bucket_labels(bounds))
 
 
 @cache  # one entry per metric of the spec

@@ -34,6 +34,7 @@
 #include "collectives.h"
 #include "op_timer.h"
 #include "steps.h"
+#include "text_format.h"
 
 namespace {
 
@@ -235,7 +236,7 @@ std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::j
 }  // namespace
 
 PYBIND11_MODULE(flare_op_timer, m) {
-  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps, the step counter";
+  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps, the step counter, the text format";
   m.def("open_window", &flare::open_window, "time every aten op from now on, tagged with the window's step");
   m.def("close_window", &flare::close_window, "stop timing ops");
   pybind11::class_<StepCounts>(m, "StepCounts")
@@ -256,4 +257,5 @@ PYBIND11_MODULE(flare_op_timer, m) {
         "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
   flare::add_collectives(m);
   flare::add_steps(m);
+  flare::add_text_format(m);
 }
