@@ -159,16 +159,20 @@ def render_text(registry: CollectorRegistry, prefixes: SamplePrefixes | None = N
     it does not write itself (another type, a _created sample, a timestamp, a name that needs escaping)
     sends the whole registry through generate_latest.
     """
+    metrics = list(registry.collect())
     native = _native_text_format()
-    if native is not None:
-        text = native(list(registry.collect()))
-        return text if text is not None else generate_latest(registry)
+    text = native(metrics) if native is not None else python_text_format(metrics, prefixes)
+    return text if text is not None else generate_latest(registry)
+
+
+def python_text_format(metrics: Iterable[Metric], prefixes: SamplePrefixes | None = None) -> bytes | None:
+    """The text of `metrics` written in Python, or None if one of them needs prometheus_client's writer."""
     output: list[str] = []
     try:
-        for metric in registry.collect():
+        for metric in metrics:
             _family_text(metric, output, prefixes)
     except _NotPlain:
-        return generate_latest(registry)
+        return None
     return "".join(output).encode("utf-8")
 
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flare_exporter.collectors import Families
-from flare_exporter.exposition import FlareCollector, RenderCache, make_app, serve
+from flare_exporter.exposition import FlareCollector, RenderCache, make_app, python_text_format, serve
 from flare_exporter.health import ExporterHealth
 from flare_exporter.prometheus_process import wait_for
 
@@ -288,29 +288,17 @@ def hostile_families() -> list:
     return [gauge, plain, counter, info, histogram]
 
 
-def python_text(metrics: list) -> bytes | None:
-    from flare_exporter import exposition
-
-    output: list[str] = []
-    try:
-        for metric in metrics:
-            exposition._family_text(metric, output)
-    except exposition._NotPlain:
-        return None
-    return "".join(output).encode("utf-8")
-
-
 def test_the_native_text_format_writes_what_the_python_one_writes():
     from conftest import torch_extension
 
     native = torch_extension().render_text
     metrics = hostile_families()
     text = native(metrics)
-    assert text == python_text(metrics)
+    assert text == python_text_format(metrics)
     assert b'a="quote \\" here"' in text and b'a="new\\nline"' in text and b"\\\\ a backslash" in text
     assert b"2.415919104e+11" in text and b" NaN\n" in text and b" -Inf\n" in text and b" 999999\n" in text
     flare = build_flare_families()
-    assert native(flare) == python_text(flare) and len(flare) > 40
+    assert native(flare) == python_text_format(flare) and len(flare) > 40
 
 
 def build_flare_families() -> list:
@@ -361,7 +349,7 @@ def test_what_the_native_text_format_cannot_write_it_leaves_to_prometheus_client
     assert native(metrics) is None
     assert native(hostile_families()) is not None
     if spoil not in ("label not str", "value str"):  # Python fails on these, as prometheus_client does
-        assert python_text(metrics) is None
+        assert python_text_format(metrics) is None
 
 
 def test_render_text_falls_back_to_prometheus_client_for_a_family_it_cannot_write(text_format):
