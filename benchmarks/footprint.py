@@ -13,8 +13,8 @@ Per role: series (samples in the rendered text, parsed back), bytes of the text 
 (what Prometheus, which asks for gzip, receives). Render time per scrape, median of `--repeats`, on the
 straggler (all signals): the collectors alone, the text render flare serves (exposition.render_text: the text
 written by flare's extension, csrc/text_format.cpp), the same written in Python (a rank without the
-extension), the prometheus_client renderers it replaced (text and OpenMetrics, which Prometheus was served before), gzip, and
-a whole scrape of the real endpoint (MetricsServer) over loopback as Prometheus sends it.
+extension), the prometheus_client renderers it replaced (text and OpenMetrics, which Prometheus was served
+before), gzip, and a whole scrape of the real endpoint (MetricsServer) over loopback as Prometheus sends it.
 
 Goals: <= 300 series and <= 32 KiB per rank per scrape. Exit status 0 (whatever the numbers), 2 for bad
 arguments.

@@ -76,8 +76,17 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         GpuHealthCollector(state),
         ExporterCollector(state),
     ]
+    # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
+    # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
+    # close. The collectors read what the drain left.
     registry.register(
-        FlareCollector(collectors, lambda: (str(state.identity.rank), state.identity.run), state.health)
+        FlareCollector(
+            collectors,
+            lambda: (str(state.identity.rank), state.identity.run),
+            state.health,
+            prepare=state.manager.drain,
+            prepare_component="timing_manager",
+        )
     )
     return registry
 

@@ -33,9 +33,20 @@ log = logging.getLogger("flare_exporter")
 
 
 class FlareCollector:
-    """Runs each collector on every scrape; a failing collector is reported, never fails the scrape."""
+    """Runs each collector on every scrape; a failing collector is reported, never fails the scrape.
 
-    def __init__(self, collectors: Sequence[Collector], common_values: Any, health: ExporterHealth) -> None:
+    `prepare`, if given, runs once at the start of each scrape, before the collectors (the timing manager's
+    drain, which every collector's state waits for), its failure reported under `prepare_component`.
+    """
+
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        common_values: Any,
+        health: ExporterHealth,
+        prepare: Callable[[], None] | None = None,
+        prepare_component: str = "",
+    ) -> None:
         seen: dict[str, str] = {}
         for collector in collectors:
             for name in collector.metrics:
@@ -45,6 +56,8 @@ class FlareCollector:
         self.collectors = list(collectors)
         self.common_values = common_values  # callable returning (rank, run): the identity can change
         self.health = health
+        self.prepare = prepare
+        self.prepare_component = prepare_component
 
     def describe(self) -> Iterable[Metric]:
         families = Families(("", ""))
@@ -57,6 +70,11 @@ class FlareCollector:
         success = families.new("flare_exporter_collector_success")
         duration = families.new("flare_exporter_collector_duration_seconds")
         output: list[Metric] = []
+        if self.prepare is not None:
+            try:
+                self.prepare()
+            except Exception as error:  # the collectors show what they have
+                self.health.error(self.prepare_component, error)
         for collector in self.collectors:
             started = time.perf_counter()
             try:

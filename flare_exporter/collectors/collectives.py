@@ -23,7 +23,6 @@ class CollectivesCollector:
         self.state = state
 
     def collect(self, families: Families) -> Iterable[Metric]:
-        self.state.manager.drain()  # show every collective completed up to this scrape
         durations = families.new("flare_collective_duration_seconds")
         sent = families.new("flare_collective_bytes_total")
         for (group, op), stats in sorted(list(self.state.manager.stats.items())):

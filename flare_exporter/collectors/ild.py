@@ -32,7 +32,6 @@ class IldCollector:
         op_shift = families.new("flare_ild_op_shift_seconds")
         if ild is None:
             return [kernel, dispatch, ks, wasserstein, op_shift]
-        self.state.manager.drain()  # resolved device events and closed windows count in this scrape
         for family, latency in ((kernel, ild.kernel_issue), (dispatch, ild.host_dispatch)):
             if latency.active:  # a source exists (a launch seen, a window opened): absent otherwise
                 families.add_histogram(family, (), latency.histogram)

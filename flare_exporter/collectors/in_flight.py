@@ -27,7 +27,6 @@ class InFlightCollector:
         self.state = state
 
     def collect(self, families: Families) -> Iterable[Metric]:
-        self.state.manager.drain()  # finished collectives leave the in-flight state now
         info = families.new("flare_collective_in_flight_info")
         seq = families.new("flare_collective_in_flight_seq")
         nbytes = families.new("flare_collective_in_flight_bytes")

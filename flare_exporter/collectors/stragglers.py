@@ -24,7 +24,6 @@ class StragglersCollector:
         self.state = state
 
     def collect(self, families: Families) -> Iterable[Metric]:
-        self.state.manager.drain()  # the windows advance at every drain: close what has completed
         ring = self.state.windows.ring
         windows, best, ratio = ring.windows, ring.best_step_seconds, ring.slowdown_ratio
         step = families.new("flare_straggler_window_step_seconds")
