@@ -78,6 +78,32 @@ def test_failing_collector_does_not_fail_the_scrape():
     assert health.errors["collector_broken"] == 2
 
 
+def test_prepare_runs_once_before_the_collectors_and_its_failure_is_counted_not_raised():
+    calls: list[str] = []
+
+    class Watching(StepsCollector):
+        def collect(self, families: Families):
+            calls.append("collect")
+            return super().collect(families)
+
+    def prepare() -> None:
+        calls.append("prepare")
+        if len(calls) > 2:
+            raise RuntimeError("drain failed")
+
+    health = ExporterHealth()
+    registry = CollectorRegistry()
+    collector = FlareCollector([Watching()], lambda: ("3", "run-1"), health, prepare, "timing_manager")
+    registry.register(collector)
+    assert calls == []  # registering describes, it does not collect
+    samples(registry)
+    assert calls == ["prepare", "collect"]
+    exposed = samples(registry)  # prepare fails: the collectors still show what they have
+    assert calls == ["prepare", "collect", "prepare", "collect"]
+    assert exposed[("flare_steps_total", (("rank", "3"), ("run", "run-1")))] == 12
+    assert health.errors["timing_manager"] == 1
+
+
 def test_two_collectors_declaring_one_metric_are_rejected():
     class AnotherSteps(StepsCollector):
         name = "other_steps"
