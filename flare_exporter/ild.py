@@ -124,6 +124,13 @@ class Drift:
         if counts is not None:
             counts[index] += count
 
+    def add_counts(self, step: int, buckets: Sequence[tuple[int, int]]) -> None:
+        """Samples of `step` already counted into buckets: (bucket index, samples)."""
+        counts = self._counts(step) if buckets else None
+        if counts is not None:
+            for index, count in buckets:
+                counts[index] += count
+
     def add_op_minimums(self, step: int, minimums: Mapping[Hashable, float]) -> None:
         """Each op's fastest time in `step` (op: any key naming it)."""
         counts = self._counts(step)
@@ -283,7 +290,7 @@ class IssueLatency:
         histogram.sum += seconds
         for index, count in buckets:
             histogram.counts[index] += count
-            self.drift.add(step, index, count)
+        self.drift.add_counts(step, buckets)
         self.drift.add_op_minimums(step, op_minimums)
 
     def add_many(self, step: int, samples: Sequence[float]) -> None:

@@ -67,6 +67,22 @@ def test_baseline_then_a_ring_of_the_last_steps():
     assert tracker.current[0] == pytest.approx(0.5)
 
 
+def test_counts_of_a_step_added_at_once_are_the_counts_added_one_by_one():
+    def tracker() -> Drift:
+        return Drift((1.0, 2.0), warmup_steps=1, baseline_steps=2, window_steps=2, min_samples=1)
+
+    one_by_one, at_once = tracker(), tracker()
+    steps = {0: [(0, 9)], 1: [(0, 3), (2, 1)], 2: [(1, 2)], 3: [], 4: [(0, 1), (1, 5)], 5: [(2, 7)]}
+    for step, buckets in steps.items():
+        for index, count in buckets:
+            one_by_one.add(step, index, count)
+        at_once.add_counts(step, buckets)
+    assert at_once.baseline == one_by_one.baseline == [3, 2, 1]  # steps 1 and 2
+    assert at_once.windows == one_by_one.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
+    at_once.add_counts(3, [(0, 50)])  # a late step that left the window: ignored
+    assert at_once.windows == one_by_one.windows
+
+
 def test_weighted_median_is_where_half_the_weight_lies_below():
     assert weighted_median([(3.0, 1.0), (1.0, 1.0), (2.0, 1.0)]) == 2.0
     assert weighted_median([(5.0, 1.0), (0.0, 10.0)]) == 0.0  # the heavy value decides
