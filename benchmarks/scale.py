@@ -8,8 +8,9 @@ The cluster (flare_exporter.testing.virtual_cluster): every virtual rank's /metr
 collectors with every signal on (three process groups, straggler windows, ILD, GPU health via the fake NVML;
 about 280 series and 36 KiB each), each served on its own loopback port by one asyncio server in this
 process, and listed in one file_sd file as the ranks write theirs. A real Prometheus with the project's rules
-(`rules.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`) and a real Alertmanager with the
-example configuration, paging a webhook receiver here (alertmanager_process.AlertingStack), scrape it.
+(`rules.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`: every alert without its `for:`,
+the slow signals' groups evaluated every minute as they ship) and a real Alertmanager with the example
+configuration, paging a webhook receiver here (alertmanager_process.AlertingStack), scrape it.
 
 Phases, each a fault on a different rank (straggler N*3//8, hung N*777//1024, dead N*5//8):
 
@@ -55,6 +56,7 @@ from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402 
 from flare_exporter import cli, promql, scrape  # noqa: E402
 from flare_exporter.alertmanager_process import AlertingStack, can_alert  # noqa: E402
 from flare_exporter.prometheus_process import wait_for  # noqa: E402
+from flare_exporter.rules import Thresholds  # noqa: E402
 from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
 
 RUN = "bench-scale"
@@ -254,8 +256,14 @@ def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     targets_dir = str(tmp / "targets")
     with vc.ClusterServer(healthy) as server:
         vc.write_file_sd(targets_dir, RUN, server.targets(), ranks)
+        # every for: 0s, so that the pages come in minutes; the slow groups' interval as the rules ship
         stack = AlertingStack(
-            str(tmp / "alerting"), targets_dir, args.hang_seconds, args.scrape_interval, "0s"
+            str(tmp / "alerting"),
+            targets_dir,
+            args.hang_seconds,
+            args.scrape_interval,
+            "0s",
+            Thresholds.slow_interval,
         )
         try:
             stack.wait_ready()

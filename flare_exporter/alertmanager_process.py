@@ -99,13 +99,22 @@ class AlertmanagerProcess(ServerProcess):
 
 
 class AlertingStack:
-    """Prometheus evaluating `flare rules` (for `hang_seconds`, every for: `for_`) over the ranks in
-    `file_sd_dir`, sending to an Alertmanager with the example configuration, which pages `pages`."""
+    """Prometheus evaluating `flare rules` (for `hang_seconds`, every for: `for_`, the slow groups every
+    `slow_interval`, by default at every evaluation) over the ranks in `file_sd_dir`, sending to an
+    Alertmanager with the example configuration, which pages `pages`."""
 
     def __init__(
-        self, work_dir: str, file_sd_dir: str, hang_seconds: float, scrape_seconds: int = 1, for_: str = "0s"
+        self,
+        work_dir: str,
+        file_sd_dir: str,
+        hang_seconds: float,
+        scrape_seconds: int = 1,
+        for_: str = "0s",
+        slow_interval: str = "",
     ) -> None:
-        thresholds = rules.Thresholds(hang_seconds=hang_seconds, scrape_interval_seconds=scrape_seconds)
+        thresholds = rules.Thresholds(
+            hang_seconds=hang_seconds, scrape_interval_seconds=scrape_seconds, slow_interval=slow_interval
+        )
         rules_file = os.path.join(work_dir, "flare.rules.yml")
         os.makedirs(work_dir, exist_ok=True)
         with open(rules_file, "w") as out:

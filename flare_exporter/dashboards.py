@@ -29,7 +29,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dashboards"
 TAG = "flare"
 DATASOURCE = "${datasource}"
 THRESHOLDS = rules.Thresholds()
-RECORDED = frozenset(recording.record for recording in rules.recording_rules(THRESHOLDS))
+RECORDED = frozenset(recording.record for recording in rules.all_recordings(THRESHOLDS))
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS"})  # what Prometheus itself writes, besides the spec's
 
 

@@ -1,6 +1,7 @@
 """Prometheus recording and alert rules, generated from one set of thresholds (`flare rules`).
 
-    flare rules [--for DURATION] [--selector MATCHERS] [--scrape-interval DURATION] > rules.yml
+    flare rules [--for DURATION] [--selector MATCHERS] [--scrape-interval DURATION]
+                [--slow-interval DURATION] > rules.yml
 
 The hang threshold follows the exporter's config (FLARE_HANG_SECONDS, the config file, --hang-seconds), so
 that the ranks' incident files, `flare diagnose` and the alerts agree. `alerts/flare.rules.yml` is the
@@ -11,6 +12,12 @@ rank whose last issued sequence number is behind its group's maximum; a mismatch
 ahead, or a different op or size at the same sequence number; a dead rank is one whose target is down
 without an exception on record (the survivors' exceptions follow its death); of ranks that raised, the
 first.
+
+Each signal's rules form one group (its recording rules first, then the alerts that read them). The groups
+of slow signals (issue latency, stragglers, GPU slowdowns, the exporter's own health) are evaluated every
+`slow_interval` (1m) rather than at every evaluation of the fast ones (liveness, hangs, GPU errors): their
+inputs are windows of many steps and their alerts hold for minutes, while at thousands of ranks they are
+most of Prometheus's rule work (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -75,6 +83,10 @@ class Thresholds:
     gpu_for: str = "5m"  # throttling or a slow link that lasts, not a transient
     gpu_errors_for: str = "0s"  # an XID or an uncorrectable error is on record: page now
     exporter_for: str = "5m"
+    # How often the groups of slow signals are evaluated (RULE_GROUPS); "": at Prometheus's
+    # evaluation_interval, as the fast ones. A group's alerts wait for it: an alert with `for: 5m` fires
+    # up to this much later.
+    slow_interval: str = "1m"
     # Where each alert's runbook_url points (a section of docs/runbook.md per alert), and the Grafana that
     # serves dashboards/ (each alert's dashboard_url).
     runbook_url: str = RUNBOOK_URL
@@ -134,8 +146,8 @@ def _with_host(expr: str) -> str:
 
 
 def recording_rules(t: Thresholds) -> list[Recording]:
+    """What the fast alerts read: each rank's host and liveness, collectives in flight and who is behind."""
     s = selector(t)
-    held = selector(t, f'ago=~"{_held_windows(t)}"')
     return [
         # Every rank's host, one series per rank: the live identity, else the last one seen, else no host
         # (a rank that died before its first scrape); alerts join it to name the host.
@@ -201,8 +213,14 @@ def recording_rules(t: Thresholds) -> list[Recording]:
             f"max by (run, group, rank) (flare_collective_in_flight_bytes{s})\n"
             "and on (run, group, rank) run_group_rank_op:flare_collective_in_flight:at_front",
         ),
-        # Issue latency: a rank's distribution shifted from its own baseline (diagnosis.ild_shifted), and how
-        # many ranks of the run shifted.
+    ]
+
+
+def ild_recording_rules(t: Thresholds) -> list[Recording]:
+    s = selector(t)
+    return [
+        # A rank's distribution shifted from its own baseline (diagnosis.ild_shifted), and how many ranks of
+        # the run shifted.
         Recording("run_rank_distribution:flare_ild_drift:shifted_ks", _ild_shifted(t)),
         Recording(
             "run_distribution:flare_ild_drift:shifted_ranks",
@@ -212,7 +230,13 @@ def recording_rules(t: Thresholds) -> list[Recording]:
             "run_distribution:flare_ild_drift:ranks",
             f"count by (run, distribution) (flare_ild_drift_ks{s})",
         ),
-        # Stragglers, per window of the last hold_windows (ago=0 the last closed one; the older windows a rank
+    ]
+
+
+def straggler_recording_rules(t: Thresholds) -> list[Recording]:
+    held = selector(t, f'ago=~"{_held_windows(t)}"')
+    return [
+        # Per window of the last hold_windows (ago=0 the last closed one; the older windows a rank
         # exports are for dashboards): each rank's share of the step spent waiting in collectives, the run's
         # median and MAD of it, and the rank's robust z below the median (a straggler waits least); then over
         # those windows, its lowest z and mean gap.
@@ -548,11 +572,11 @@ def straggler_alerts(t: Thresholds) -> list[Alert]:
     ]
 
 
-def gpu_alerts(t: Thresholds) -> list[Alert]:
+def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:
+    """A GPU that runs slower than it could: clocks held down, a PCIe link below its maximum."""
     s = selector(t)
     idle = selector(t, 'reason="gpu_idle"')
     busy = f"unless on (run, rank) (flare_gpu_clock_event_active{idle} == 1)"
-    uncorrected = selector(t, 'type="uncorrected"')
     slowing = selector(t, f'reason=~"{_GPU_SLOWDOWN}"')
     return [
         Alert(
@@ -599,6 +623,14 @@ def gpu_alerts(t: Thresholds) -> list[Alert]:
             "flaregpupcielinkdegraded",
             link("rank", "rank"),
         ),
+    ]
+
+
+def gpu_error_alerts(t: Thresholds) -> list[Alert]:
+    """A GPU that reported errors (XID events, uncorrectable memory errors): pages now."""
+    s = selector(t)
+    uncorrected = selector(t, 'type="uncorrected"')
+    return [
         Alert(
             "FlareGPUXidErrors",
             _with_host(
@@ -676,18 +708,38 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
     ]
 
 
-ALERT_GROUPS = {
-    "flare.ranks": rank_alerts,
-    "flare.collectives": collective_alerts,
-    "flare.issue_latency": issue_latency_alerts,
-    "flare.stragglers": straggler_alerts,
-    "flare.gpu": gpu_alerts,
-    "flare.exporter": exporter_alerts,
-}
+def _none(t: Thresholds) -> list[Any]:
+    return []
+
+
+@dataclass(frozen=True)
+class RuleGroup:
+    """One group of the rules file: a signal's recording rules, then the alerts that read them."""
+
+    name: str
+    recordings: Callable[[Thresholds], list[Recording]] = _none
+    alerts: Callable[[Thresholds], list[Alert]] = _none
+    slow: bool = False  # evaluated every Thresholds.slow_interval
+
+
+RULE_GROUPS = (
+    RuleGroup("flare.recording", recordings=recording_rules),
+    RuleGroup("flare.ranks", alerts=rank_alerts),
+    RuleGroup("flare.collectives", alerts=collective_alerts),
+    RuleGroup("flare.issue_latency", ild_recording_rules, issue_latency_alerts, slow=True),
+    RuleGroup("flare.stragglers", straggler_recording_rules, straggler_alerts, slow=True),
+    RuleGroup("flare.gpu", alerts=gpu_slowdown_alerts, slow=True),
+    RuleGroup("flare.gpu_errors", alerts=gpu_error_alerts),
+    RuleGroup("flare.exporter", alerts=exporter_alerts, slow=True),
+)
 
 
 def all_alerts(t: Thresholds) -> list[Alert]:
-    return [alert for make in ALERT_GROUPS.values() for alert in make(t)]
+    return [alert for group in RULE_GROUPS for alert in group.alerts(t)]
+
+
+def all_recordings(t: Thresholds) -> list[Recording]:
+    return [recording for group in RULE_GROUPS for recording in group.recordings(t)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -695,14 +747,15 @@ def all_alerts(t: Thresholds) -> list[Alert]:
 
 
 def rules_document(t: Thresholds) -> dict[str, Any]:
-    groups: list[dict[str, Any]] = [
-        {
-            "name": "flare.recording",
-            "rules": [{"record": r.record, "expr": r.expr} for r in recording_rules(t)],
-        }
-    ]
-    for name, make in ALERT_GROUPS.items():
-        groups.append({"name": name, "rules": [_alert_rule(alert, t) for alert in make(t)]})
+    groups: list[dict[str, Any]] = []
+    for group in RULE_GROUPS:
+        document: dict[str, Any] = {"name": group.name}
+        if group.slow and t.slow_interval:
+            document["interval"] = t.slow_interval
+        document["rules"] = [{"record": r.record, "expr": r.expr} for r in group.recordings(t)] + [
+            _alert_rule(alert, t) for alert in group.alerts(t)
+        ]
+        groups.append(document)
     return {"groups": groups}
 
 
@@ -756,6 +809,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scrape-interval", default="15s", help="the flare job's scrape interval (default 15s)"
     )
+    parser.add_argument(
+        "--slow-interval",
+        default=Thresholds.slow_interval,
+        help="how often the groups of slow signals are evaluated (default 1m; 0s: at every evaluation)",
+    )
     add_engine_arguments(parser)
     parser.add_argument("--runbook-url", default=RUNBOOK_URL, help="base URL of docs/runbook.md")
     parser.add_argument("--grafana-url", default=GRAFANA_URL, help="Grafana serving dashboards/")
@@ -794,11 +852,13 @@ def duration_seconds(text: str, what: str) -> float:
 
 def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
     config = engine_config(args)
+    slow = duration_seconds(args.slow_interval, "flag --slow-interval")
     t = Thresholds(
         selector=args.selector.strip().strip("{}").strip(),
         hang_seconds=config.hang_seconds,
         ild=IldPolicy(op_shift_seconds=config.ild_op_shift_seconds),
         scrape_interval_seconds=duration_seconds(args.scrape_interval, "flag --scrape-interval"),
+        slow_interval=args.slow_interval if slow else "",
         runbook_url=args.runbook_url,
         grafana_url=args.grafana_url,
     )

@@ -136,6 +136,42 @@ def test_recording_rules_follow_level_metric_operation():
                 assert metric.startswith("flare_") and operation
 
 
+SLOW_GROUPS = {"flare.issue_latency", "flare.stragglers", "flare.gpu", "flare.exporter"}
+
+
+def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_evaluation():
+    def intervals(*args: str) -> dict[str, str | None]:
+        code, out, _ = flare_rules(*args)
+        assert code == 0
+        return {group["name"]: group.get("interval") for group in yaml.safe_load(out)["groups"]}
+
+    shipped = intervals()
+    assert {name for name, interval in shipped.items() if interval == "1m"} == SLOW_GROUPS
+    assert {interval for name, interval in shipped.items() if name not in SLOW_GROUPS} == {None}
+    assert {name for name, interval in intervals("--slow-interval", "2m").items() if interval} == SLOW_GROUPS
+    assert set(intervals("--slow-interval", "0s").values()) == {None}
+
+
+def test_a_rule_reads_no_recording_of_a_slower_or_later_group():
+    """A slow group's recordings are up to a minute old between its evaluations: only the alerts of its own
+    group (evaluated right after them, in order) read them; every group may read the fast recordings."""
+    document = rules.rules_document(rules.Thresholds())
+    fast = {
+        rule["record"]
+        for group in document["groups"]
+        if "interval" not in group
+        for rule in group["rules"]
+        if "record" in rule
+    }
+    assert "run_rank:flare_rank_info:host" in fast
+    for group in document["groups"]:
+        readable = set(fast)
+        for rule in group["rules"]:
+            assert set(rules.RECORDED.findall(rule["expr"])) <= readable, (group["name"], rule)
+            if "record" in rule and "interval" in group:
+                readable.add(rule["record"])
+
+
 def test_short_thresholds_for_tests_follow_the_config(monkeypatch):
     monkeypatch.setenv("FLARE_HANG_SECONDS", "5")
     code, out, _ = flare_rules("--for", "0s", "--scrape-interval", "1s")
@@ -169,7 +205,7 @@ def test_the_ild_op_shift_threshold_follows_the_flag_then_the_environment(monkey
 def test_selector_scopes_every_series(tmp_path):
     code, out, _ = flare_rules("--selector", 'cluster="eu-1"')
     assert code == 0
-    for rule in yaml.safe_load(out)["groups"][0]["rules"] + alert_rules(yaml.safe_load(out)):
+    for rule in (rule for group in yaml.safe_load(out)["groups"] for rule in group["rules"]):
         for name in re.findall(r"(?<![\w:])(flare_[a-z0-9_]+|up)(?![\w:])(\{[^}]*\})?", rule["expr"]):
             assert 'cluster="eu-1"' in name[1], (rule, name)
     if shutil.which("promtool"):
@@ -185,6 +221,7 @@ def test_selector_scopes_every_series(tmp_path):
     [
         (["--for", "5 minutes"], "flag --for: '5 minutes' is not a Prometheus duration"),
         (["--scrape-interval", "fast"], "flag --scrape-interval: 'fast' is not a Prometheus duration"),
+        (["--slow-interval", "1 min"], "flag --slow-interval: '1 min' is not a Prometheus duration"),
         (["--hang-seconds", "-1"], "--hang-seconds"),
         (["--ild-op-shift-seconds", "0"], "flag --ild-op-shift-seconds"),
         (["--ild-op-shift-seconds", "fast"], "flag --ild-op-shift-seconds"),
