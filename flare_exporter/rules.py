@@ -13,11 +13,10 @@ ahead, or a different op or size at the same sequence number; a dead rank is one
 without an exception on record (the survivors' exceptions follow its death); of ranks that raised, the
 first.
 
-Each signal's rules form one group (its recording rules first, then the alerts that read them). The groups
-of slow signals (issue latency, stragglers, GPU slowdowns, the exporter's own health) are evaluated every
-`slow_interval` (1m) rather than at every evaluation of the fast ones (liveness, hangs, GPU errors): their
-inputs are windows of many steps and their alerts hold for minutes, while at thousands of ranks they are
-most of Prometheus's rule work (docs/scaling.md).
+The slow signals' rules (issue latency, stragglers, GPU slowdowns, the exporter's own health) form one group,
+`flare.slow_signals`, evaluated every `slow_interval` (1m) rather than at every evaluation as the fast ones
+(liveness, hangs, GPU errors): their inputs are windows of many steps and their alerts hold for minutes,
+while at thousands of ranks they are most of Prometheus's rule work (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class Thresholds:
     gpu_for: str = "5m"  # throttling or a slow link that lasts, not a transient
     gpu_errors_for: str = "0s"  # an XID or an uncorrectable error is on record: page now
     exporter_for: str = "5m"
-    # How often the groups of slow signals are evaluated (RULE_GROUPS); "": at Prometheus's
+    # How often the slow signals' group is evaluated (RULE_GROUPS); "": at Prometheus's
     # evaluation_interval, as the fast ones. A group's alerts wait for it: an alert with `for: 5m` fires
     # up to this much later.
     slow_interval: str = "1m"
@@ -708,38 +707,39 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
     ]
 
 
-def _none(t: Thresholds) -> list[Any]:
-    return []
-
-
 @dataclass(frozen=True)
 class RuleGroup:
-    """One group of the rules file: a signal's recording rules, then the alerts that read them."""
+    """One group of the rules file: its recording rules, then the alerts (which may read them)."""
 
     name: str
-    recordings: Callable[[Thresholds], list[Recording]] = _none
-    alerts: Callable[[Thresholds], list[Alert]] = _none
+    recordings: tuple[Callable[[Thresholds], list[Recording]], ...] = ()
+    alerts: tuple[Callable[[Thresholds], list[Alert]], ...] = ()
     slow: bool = False  # evaluated every Thresholds.slow_interval
 
 
 RULE_GROUPS = (
-    RuleGroup("flare.recording", recordings=recording_rules),
-    RuleGroup("flare.ranks", alerts=rank_alerts),
-    RuleGroup("flare.collectives", alerts=collective_alerts),
-    RuleGroup("flare.issue_latency", ild_recording_rules, issue_latency_alerts, slow=True),
-    RuleGroup("flare.stragglers", straggler_recording_rules, straggler_alerts, slow=True),
-    RuleGroup("flare.gpu", alerts=gpu_slowdown_alerts, slow=True),
-    RuleGroup("flare.gpu_errors", alerts=gpu_error_alerts),
-    RuleGroup("flare.exporter", alerts=exporter_alerts, slow=True),
+    RuleGroup("flare.recording", recordings=(recording_rules,)),
+    RuleGroup("flare.ranks", alerts=(rank_alerts,)),
+    RuleGroup("flare.collectives", alerts=(collective_alerts,)),
+    RuleGroup("flare.gpu_errors", alerts=(gpu_error_alerts,)),
+    # One group, so that Prometheus evaluates these one after another on one core: as four groups, each on
+    # its own schedule, their evaluations met and took both cores each minute (at 6,144 ranks the straggler
+    # group's took 9.7 s instead of 1.8 s, and scrapes waited).
+    RuleGroup(
+        "flare.slow_signals",
+        recordings=(ild_recording_rules, straggler_recording_rules),
+        alerts=(issue_latency_alerts, straggler_alerts, gpu_slowdown_alerts, exporter_alerts),
+        slow=True,
+    ),
 )
 
 
 def all_alerts(t: Thresholds) -> list[Alert]:
-    return [alert for group in RULE_GROUPS for alert in group.alerts(t)]
+    return [alert for group in RULE_GROUPS for make in group.alerts for alert in make(t)]
 
 
 def all_recordings(t: Thresholds) -> list[Recording]:
-    return [recording for group in RULE_GROUPS for recording in group.recordings(t)]
+    return [recording for group in RULE_GROUPS for make in group.recordings for recording in make(t)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -752,8 +752,10 @@ def rules_document(t: Thresholds) -> dict[str, Any]:
         document: dict[str, Any] = {"name": group.name}
         if group.slow and t.slow_interval:
             document["interval"] = t.slow_interval
-        document["rules"] = [{"record": r.record, "expr": r.expr} for r in group.recordings(t)] + [
-            _alert_rule(alert, t) for alert in group.alerts(t)
+        recordings = [recording for make in group.recordings for recording in make(t)]
+        alerts = [alert for make in group.alerts for alert in make(t)]
+        document["rules"] = [{"record": r.record, "expr": r.expr} for r in recordings] + [
+            _alert_rule(alert, t) for alert in alerts
         ]
         groups.append(document)
     return {"groups": groups}
@@ -812,7 +814,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slow-interval",
         default=Thresholds.slow_interval,
-        help="how often the groups of slow signals are evaluated (default 1m; 0s: at every evaluation)",
+        help="how often the slow signals' rules are evaluated (default 1m; 0s: at every evaluation)",
     )
     add_engine_arguments(parser)
     parser.add_argument("--runbook-url", default=RUNBOOK_URL, help="base URL of docs/runbook.md")

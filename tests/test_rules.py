@@ -136,7 +136,7 @@ def test_recording_rules_follow_level_metric_operation():
                 assert metric.startswith("flare_") and operation
 
 
-SLOW_GROUPS = {"flare.issue_latency", "flare.stragglers", "flare.gpu", "flare.exporter"}
+SLOW_GROUPS = {"flare.slow_signals"}
 
 
 def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_evaluation():
@@ -153,8 +153,8 @@ def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_ev
 
 
 def test_a_rule_reads_no_recording_of_a_slower_or_later_group():
-    """A slow group's recordings are up to a minute old between its evaluations: only the alerts of its own
-    group (evaluated right after them, in order) read them; every group may read the fast recordings."""
+    """The slow group's recordings are up to a minute old between its evaluations: only the alerts of the
+    same group (evaluated right after them, in order) read them; every group may read the fast recordings."""
     document = rules.rules_document(rules.Thresholds())
     fast = {
         rule["record"]
