@@ -716,15 +716,21 @@ class RuleGroup:
     alerts: tuple[Callable[[Thresholds], list[Alert]], ...] = ()
     slow: bool = False  # evaluated every Thresholds.slow_interval
 
+    def recording_rules(self, t: Thresholds) -> list[Recording]:
+        return [recording for make in self.recordings for recording in make(t)]
+
+    def alert_rules(self, t: Thresholds) -> list[Alert]:
+        return [alert for make in self.alerts for alert in make(t)]
+
 
 RULE_GROUPS = (
     RuleGroup("flare.recording", recordings=(recording_rules,)),
     RuleGroup("flare.ranks", alerts=(rank_alerts,)),
     RuleGroup("flare.collectives", alerts=(collective_alerts,)),
     RuleGroup("flare.gpu_errors", alerts=(gpu_error_alerts,)),
-    # One group, so that Prometheus evaluates these one after another on one core: as four groups, each on
-    # its own schedule, their evaluations met and took both cores each minute (at 6,144 ranks the straggler
-    # group's took 9.7 s instead of 1.8 s, and scrapes waited).
+    # One group, so that Prometheus evaluates these one after another, on one core: as four groups, each on
+    # its own schedule, their evaluations could meet and take both cores (at 6,144 ranks the straggler
+    # group's once took 9.7 s instead of 1.8 s).
     RuleGroup(
         "flare.slow_signals",
         recordings=(ild_recording_rules, straggler_recording_rules),
@@ -735,11 +741,11 @@ RULE_GROUPS = (
 
 
 def all_alerts(t: Thresholds) -> list[Alert]:
-    return [alert for group in RULE_GROUPS for make in group.alerts for alert in make(t)]
+    return [alert for group in RULE_GROUPS for alert in group.alert_rules(t)]
 
 
 def all_recordings(t: Thresholds) -> list[Recording]:
-    return [recording for group in RULE_GROUPS for make in group.recordings for recording in make(t)]
+    return [recording for group in RULE_GROUPS for recording in group.recording_rules(t)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -752,10 +758,8 @@ def rules_document(t: Thresholds) -> dict[str, Any]:
         document: dict[str, Any] = {"name": group.name}
         if group.slow and t.slow_interval:
             document["interval"] = t.slow_interval
-        recordings = [recording for make in group.recordings for recording in make(t)]
-        alerts = [alert for make in group.alerts for alert in make(t)]
-        document["rules"] = [{"record": r.record, "expr": r.expr} for r in recordings] + [
-            _alert_rule(alert, t) for alert in alerts
+        document["rules"] = [{"record": r.record, "expr": r.expr} for r in group.recording_rules(t)] + [
+            _alert_rule(alert, t) for alert in group.alert_rules(t)
         ]
         groups.append(document)
     return {"groups": groups}
