@@ -119,11 +119,6 @@ class Drift:
     def baseline_samples(self) -> int:
         return sum(self.baseline)
 
-    def add(self, step: int, index: int, count: int = 1) -> None:
-        counts = self._counts(step)
-        if counts is not None:
-            counts[index] += count
-
     def add_counts(self, step: int, buckets: Sequence[tuple[int, int]]) -> None:
         """Samples of `step` already counted into buckets: (bucket index, samples)."""
         counts = self._counts(step) if buckets else None
@@ -275,7 +270,7 @@ class IssueLatency:
         index = bisect_left(histogram.bounds, seconds)
         histogram.counts[index] += 1
         histogram.sum += seconds
-        self.drift.add(step, index)
+        self.drift.add_counts(step, ((index, 1),))
 
     def add_counts(
         self,

@@ -52,35 +52,30 @@ def test_drift_needs_samples_on_both_sides():
 def test_baseline_then_a_ring_of_the_last_steps():
     tracker = Drift((1.0, 2.0), warmup_steps=2, baseline_steps=3, window_steps=2, min_samples=2)
     for step in range(5):
-        tracker.add(step, 0, count=4)
+        tracker.add_counts(step, [(0, 4)])
     assert tracker.baseline == [12, 0, 0]  # steps 2, 3, 4
     tracker.refresh()
     assert tracker.current is None  # no window yet
-    tracker.add(5, 1, count=4)
-    tracker.add(6, 1, count=4)
+    tracker.add_counts(5, [(1, 4)])
+    tracker.add_counts(6, [(1, 4)])
     tracker.refresh()
     assert tracker.current is not None and tracker.current[0] == 1.0
-    tracker.add(7, 0, count=4)  # step 5 leaves the window
-    tracker.add(5, 2, count=100)  # a late sample of a step that left: ignored
+    tracker.add_counts(7, [(0, 4)])  # step 5 leaves the window
+    tracker.add_counts(5, [(2, 100)])  # a late sample of a step that left: ignored
     assert sorted(tracker.windows) == [6, 7]
     tracker.refresh()
     assert tracker.current[0] == pytest.approx(0.5)
 
 
-def test_counts_of_a_step_added_at_once_are_the_counts_added_one_by_one():
-    def tracker() -> Drift:
-        return Drift((1.0, 2.0), warmup_steps=1, baseline_steps=2, window_steps=2, min_samples=1)
-
-    one_by_one, at_once = tracker(), tracker()
+def test_counts_of_a_step_are_added_at_once():
+    tracker = Drift((1.0, 2.0), warmup_steps=1, baseline_steps=2, window_steps=2, min_samples=1)
     steps = {0: [(0, 9)], 1: [(0, 3), (2, 1)], 2: [(1, 2)], 3: [], 4: [(0, 1), (1, 5)], 5: [(2, 7)]}
     for step, buckets in steps.items():
-        for index, count in buckets:
-            one_by_one.add(step, index, count)
-        at_once.add_counts(step, buckets)
-    assert at_once.baseline == one_by_one.baseline == [3, 2, 1]  # steps 1 and 2
-    assert at_once.windows == one_by_one.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
-    at_once.add_counts(3, [(0, 50)])  # a late step that left the window: ignored
-    assert at_once.windows == one_by_one.windows
+        tracker.add_counts(step, buckets)
+    assert tracker.baseline == [3, 2, 1]  # steps 1 and 2
+    assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
+    tracker.add_counts(3, [(0, 50)])  # a late step that left the window: ignored
+    assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
 
 
 def test_weighted_median_is_where_half_the_weight_lies_below():
@@ -169,8 +164,8 @@ def test_an_op_needs_enough_baseline_steps_to_count():
 
 def test_too_few_samples_export_no_drift():
     tracker = Drift((1.0,), warmup_steps=0, baseline_steps=1, window_steps=4, min_samples=10)
-    tracker.add(0, 0, count=50)
-    tracker.add(1, 1, count=9)
+    tracker.add_counts(0, [(0, 50)])
+    tracker.add_counts(1, [(1, 9)])
     tracker.refresh()
     assert tracker.current is None
 

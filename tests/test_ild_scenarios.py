@@ -91,16 +91,31 @@ def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str) -> di
         if stack is not None:  # the same verdict from Prometheus, and the page names the same rank
             await_ild_verdict(["--prometheus", stack.prometheus.url, "--window", "1m"], run, [rank])
             distribution = verdict["evidence"]["distributions"][0]
-            paged = wait_for(
-                lambda: stack.pages.alerts(
-                    run=run, alertname="FlareIssueLatencyShifted", distribution=distribution
-                ),
-                90,
-                f"the FlareIssueLatencyShifted page of run {run}",
-            )
+            try:
+                paged = wait_for(
+                    lambda: stack.pages.alerts(
+                        run=run, alertname="FlareIssueLatencyShifted", distribution=distribution
+                    ),
+                    90,
+                    f"the FlareIssueLatencyShifted page of run {run}",
+                )
+            except TimeoutError:
+                pytest.fail(f"no page for rank {rank}; Prometheus: {_ild_alert_state(stack, run)}")
             assert {alert["labels"]["rank"] for _, alert in paged} == {str(rank)}
             assert paged[0][1]["labels"]["host"] == f"node-{rank // 2}"
         return verdict
+
+
+def _ild_alert_state(stack: AlertingStack, run: str) -> str:
+    """What Prometheus holds for the ILD alert of `run`: the alert's state and the series it reads."""
+    exprs = [
+        f'ALERTS{{run="{run}", alertname=~"FlareIssueLatency.*"}}',
+        f'count_over_time(ALERTS{{run="{run}", alertname=~"FlareIssueLatency.*"}}[3m])',
+        f'count_over_time(run_rank_distribution:flare_ild_drift:shifted_ks{{run="{run}"}}[3m])',
+        f'run_distribution:flare_ild_drift:shifted_ranks{{run="{run}"}}',
+        f'flare_ild_drift_ks{{run="{run}"}}',
+    ]
+    return json.dumps({expr: stack.prometheus.query(expr) for expr in exprs})[:4000]
 
 
 def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, alerting):
@@ -113,14 +128,17 @@ def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, a
 
 
 def test_contention_on_one_rank_is_named_by_its_host_dispatch_latency(tmp_path, alerting):
+    # The busy threads take the rank's interpreter and a core: on 2 cores the other ranks slow as well, and
+    # with 4 threads the rank's KS hovered at the threshold (0.25-0.36 over 200 s), paging only now and then.
+    # With 8 it stayed at 0.33-0.41.
     verdict = _run_fault(
-        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "4"
+        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "8"
     )
     assert verdict["domain"] == "rank"
     assert "host_dispatch" in verdict["evidence"]["distributions"]
     shifted = verdict["evidence"]["shifted"]["1"]["host_dispatch"]
     median = verdict["evidence"]["median_wasserstein_seconds"]["host_dispatch"]
-    assert shifted["wasserstein_seconds"] > 10 * median
+    assert shifted["wasserstein_seconds"] > 5 * median, (shifted, median)  # 25-80 times in five runs
 
 
 def test_healthy_run_has_no_ild_verdict_from_start_to_end(tmp_path, alerting):

@@ -48,10 +48,10 @@ class Families:
         work per bucket: a scrape adds hundreds of buckets, whose label dicts are built once per series."""
         counts, total = histogram.cumulative()
         name = family.name
-        labels, bucket_labels = _histogram_labels(name, (*self.common_values, *values), histogram.bounds)
+        labels, le_labels = _histogram_labels(name, (*self.common_values, *values), histogram.bounds)
         bucket = name + "_bucket"
         family.samples.extend(
-            [Sample(bucket, le, count) for le, count in zip(bucket_labels, counts, strict=True)]
+            [Sample(bucket, le, count) for le, count in zip(le_labels, counts, strict=True)]
         )
         family.samples.append(Sample(name + "_count", labels, counts[-1]))
         family.samples.append(Sample(name + "_sum", labels, total))
