@@ -52,6 +52,19 @@ def pages_without_stragglers(pages: list[tuple[float, dict]]) -> list[dict]:
     return [alert for _, alert in pages if alert["labels"]["alertname"] not in STRAGGLER_ALERTS]
 
 
+def await_page(stack: Any, alertname: str, timeout: float = 90, **labels: str) -> list[tuple[float, dict]]:
+    """The pages of `alertname` with `labels` that `stack` (an AlertingStack) delivers within `timeout`; on
+    a miss, the test fails with what Prometheus holds of the alert: never pending, or pending and reset
+    before its `for:` (a signal at its threshold) are different stories."""
+    try:
+        return wait_for(lambda: stack.pages.alerts(alertname=alertname, **labels), timeout, f"{alertname}")
+    except TimeoutError:
+        selector = ", ".join([f'alertname="{alertname}"', *(f'{k}="{v}"' for k, v in labels.items())])
+        exprs = [f"ALERTS{{{selector}}}", f"count_over_time(ALERTS{{{selector}}}[3m])"]
+        view = {expr: stack.prometheus.query(expr) for expr in exprs}
+        pytest.fail(f"no {alertname} page in {timeout:.0f} s; Prometheus: {json.dumps(view)[:3000]}")
+
+
 def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sample]] | None:
     """Every rank's samples once it has taken `steps` steps and completed every collective it issued."""
     results = scrape.scrape_all(targets, timeout=2)

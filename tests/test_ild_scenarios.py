@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import flare_json, pages_without_stragglers, without_stragglers
+from conftest import await_page, flare_json, pages_without_stragglers, without_stragglers
 
 from flare_exporter import alertmanager_process, cli, scrape
 from flare_exporter.alertmanager_process import AlertingStack
@@ -91,31 +91,10 @@ def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str) -> di
         if stack is not None:  # the same verdict from Prometheus, and the page names the same rank
             await_ild_verdict(["--prometheus", stack.prometheus.url, "--window", "1m"], run, [rank])
             distribution = verdict["evidence"]["distributions"][0]
-            try:
-                paged = wait_for(
-                    lambda: stack.pages.alerts(
-                        run=run, alertname="FlareIssueLatencyShifted", distribution=distribution
-                    ),
-                    90,
-                    f"the FlareIssueLatencyShifted page of run {run}",
-                )
-            except TimeoutError:
-                pytest.fail(f"no page for rank {rank}; Prometheus: {_ild_alert_state(stack, run)}")
+            paged = await_page(stack, "FlareIssueLatencyShifted", run=run, distribution=distribution)
             assert {alert["labels"]["rank"] for _, alert in paged} == {str(rank)}
             assert paged[0][1]["labels"]["host"] == f"node-{rank // 2}"
         return verdict
-
-
-def _ild_alert_state(stack: AlertingStack, run: str) -> str:
-    """What Prometheus holds for the ILD alert of `run`: the alert's state and the series it reads."""
-    exprs = [
-        f'ALERTS{{run="{run}", alertname=~"FlareIssueLatency.*"}}',
-        f'count_over_time(ALERTS{{run="{run}", alertname=~"FlareIssueLatency.*"}}[3m])',
-        f'count_over_time(run_rank_distribution:flare_ild_drift:shifted_ks{{run="{run}"}}[3m])',
-        f'run_distribution:flare_ild_drift:shifted_ranks{{run="{run}"}}',
-        f'flare_ild_drift_ks{{run="{run}"}}',
-    ]
-    return json.dumps({expr: stack.prometheus.query(expr) for expr in exprs})[:4000]
 
 
 def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, alerting):

@@ -107,7 +107,7 @@ def await_verdict(
 CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
 
 
-def await_page(
+def await_culprit_page(
     pages: WebhookReceiver | None, run: str, alertname: str, ranks: list[int], **labels: str
 ) -> None:
     """Alertmanager delivered `alertname` for `ranks` of `run`, and no page of the run names another rank."""
@@ -158,7 +158,7 @@ def test_rank_stuck_in_python_before_a_collective(shared):
             assert "stuck_in_compute" in verdict["summary"]
             issued = verdict["evidence"]["last_issued_seq"]
             assert issued["0"] + 1 == issued["1"] == issued["2"] == issued["3"]
-        await_page(pages, "stuck", "FlareCollectiveHangCulprit", [0], group="world", host="node-0")
+        await_culprit_page(pages, "stuck", "FlareCollectiveHangCulprit", [0], group="world", host="node-0")
         wait_for(
             lambda: [i["steps"] for i in incidents(work, "stuck").values()] == [FAULT_STEP] * RANKS,
             30,
@@ -179,7 +179,7 @@ def test_rank_killed_mid_run(shared):
         for source in sources(targets, prometheus):
             verdict = await_verdict(source, "killed", ("rank_down", [2]))
             assert verdict["evidence"]["ranks"]["2"]["host"] == "node-1", (source, verdict)
-        await_page(pages, "killed", "FlareRankDown", [2], host="node-1")
+        await_culprit_page(pages, "killed", "FlareRankDown", [2], host="node-1")
 
         wait_for(lambda: set(incidents(work, "killed")) == {0, 1, 3}, 60, "the survivors' incident files")
     written = incidents(work, "killed")
@@ -202,7 +202,7 @@ def test_rank_frozen_inside_a_collective(shared):
                 )
                 assert verdict["evidence"]["hung_groups"] == ["world"]
                 assert "timed out" in verdict["summary"] or "down" in verdict["summary"]
-            await_page(pages, "frozen", "FlareRankDown", [1], host="node-0")
+            await_culprit_page(pages, "frozen", "FlareRankDown", [1], host="node-0")
         finally:
             os.kill(job.processes[1].pid, signal.SIGCONT)
 
@@ -216,7 +216,9 @@ def test_rank_issuing_a_different_collective(shared):
             assert in_flight["3"]["op"] == "broadcast"
             assert {in_flight[rank]["op"] for rank in "012"} == {"allreduce"}
             assert len({in_flight[rank]["seq"] for rank in "0123"}) == 1
-        await_page(pages, "mismatch", "FlareCollectiveMismatch", [3], mismatch="op_or_size", host="node-1")
+        await_culprit_page(
+            pages, "mismatch", "FlareCollectiveMismatch", [3], mismatch="op_or_size", host="node-1"
+        )
 
 
 def test_two_ranks_of_one_host_failing_together(shared):
