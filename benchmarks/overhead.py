@@ -1,21 +1,26 @@
 """Overhead A/B: the same gloo DDP job without and with flare-exporter attached, plus hook micro-costs.
 
     python benchmarks/overhead.py [--pairs 10] [--ranks 4] [--steps 60] [--warmup 10] [--batch 64] \
-                                  [--timeout 300] [--retries 2] [--script PATH] [--json OUT]
+                                  [--timeout 300] [--retries 2] [--scrape-interval 1] [--script PATH] \
+                                  [--json OUT]
     python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
 
 Each pair runs flare_exporter/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain `python
 script.py` (A, without) and once as `python -m flare_exporter.launch script.py` (B, with), in the order A/B
 for odd pairs and B/A for even ones, so that slow drift of the machine cancels out. During a B run a
-background thread here scrapes every rank's /metrics once per second, as Prometheus would, and counts the
-scrapes that failed between a rank's first answer and the end of its training. FLARE_* variables set for
-this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run gets free loopback ports).
+background thread here scrapes every rank's /metrics once per `--scrape-interval` (1 s), as Prometheus
+would, and counts the scrapes that failed between a rank's first answer and the end of its training.
+FLARE_* variables set for this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run
+gets free loopback ports).
 
 A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
 dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
 with a distribution-free 95% confidence interval, and each rank process's CPU time (user + system). Each
 rank also reports its training thread's and its whole process's CPU time per step; the summary gives their
-with / without ratios the same way (steadier than step times on a shared machine).
+with / without ratios the same way (steadier than step times on a shared machine). And within each B run,
+what one scrape round cost the training (scrape_cost): the steps that overlapped a round against those
+that overlapped a placebo round, where nothing was scraped; the ratio's noise from run to run does not
+touch it.
 
 The micro section times, on this thread, what a hook adds to one collective (GroupTracker.issue + track on a
 fake work whose real torch Future is already complete, so the completion callback runs inline too) and to
@@ -43,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -148,6 +154,7 @@ class Scraper(threading.Thread):
         # per rank: (wall time the attempt started, None if it succeeded else the reason)
         self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.ports]
         self.cpu_seconds = 0.0  # this thread's own CPU: the benchmark's, on the same cores as the job
+        self.rounds: list[tuple[float, float]] = []  # wall time each round's first request began, last ended
 
     def run(self) -> None:
         # Prometheus scrapes from another machine; this thread shares the job's cores, so it takes their idle
@@ -159,8 +166,10 @@ class Scraper(threading.Thread):
         started_cpu = time.thread_time()
         next_at = time.monotonic()
         while not self.stop_event.is_set():
+            began = time.time()
             for rank in range(len(self.ports)):
                 self.attempts[rank].append((time.time(), self._scrape(rank)))
+            self.rounds.append((began, time.time()))
             self.cpu_seconds = time.thread_time() - started_cpu
             # after a slow round, carry on from now rather than catch up in a burst
             next_at = max(next_at + self.interval, time.monotonic())
@@ -216,6 +225,44 @@ class Scraper(threading.Thread):
         return counts
 
 
+Span = tuple[float, float]  # (began, ended), wall time
+
+
+def scrape_cost(step_ends: list[float], rounds: list[Span], warmup: int) -> float | None:
+    """Seconds of training that one scrape round cost a rank, measured within one run (so untouched by the
+    machine's drift from run to run, unlike the ratio): per round, how much longer than the median step its
+    steps that overlapped the round took, minus the same for a placebo round (the round moved halfway to
+    the next, where nothing was scraped). The placebo takes out the measure's own bias: a long step is more
+    likely to overlap any span than a short one. The ranks step together, so what delays one rank (its
+    render, or another's that it waits for in a collective) shows in every rank's steps. `rounds`: wall
+    time spans, in order, one after another. None if there is nothing to compare."""
+    steps = list(itertools.pairwise(step_ends[warmup:]))
+    if not steps or len(rounds) < 2:
+        return None
+    placebo = [
+        (began + (after - began) / 2, ended + (after - began) / 2)
+        for (began, ended), (after, _) in itertools.pairwise(rounds)
+    ]
+    typical = statistics.median(ended - began for began, ended in steps)
+    scraped, unscraped = excess(steps, rounds[:-1], typical), excess(steps, placebo, typical)
+    return None if scraped is None or unscraped is None else scraped - unscraped
+
+
+def excess(
+    steps: list[tuple[float, float]], spans: list[tuple[float, float]], typical: float
+) -> float | None:
+    """Per span of `spans` (in order, one after another) that falls within `steps` ((began, ended) each):
+    how much longer than `typical` the steps that overlapped a span took, summed. None if none falls."""
+    starts = [began for began, _ in spans]
+    total = 0.0
+    for began, ended in steps:
+        last = bisect_left(starts, ended) - 1  # the last span that began before the step ended
+        if last >= 0 and spans[last][1] > began:
+            total += ended - began - typical
+    within = sum(1 for began, ended in spans if steps[0][0] < ended and began < steps[-1][1])
+    return total / within if within else None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # one run of the job
 
@@ -235,6 +282,7 @@ class RunResult:
     scrapes: ScrapeCounts | None
     # CPU per step of each Python thread by name (the exporter's flare-* threads), median over ranks
     threads_cpu: dict[str, float] = field(default_factory=dict)
+    scrape_cost_s: float | None = None  # median over ranks of scrape_cost; None without scrapes
 
 
 def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str) -> RunResult:
@@ -317,7 +365,7 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         for proc in procs:
             _kill_group(proc)
 
-    rank_medians, thread_cpu, process_cpu = [], [], []
+    rank_medians, thread_cpu, process_cpu, costs = [], [], [], []
     threads_cpu: dict[str, list[float]] = {}
     training = []  # (first step began, last step ended): the report is written right after the last step
     for rank in range(args.ranks):
@@ -346,6 +394,9 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         process_cpu.append(statistics.fmean(step_process_cpu[args.warmup :]))
         for name, seconds in reported.get("threads_cpu", {}).items():
             threads_cpu.setdefault(name, []).append(seconds / len(times))
+        if scraper is not None and reported.get("step_ends"):
+            cost = scrape_cost(reported["step_ends"], scraper.rounds, args.warmup)
+            costs += [] if cost is None else [cost]
     scrapes = scraper.counts(training) if scraper is not None else None
     return RunResult(
         with_exporter,
@@ -357,6 +408,7 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         statistics.median(process_cpu),
         scrapes,
         {name: statistics.median(values) for name, values in threads_cpu.items()},
+        statistics.median(costs) if costs else None,
     )
 
 
@@ -745,7 +797,8 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
     )
     print(
         f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
-        f"{'cpu s without/with':18}  {'thread cpu':>10}  {'process cpu':>11}  scrapes ok/failed"
+        f"{'cpu s without/with':18}  {'thread cpu':>10}  {'process cpu':>11}  scrapes ok/failed  "
+        "ms per round"
     )
     pairs = []
     scrapes = ScrapeCounts()
@@ -776,6 +829,8 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             order_text = "A/B" if not order[0] else "B/A"
             silent = run_scrapes.never_answered
             note = f"  (never answered: ranks {silent})" if silent else ""
+            if with_.scrape_cost_s is not None:
+                note = f"  {with_.scrape_cost_s * 1e3:11.2f}{note}"
             print(
                 f"{pair:>4}  {order_text:5}  {without.step_time * 1e3:10.3f}  "
                 f"{with_.step_time * 1e3:9.3f}  {ratio:7.4f}  {without.cpu_s:6.2f}/{with_.cpu_s:6.2f}  "
@@ -820,6 +875,15 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
         f"{scrapes.shutdown} after a rank's training ended); the benchmark's scraper used "
         f"{scrapes.scraper_cpu_s / max(1, scrapes.attempts) * 1e6:.0f} us of CPU per attempt"
     )
+    costs = [p["with"]["scrape_cost_s"] for p in pairs if p["with"]["scrape_cost_s"] is not None]
+    cost = statistics.median(costs) if costs else None
+    if cost is not None:
+        print(
+            f"  training time one scrape round cost (steps overlapping a round, beyond the others' median): "
+            f"median {cost * 1e3:.2f} ms over {len(costs)} runs (min {min(costs) * 1e3:.2f}, max "
+            f"{max(costs) * 1e3:.2f}); a round every {args.scrape_interval:g} s makes that "
+            f"{cost / args.scrape_interval:.2%} of the run"
+        )
     cpu_without = statistics.median(p["without"]["cpu_s"] for p in pairs)
     cpu_with = statistics.median(p["with"]["cpu_s"] for p in pairs)
     print(
@@ -875,6 +939,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             "max_ratio": max(ratios),
             "median_ratio_ci95": list(ci) if ci else None,
             "threads_cpu_with": threads,
+            "scrape_cost_s": cost,
             "goal_ratio": GOAL_RATIO,
             "goal_met": median_ratio <= GOAL_RATIO,
             "scrapes": asdict(scrapes),

@@ -45,3 +45,37 @@ def test_instructions_rejects_bad_arguments():
     command = [sys.executable, str(REPO / "benchmarks" / "instructions.py"), "--short", "50", "--long", "50"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
+
+
+def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
+    ends = []
+    for seconds in durations:
+        at += seconds
+        ends.append(at)
+    return ends
+
+
+def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placebo():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from overhead import scrape_cost
+
+    slowed = {10: 0.003, 40: 0.003, 70: 0.004}  # the steps that a round overlaps take longer
+    ends = steps_ending([0.010 + slowed.get(step, 0.0) for step in range(100)])
+    rounds = [(ends[step - 1] + 0.001, ends[step - 1] + 0.002) for step in slowed]
+    # the last round has no placebo (halfway to the next): the first two are weighed against theirs
+    assert scrape_cost(ends, rounds, warmup=0) == pytest.approx(0.003)
+    assert scrape_cost(ends, rounds, warmup=20) == pytest.approx(0.003)  # the first round is warm-up
+    assert scrape_cost(ends, rounds[:1], warmup=0) is None
+
+
+def test_scrape_cost_of_rounds_that_slow_nothing_is_about_zero():
+    """Steps of 5 and 15 ms: a span overlaps the long ones three times as often, which the placebo
+    takes out."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from overhead import excess, scrape_cost
+
+    ends = steps_ending([0.005, 0.015] * 2000)
+    rounds = [(100.0 + k * 0.1371, 100.0 + k * 0.1371 + 0.0005) for k in range(140)]
+    steps = list(zip(ends, ends[1:], strict=False))
+    assert excess(steps, rounds, typical=0.010) > 0.002  # biased: 0.0025 expected
+    assert abs(scrape_cost(ends, rounds, warmup=0)) < 0.0005

@@ -6,8 +6,9 @@
 --start-after PATH makes each rank, ready to train, create PATH.ready and wait for PATH before its first step
   (benchmarks/instructions.py starts counting instructions then);
 --report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
-  time, the training thread's CPU time and the whole process's CPU time (every thread: gloo's, and an
-  attached exporter's); and each Python thread's CPU time over the steps, by name.
+  time, the training thread's CPU time, the whole process's CPU time (every thread: gloo's, and an
+  attached exporter's) and when it ended (time.time()); and each Python thread's CPU time over the steps,
+  by name.
 --fault KIND --fault-rank R --fault-step S makes rank R misbehave at step S, the way real jobs do:
   stuck     R loops in Python before its next collective, forever (a livelock in its own code);
   mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
@@ -176,7 +177,7 @@ def main() -> None:
         extra_compute = args.slowdown * NOMINAL_COMPUTE_SECONDS
     else:
         extra_compute = args.slowdown * compute_seconds(args.batch)
-    step_cpu, process_cpu = [], []
+    step_cpu, process_cpu, step_ends = [], [], []
     if args.start_after:
         open(f"{args.start_after}.ready", "w").close()
         while not os.path.exists(args.start_after):
@@ -221,6 +222,7 @@ def main() -> None:
         step_times.append(time.perf_counter() - started)
         step_cpu.append(time.thread_time() - cpu_started)
         process_cpu.append(time.process_time() - process_started)
+        step_ends.append(time.time())
     if args.report:
         threads_after = threads_cpu()
         with open(args.report, "w") as out:
@@ -229,6 +231,7 @@ def main() -> None:
                 "step_times": step_times,
                 "step_cpu": step_cpu,
                 "process_cpu": process_cpu,
+                "step_ends": step_ends,
                 "threads_cpu": {
                     name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after
                 },
