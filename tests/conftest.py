@@ -66,9 +66,11 @@ def await_page(stack: Any, alertname: str, timeout: float = 90, **labels: str) -
 
 
 def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sample]] | None:
-    """Every rank's samples once it has taken `steps` steps and completed every collective it issued."""
+    """Every rank's samples once it has taken `steps` steps and completed every collective it issued, the
+    same number on every rank: after its last step a rank issues the script's closing barrier, and a rank
+    scraped just before it would otherwise be one behind a rank scraped once the barrier had completed."""
     results = scrape.scrape_all(targets, timeout=2)
-    done = {}
+    done, last_issued = {}, set()
     for target, samples in results.items():
         if isinstance(samples, scrape.ScrapeError):
             return None
@@ -77,7 +79,8 @@ def training_done(targets: list[str], steps: int) -> dict[str, list[scrape.Sampl
         if scrape.value(samples, "flare_steps_total") != steps or issued is None or issued != completed:
             return None
         done[target] = samples
-    return done
+        last_issued.add(issued)
+    return done if len(last_issued) == 1 else None
 
 
 @pytest.fixture(scope="session")
