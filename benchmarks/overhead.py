@@ -248,9 +248,7 @@ def scrape_cost(step_ends: list[float], rounds: list[Span], warmup: int) -> floa
     return None if scraped is None or unscraped is None else scraped - unscraped
 
 
-def excess(
-    steps: list[tuple[float, float]], spans: list[tuple[float, float]], typical: float
-) -> float | None:
+def excess(steps: list[Span], spans: list[Span], typical: float) -> float | None:
     """Per span of `spans` (in order, one after another) that falls within `steps` ((began, ended) each):
     how much longer than `typical` the steps that overlapped a span took, summed. None if none falls."""
     starts = [began for began, _ in spans]
@@ -396,7 +394,8 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
             threads_cpu.setdefault(name, []).append(seconds / len(times))
         if scraper is not None and reported.get("step_ends"):
             cost = scrape_cost(reported["step_ends"], scraper.rounds, args.warmup)
-            costs += [] if cost is None else [cost]
+            if cost is not None:
+                costs.append(cost)
     scrapes = scraper.counts(training) if scraper is not None else None
     return RunResult(
         with_exporter,
@@ -879,7 +878,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
     cost = statistics.median(costs) if costs else None
     if cost is not None:
         print(
-            f"  training time one scrape round cost (steps overlapping a round, beyond the others' median): "
+            f"  training time one scrape round cost (steps overlapping a round, against a placebo round): "
             f"median {cost * 1e3:.2f} ms over {len(costs)} runs (min {min(costs) * 1e3:.2f}, max "
             f"{max(costs) * 1e3:.2f}); a round every {args.scrape_interval:g} s makes that "
             f"{cost / args.scrape_interval:.2%} of the run"
