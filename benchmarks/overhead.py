@@ -141,6 +141,9 @@ class ScrapeCounts:
         self.scraper_cpu_s += other.scraper_cpu_s
 
 
+Span = tuple[float, float]  # (began, ended), wall time
+
+
 class Scraper(threading.Thread):
     """Scrapes every rank's /metrics once per second until stopped, as Prometheus does: one kept-alive
     connection per rank, gzip and Prometheus's Accept header. Classifies failures afterwards."""
@@ -154,7 +157,7 @@ class Scraper(threading.Thread):
         # per rank: (wall time the attempt started, None if it succeeded else the reason)
         self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.ports]
         self.cpu_seconds = 0.0  # this thread's own CPU: the benchmark's, on the same cores as the job
-        self.rounds: list[tuple[float, float]] = []  # wall time each round's first request began, last ended
+        self.rounds: list[Span] = []  # wall time each round's first request began, and its last ended
 
     def run(self) -> None:
         # Prometheus scrapes from another machine; this thread shares the job's cores, so it takes their idle
@@ -223,9 +226,6 @@ class Scraper(threading.Thread):
             if not answered:
                 counts.never_answered.append(rank)
         return counts
-
-
-Span = tuple[float, float]  # (began, ended), wall time
 
 
 def scrape_cost(step_ends: list[float], rounds: list[Span], warmup: int) -> float | None:

@@ -47,6 +47,24 @@ def test_instructions_rejects_bad_arguments():
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
 
 
+def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
+    out = tmp_path / "results.json"
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "overhead.py"),
+        *("--pairs", "1", "--ranks", "2", "--steps", "150", "--warmup", "10", "--scrape-interval", "0.1"),
+        *("--json", str(out)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    (pair,) = results["pairs"]
+    # the ranks reported when each step ended and the scraper its rounds: a cost, whatever its sign
+    assert isinstance(pair["with"]["scrape_cost_s"], float) and pair["without"]["scrape_cost_s"] is None
+    assert results["summary"]["scrape_cost_s"] == pair["with"]["scrape_cost_s"]
+    assert "training time one scrape round cost" in done.stdout
+
+
 def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
     ends = []
     for seconds in durations:
