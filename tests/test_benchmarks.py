@@ -14,18 +14,26 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.multirank
 
 
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "benchmarks" / script), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def run_to_json(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The benchmark run with `args` to completion, and the results it wrote with --json."""
+    out = tmp_path / "results.json"
+    done = run_benchmark(script, *args, "--json", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("recorder", ["cpp", "python"])
 def test_collective_path_compares_a_wrapped_group_with_a_plain_one(tmp_path, recorder):
-    out = tmp_path / "results.json"
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "collective_path.py"),
-        *("--ranks", "2", "--blocks", "2", "--block-steps", "5", "--warmup", "3", "--json", str(out)),
-        *("--recorder", recorder),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads(out.read_text())
+    done, results = run_to_json(
+        tmp_path,
+        "collective_path.py",
+        *("--ranks", "2", "--blocks", "2", "--block-steps", "5", "--warmup", "3", "--recorder", recorder),
+    )
     # every step of the wrapped model issued DDP's all-reduce through flare: 3 + 2 * 5 steps per rank, and
     # the collectives DDP issues when it wraps the model; the plain group's were not seen (or the check fails)
     assert results["recorder"] == recorder and len(results["recorded_collectives"]) == 2
@@ -36,28 +44,21 @@ def test_collective_path_compares_a_wrapped_group_with_a_plain_one(tmp_path, rec
 
 
 def test_collective_path_rejects_bad_arguments():
-    command = [sys.executable, str(REPO / "benchmarks" / "collective_path.py"), "--blocks", "0"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    done = run_benchmark("collective_path.py", "--blocks", "0")
     assert done.returncode == 2 and "--blocks must be at least 1" in done.stderr
 
 
 def test_instructions_rejects_bad_arguments():
-    command = [sys.executable, str(REPO / "benchmarks" / "instructions.py"), "--short", "50", "--long", "50"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    done = run_benchmark("instructions.py", "--short", "50", "--long", "50")
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
 
 
 def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
-    out = tmp_path / "results.json"
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "overhead.py"),
+    done, results = run_to_json(
+        tmp_path,
+        "overhead.py",
         *("--pairs", "1", "--ranks", "2", "--steps", "150", "--warmup", "10", "--scrape-interval", "0.1"),
-        *("--json", str(out)),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads(out.read_text())
+    )
     (pair,) = results["pairs"]
     # the ranks reported when each step ended and the scraper its rounds: a cost, whatever its sign
     assert isinstance(pair["with"]["scrape_cost_s"], float) and pair["without"]["scrape_cost_s"] is None
