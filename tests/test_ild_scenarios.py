@@ -2,13 +2,15 @@
 
 - a host stall every step on one rank, with the fake device: its kernel issue latency collapses;
 - CPU and interpreter contention on one rank: its host dispatch latency shifts;
+- a slowed issue path on one rank (every op delayed on the host): its host dispatch latency shifts;
 - no injection: no verdict from the first step to the last.
 
 Baselines and windows are short (a few dozen steps) so that the runs stay small; the injected faults are
 large, so that a busy machine does not decide the outcome. Sensitivity belongs in benchmarks/.
 
 Where Prometheus and Alertmanager are installed, a Prometheus evaluating `flare rules` scrapes every run:
-the engine must name the same rank from it, and Alertmanager must page FlareIssueLatencyShifted for it.
+the engine must name the same rank from it, and Alertmanager must page FlareIssueLatencyShifted for it
+(except under contention, whose size depends on the machine's cores: see its test).
 """
 
 from __future__ import annotations
@@ -84,12 +86,13 @@ def await_ild_verdict(source: list[str], run: str, ranks: list[int]) -> dict:
         pytest.fail(f"never named {ranks}; last report: {json.dumps(reports[-1:], indent=1)[:3000]}")
 
 
-def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str) -> dict:
+def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str, page: bool = True) -> dict:
     targets, stack = alerting
     with start(tmp_path, targets, run, "--steps", "100000", "--fault-rank", str(rank), *fault):
         verdict = await_ild_verdict(["--targets", str(targets), "--timeout", "2"], run, [rank])
         if stack is not None:  # the same verdict from Prometheus, and the page names the same rank
             await_ild_verdict(["--prometheus", stack.prometheus.url, "--window", "1m"], run, [rank])
+        if stack is not None and page:
             distribution = verdict["evidence"]["distributions"][0]
             paged = await_page(stack, "FlareIssueLatencyShifted", run=run, distribution=distribution)
             assert {alert["labels"]["rank"] for _, alert in paged} == {str(rank)}
@@ -107,17 +110,30 @@ def test_host_stall_on_one_rank_is_named_by_its_kernel_issue_latency(tmp_path, a
 
 
 def test_contention_on_one_rank_is_named_by_its_host_dispatch_latency(tmp_path, alerting):
-    # The busy threads take the rank's interpreter and a core: on 2 cores the other ranks slow as well, and
-    # with 4 threads the rank's KS hovered at the threshold (0.25-0.36 over 200 s), paging only now and then.
-    # With 8 it stayed at 0.33-0.41.
+    # How much busy threads slow a rank's ops depends on the machine's cores, not on flare: on one 2-core
+    # machine the rank's KS held at 0.33-0.41 with 8 threads, on CI's it crossed the alert's 0.3 only now and
+    # then (pending 18 times in 3 minutes, never for 5 s). The engine must name the rank (it looks at every
+    # instant); the page is asserted for the same distribution under a fault of fixed size, below.
     verdict = _run_fault(
-        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "8"
+        tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "8", page=False
     )
     assert verdict["domain"] == "rank"
     assert "host_dispatch" in verdict["evidence"]["distributions"]
     shifted = verdict["evidence"]["shifted"]["1"]["host_dispatch"]
     median = verdict["evidence"]["median_wasserstein_seconds"]["host_dispatch"]
     assert shifted["wasserstein_seconds"] > 5 * median, (shifted, median)  # 25-80 times in five runs
+
+
+def test_slowed_issue_path_on_one_rank_is_named_and_paged_by_its_host_dispatch_latency(tmp_path, alerting):
+    # 20 us busy-waited before every op the rank dispatches: its KS held at 0.39-0.40 over 80 s, the other
+    # ranks' at 0.01-0.05, whatever the machine's cores
+    verdict = _run_fault(
+        tmp_path, alerting, "host-delay", 3, "--fault", "host-delay", "--host-delay-seconds", "20e-6"
+    )
+    assert verdict["domain"] == "rank"
+    assert verdict["evidence"]["distributions"] == ["host_dispatch"]
+    shifted = verdict["evidence"]["shifted"]["3"]["host_dispatch"]
+    assert shifted["wasserstein_seconds"] > 5e-6 and shifted["ks"] >= IldPolicy().partial_ks
 
 
 def test_healthy_run_has_no_ild_verdict_from_start_to_end(tmp_path, alerting):
