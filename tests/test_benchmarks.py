@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,22 @@ def test_scrape_cost_of_rounds_that_slow_nothing_is_about_zero():
     steps = list(zip(ends, ends[1:], strict=False))
     assert excess(steps, rounds, typical=0.010) > 0.002  # biased: 0.0025 expected
     assert abs(scrape_cost(ends, rounds, warmup=0)) < 0.0005
+
+
+@pytest.mark.parametrize("forbidden", [True, False])
+def test_timed_commands_run_flare_byte_compiled_whether_or_not_this_environment_writes_bytecode(forbidden):
+    # in a fresh interpreter: installed_env is computed once per process
+    probe = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import cli_runs, pathlib; "
+        "env = cli_runs.installed_env(); prefix = env.get('PYTHONPYCACHEPREFIX'); "
+        "print(prefix is not None, 'PYTHONDONTWRITEBYTECODE' in env, "
+        "bool(prefix) and any(pathlib.Path(prefix).rglob('cli.cpython-*.pyc')))"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    if forbidden:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # where bytecode may not be written, it goes to a directory of the benchmark's, flare's CLI compiled in
+    # it before any timed command; elsewhere the environment is left as it is
+    assert done.stdout.split() == (["True", "False", "True"] if forbidden else ["False", "False", "False"])
