@@ -90,9 +90,9 @@ def _run_fault(tmp_path: Path, alerting, run: str, rank: int, *fault: str, page:
     targets, stack = alerting
     with start(tmp_path, targets, run, "--steps", "100000", "--fault-rank", str(rank), *fault):
         verdict = await_ild_verdict(["--targets", str(targets), "--timeout", "2"], run, [rank])
-        if stack is not None:  # the same verdict from Prometheus, and the page names the same rank
+        if stack is not None:  # the same verdict from Prometheus
             await_ild_verdict(["--prometheus", stack.prometheus.url, "--window", "1m"], run, [rank])
-        if stack is not None and page:
+        if stack is not None and page:  # and the page names the same rank
             distribution = verdict["evidence"]["distributions"][0]
             paged = await_page(stack, "FlareIssueLatencyShifted", run=run, distribution=distribution)
             assert {alert["labels"]["rank"] for _, alert in paged} == {str(rank)}
