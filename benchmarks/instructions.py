@@ -1,6 +1,6 @@
 """What flare-exporter adds to a training step, in instructions: counted by valgrind, not timed.
 
-    python benchmarks/instructions.py                       # 1 rank, 40 and 240 steps, both sides
+    python benchmarks/instructions.py                       # 1 rank, 40 and 240 steps, three sides
     python benchmarks/instructions.py --short 20 --long 120 --json out.json --keep DIR  # callgrind's files
 
 Step times on a shared 2-core machine differ by a few per cent between two runs of the same process, which
@@ -15,13 +15,21 @@ timing manager, HTTP server, stall watcher and GPU health reader, which reads th
 
 - without: `python flare_exporter/workloads/train_ddp.py`
 - with: `python -m flare_exporter.launch flare_exporter/workloads/train_ddp.py`, every signal at its
-  defaults. Nothing scrapes it (under valgrind a scrape would land on a different step each run); the
-  footprint benchmark gives what a scrape costs.
+  defaults. Nothing scrapes it.
+- scraped: the same, and the rank GETs its own /metrics every `--scrape-every` steps and reads the answer
+  before its next step (`train_ddp.py --scrape-every`): each render covers the same steps in every run (a
+  scraper outside would land on a different step each time). Beyond `with`, the exporter's threads'
+  instructions per scrape are what a scrape costs the rank (the render, its drain, the server's side of
+  the HTTP exchange; the training thread's are the GET, Prometheus's part); weighed per step of a job
+  scraped every `--job-steps-per-scrape` steps (125: a scrape a second of 8 ms steps), they give the
+  scrape's share of a step, as the training thread executes it without the exporter.
 
-Printed: instructions per step of the training thread and of the other threads, each side, and the training
-thread's ratio with / without. The other threads wake on the clock (the timing manager, the GPU health
-reader, the stall watcher), not per step, and a step takes about a hundred times longer under valgrind, so
-their count per step here overstates them by as much: overhead.py's CPU time per thread is their cost.
+Printed: instructions per step of the training thread and of the other threads, each side, the training
+thread's ratio with / without, and a scrape's instructions and share of a step. The other threads wake on
+the clock (the timing manager, the GPU health reader, the stall watcher), not per step, and a step takes
+about a hundred times longer under valgrind, so their count per step here overstates them by as much:
+overhead.py's CPU time per thread is their cost. The scraped runs last longer, so those threads wake more
+often in them: a scrape's count is an upper bound.
 valgrind runs threads one at a time and counts instructions, not cache misses: what the exporter's threads
 cost the training thread through the shared caches and cores is not in these numbers either.
 
@@ -65,9 +73,14 @@ def thread_instructions(out_dir: Path, pid: int) -> dict[int, int]:
     return counts
 
 
-def run(with_exporter: bool, steps: int, workdir: Path, timeout: float) -> dict[int, int]:
-    """One rank of `steps` steps under callgrind, counted from its first step: instructions per thread."""
+def run(
+    with_exporter: bool, steps: int, workdir: Path, timeout: float, scrape_every: int = 0
+) -> dict[int, int]:
+    """One rank of `steps` steps under callgrind, counted from its first step: instructions per thread.
+    With `scrape_every`, the rank GETs its exporter's /metrics every that many steps."""
     label = f"{'with' if with_exporter else 'without'} the exporter, {steps} steps"
+    if scrape_every:
+        label += f", scraped every {scrape_every}"
     workdir.mkdir(parents=True)
     start = workdir / "start"
     env = dict(
@@ -97,6 +110,7 @@ def run(with_exporter: bool, steps: int, workdir: Path, timeout: float) -> dict[
         str(steps),
         "--start-after",
         str(start),
+        *(["--scrape-every", str(scrape_every)] if scrape_every else []),
     ]
     log = workdir / "log.txt"
     with open(log, "wb") as out:
@@ -138,12 +152,39 @@ def per_step(short: dict[int, int], long: dict[int, int], steps: int) -> tuple[f
     return main, others
 
 
+def scrape_instructions(
+    unscraped: dict[str, float], scraped: dict[str, float], steps: int, scrapes: int
+) -> tuple[float, float]:
+    """(the exporter's, the scraper's) instructions per scrape: what the scraped runs executed per step
+    beyond the unscraped ones (both with the exporter), over the `steps` and `scrapes` between their short
+    and long runs. The exporter's are its threads' (the render, its drain, the server's side of the HTTP
+    exchange); the scraper's, the GET the training thread makes (a Prometheus's, elsewhere). The drain's
+    work on each collective and sample is done on both sides (by the timing manager on its clock where
+    nothing scrapes): it counts only as far as draining more often costs more."""
+    exporter = (scraped["other_threads"] - unscraped["other_threads"]) * steps / scrapes
+    scraper = (scraped["training_thread"] - unscraped["training_thread"]) * steps / scrapes
+    return exporter, scraper
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
     parser.add_argument("--long", type=int, default=240, help="steps of the long runs (default 240)")
     parser.add_argument(
         "--timeout", type=float, default=1200.0, help="seconds one run may take (default 1200)"
+    )
+    parser.add_argument(
+        "--scrape-every",
+        type=int,
+        default=20,
+        help="steps between two scrapes in the scraped runs (default 20; 0: no scraped runs)",
+    )
+    parser.add_argument(
+        "--job-steps-per-scrape",
+        type=int,
+        default=125,
+        help="steps of a real job between two scrapes, to weigh a scrape per step (default 125: a scrape "
+        "a second of overhead.py's ~8 ms steps)",
     )
     parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument(
@@ -152,19 +193,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error(f"--short ({args.short}) must be positive and below --long ({args.long})")
+    scrapes = args.long // args.scrape_every - args.short // args.scrape_every if args.scrape_every > 0 else 0
+    if args.scrape_every < 0 or (args.scrape_every and not scrapes):
+        parser.error(
+            f"--scrape-every ({args.scrape_every}) must leave the long runs more scrapes than the short"
+        )
+    if args.job_steps_per_scrape <= 0:
+        parser.error(f"--job-steps-per-scrape ({args.job_steps_per_scrape}) must be positive")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: error: valgrind (callgrind_control) is not installed", file=sys.stderr)
         return 1
     steps = args.long - args.short
     print(f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side")
     results: dict[str, dict[str, float]] = {}
+    sides = {"without": (False, 0), "with": (True, 0)}
+    if scrapes:
+        sides["scraped"] = (True, args.scrape_every)
     try:
         with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
             tmp = args.keep or scratch
-            for with_exporter in (False, True):
-                side = "with" if with_exporter else "without"
-                short = run(with_exporter, args.short, Path(tmp) / f"{side}-short", args.timeout)
-                long = run(with_exporter, args.long, Path(tmp) / f"{side}-long", args.timeout)
+            for side, (with_exporter, scrape_every) in sides.items():
+                short, long = (
+                    run(with_exporter, count, Path(tmp) / f"{side}-{name}", args.timeout, scrape_every)
+                    for name, count in (("short", args.short), ("long", args.long))
+                )
                 main_thread, others = per_step(short, long, steps)
                 results[side] = {"training_thread": main_thread, "other_threads": others}
                 print(
@@ -185,8 +237,23 @@ def main(argv: list[str] | None = None) -> int:
         "valgrind:\n   their count per step here is not what they cost at full speed; see overhead.py's "
         "CPU per thread)"
     )
+    summary: dict[str, float] = {"thread_ratio": thread_ratio}
+    if scrapes:
+        scrape, scraper = scrape_instructions(with_, results["scraped"], steps, scrapes)
+        share = scrape / args.job_steps_per_scrape / without["training_thread"]
+        print(
+            f"  a scrape (every {args.scrape_every} steps): {scrape:,.0f} instructions in the exporter's "
+            f"threads (and {scraper:,.0f} in the GET, the scraper's);\n   one every "
+            f"{args.job_steps_per_scrape} steps adds {100 * share:.2f} % to the training thread's "
+            "instructions per step without the exporter"
+        )
+        summary |= {
+            "scrape_instructions": scrape,
+            "scraper_instructions": scraper,
+            "scrape_share_per_step": share,
+        }
     if args.json:
-        Path(args.json).write_text(json.dumps({**results, "thread_ratio": thread_ratio}, indent=2))
+        Path(args.json).write_text(json.dumps({**results, **summary}, indent=2))
     return 0
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,45 @@ def test_timed_commands_run_flare_byte_compiled_whether_or_not_this_environment_
     # where bytecode may not be written, it goes to a directory of the benchmark's, flare's CLI compiled in
     # it before any timed command; elsewhere the environment is left as it is
     assert done.stdout.split() == (["True", "False", "True"] if forbidden else ["False", "False", "False"])
+
+
+def test_a_rank_scraping_itself_asks_its_own_endpoint_as_prometheus_does(monkeypatch):
+    from flare_exporter.workloads import train_ddp
+
+    seen = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (BaseHTTPRequestHandler's)
+            seen.append((self.path, self.headers.get("Accept-Encoding")))
+            self.send_response(200 if len(seen) == 1 else 503)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # the rank's port: FLARE_PORT + LOCAL_RANK, as the exporter binds it
+        monkeypatch.setenv("FLARE_PORT", str(server.server_address[1] - 1))
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        train_ddp.scrape_own_endpoint()
+        with pytest.raises(RuntimeError, match="HTTP 503"):
+            train_ddp.scrape_own_endpoint()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("/metrics", "gzip")] * 2
+
+
+def test_a_scrapes_instructions_are_the_exporters_threads_beyond_the_unscraped_side_per_scrape():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from instructions import scrape_instructions
+
+    unscraped = {"training_thread": 8_000_000.0, "other_threads": 50_000.0}
+    # per step: 1,000 more on the training thread (its GETs), 40,000 more on the others (the renders)
+    scraped = {"training_thread": 8_001_000.0, "other_threads": 90_000.0}
+    exporter, scraper = scrape_instructions(unscraped, scraped, steps=100, scrapes=5)
+    assert (exporter, scraper) == (pytest.approx(800_000), pytest.approx(20_000))

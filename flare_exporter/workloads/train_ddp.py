@@ -5,6 +5,9 @@
 --wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
 --start-after PATH makes each rank, ready to train, create PATH.ready and wait for PATH before its first step
   (benchmarks/instructions.py starts counting instructions then);
+--scrape-every N makes each rank GET its own exporter's /metrics every N steps (FLARE_PORT + LOCAL_RANK on
+  loopback, gzip accepted, as Prometheus asks) and read the answer before its next step, so that every
+  render covers the same N steps (benchmarks/instructions.py counts what a scrape costs);
 --report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
   time, the training thread's CPU time, the whole process's CPU time (every thread: gloo's, and an
   attached exporter's) and when it ended (time.time()); and each Python thread's CPU time over the steps,
@@ -35,6 +38,7 @@ Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
 """
 
 import argparse
+import http.client
 import json
 import os
 import threading
@@ -114,6 +118,20 @@ def busy_thread() -> None:
         total = (total + 1) % 1_000_003
 
 
+def scrape_own_endpoint() -> None:
+    """GET this rank's /metrics from the exporter attached to it, and read the whole answer."""
+    port = int(os.environ["FLARE_PORT"]) + int(os.environ.get("LOCAL_RANK", "0"))
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # valgrind renders slowly
+    try:
+        connection.request("GET", "/metrics", headers={"Accept-Encoding": "gzip"})
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"the exporter answered /metrics with HTTP {response.status}")
+    finally:
+        connection.close()
+
+
 class HostDelay(TorchDispatchMode):
     """Busy-waits `seconds` on the host before every op, as a slowed issue path would."""
 
@@ -143,6 +161,7 @@ def main() -> None:
     parser.add_argument("--wait-for", default="")
     parser.add_argument("--start-after", default="")
     parser.add_argument("--report", default="")
+    parser.add_argument("--scrape-every", type=int, default=0)
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=10)
@@ -223,6 +242,8 @@ def main() -> None:
         step_cpu.append(time.thread_time() - cpu_started)
         process_cpu.append(time.process_time() - process_started)
         step_ends.append(time.time())
+        if args.scrape_every and (step + 1) % args.scrape_every == 0:
+            scrape_own_endpoint()
     if args.report:
         threads_after = threads_cpu()
         with open(args.report, "w") as out:
