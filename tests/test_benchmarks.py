@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' helpers, tested below
 
 pytestmark = pytest.mark.multirank
 
@@ -70,15 +72,10 @@ def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
 
 
 def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
-    ends = []
-    for seconds in durations:
-        at += seconds
-        ends.append(at)
-    return ends
+    return list(itertools.accumulate(durations, initial=at))[1:]
 
 
 def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placebo():
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from overhead import scrape_cost
 
     slowed = {10: 0.003, 40: 0.003, 70: 0.004}  # the steps that a round overlaps take longer
@@ -93,7 +90,6 @@ def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placeb
 def test_scrape_cost_of_rounds_that_slow_nothing_is_about_zero():
     """Steps of 5 and 15 ms: a span overlaps the long ones three times as often, which the placebo
     takes out."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from overhead import excess, scrape_cost
 
     ends = steps_ending([0.005, 0.015] * 2000)
@@ -122,15 +118,17 @@ def test_timed_commands_run_flare_byte_compiled_whether_or_not_this_environment_
     assert done.stdout.split() == (["True", "False", "True"] if forbidden else ["False", "False", "False"])
 
 
-def test_a_rank_scraping_itself_asks_its_own_endpoint_as_prometheus_does(monkeypatch):
+def test_a_rank_scraping_itself_asks_its_own_endpoint_every_n_steps_as_prometheus_does(monkeypatch):
+    from flare_exporter.local_job import free_port
     from flare_exporter.workloads import train_ddp
 
     seen = []
+    status = [200]
 
     class Endpoint(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (BaseHTTPRequestHandler's)
             seen.append((self.path, self.headers.get("Accept-Encoding")))
-            self.send_response(200 if len(seen) == 1 else 503)
+            self.send_response(status[0])
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"ok")
@@ -140,21 +138,27 @@ def test_a_rank_scraping_itself_asks_its_own_endpoint_as_prometheus_does(monkeyp
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    # the rank's port: FLARE_PORT + LOCAL_RANK, as the exporter binds it
+    rank = {"FLARE_PORT": str(server.server_address[1] - 1), "LOCAL_RANK": "1"}
     try:
-        # the rank's port: FLARE_PORT + LOCAL_RANK, as the exporter binds it
-        monkeypatch.setenv("FLARE_PORT", str(server.server_address[1] - 1))
-        monkeypatch.setenv("LOCAL_RANK", "1")
-        train_ddp.scrape_own_endpoint()
+        env = dict(
+            os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+        command = [sys.executable, train_ddp.__file__, "--steps", "7", "--scrape-every", "2"]
+        done = subprocess.run(command, env=env | rank, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert seen == [("/metrics", "gzip")] * 3  # after steps 2, 4 and 6
+        status[0] = 503
+        monkeypatch.setenv("FLARE_PORT", rank["FLARE_PORT"])
+        monkeypatch.setenv("LOCAL_RANK", rank["LOCAL_RANK"])
         with pytest.raises(RuntimeError, match="HTTP 503"):
             train_ddp.scrape_own_endpoint()
     finally:
         server.shutdown()
         server.server_close()
-    assert seen == [("/metrics", "gzip")] * 2
 
 
 def test_a_scrapes_instructions_are_the_exporters_threads_beyond_the_unscraped_side_per_scrape():
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from instructions import scrape_instructions
 
     unscraped = {"training_thread": 8_000_000.0, "other_threads": 50_000.0}
