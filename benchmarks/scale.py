@@ -22,7 +22,8 @@ Phases, each a fault on a different rank (straggler N*3//8, hung N*777//1024, de
 Measured: Prometheus's ingestion (samples appended per second), rule evaluation time of each rule group,
 scrape durations and the actual interval between scrapes of a target (does it keep up?), series, memory and
 CPU; time from each fault to its page at the webhook (FlareCollectiveHangCulprit naming the hung rank, from
-the hang's time, and how much of it is beyond the hang threshold; FlareRankDown naming the dead rank); and
+the hang's time, and how much of it is beyond the hang threshold; FlareRankDown naming the dead rank), and
+the culprit pages that name another rank than the hung one (any fails the run); and
 in each phase `flare diagnose --prometheus URL` (in-process and as a subprocess) and `flare diagnose
 --targets DIR` (direct scrape, subprocess), timed, with the verdict checked: the first verdict must name the
 phase's faulty rank. Goals: the right culprit in < 1 s of CLI time via Prometheus at 6,144 ranks, < 3 s via
@@ -211,6 +212,23 @@ def await_page(stack: AlertingStack, alertname: str, rank: int, timeout: float) 
     return min(arrived for arrived, _ in found)
 
 
+# Alerts that name a culprit rank (the group-level hang and the warnings name none).
+CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
+
+
+def pages_naming_another_rank(stack: AlertingStack, since: float, rank: int) -> list[str]:
+    """The culprit alerts (alertname[rank]) delivered since `since` that name a rank other than `rank`."""
+    return sorted(
+        {
+            f"{alert['labels']['alertname']}[{alert['labels'].get('rank', '')}]"
+            for arrived, alert in stack.pages.alerts(run=RUN)
+            if arrived >= since
+            and alert["labels"]["alertname"] in CULPRIT_ALERTS
+            and alert["labels"].get("rank") != str(rank)
+        }
+    )
+
+
 def alerts_firing(url: str) -> list[str]:
     answer = promql.query(url, f'ALERTS{{alertstate="firing", run="{RUN}"}}', 30)
     return sorted({f"{a['metric'].get('alertname')}[{a['metric'].get('rank', '')}]" for a in answer})
@@ -339,6 +357,9 @@ def phases(
     )
     out["hang"] = attribution(args, url, targets_dir, "hang", hung, "hang")
     out["hang"].update(page_seconds=page_s, beyond_threshold_seconds=page_s - args.hang_seconds)
+    wrong = pages_naming_another_rank(stack, fault_at, hung)  # by the end of the phase's diagnoses
+    print(f"  pages naming another rank than {hung}: {len(wrong)} {', '.join(wrong[:20])}")
+    out["hang"]["wrong_pages"] = wrong
 
     print(f"phase 3, dead: the hang is over; rank {dead}'s endpoint refuses connections")
     server.set_pages(later)
@@ -361,6 +382,8 @@ def summary(args: argparse.Namespace, results: dict[str, Any]) -> None:
             f"  {phase:9} right culprit every run; via Prometheus {_seconds(medians['subprocess'])} "
             f"(command), {_seconds(medians['in_process'])} (in-process){direct}"
         )
+    wrong = results["hang"]["wrong_pages"]
+    print(f"  hang pages: {'right' if not wrong else f'{len(wrong)} naming another rank'}")
     worst_prometheus = max(results[p]["medians"]["subprocess"] for p in ("straggler", "hang", "dead"))
     print(
         f"  goal via Prometheus < {PROMETHEUS_GOAL_S:g} s at {args.ranks} ranks: "
@@ -435,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"results written to {args.json}")
+    if results["hang"]["wrong_pages"]:
+        print("scale: error: culprit pages named other ranks than the hung one", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -8,7 +8,9 @@ A Snapshot comes from Prometheus or from scraping the ranks (sources.py); the ru
    ranks behind the group's highest issued sequence number never reached the collective -> `hang` with
    them as culprits; a culprit that itself waits in another group is followed into that group, until the
    chain ends at a rank that waits on nobody. If most ranks are "behind" one rank, that rank issued a
-   collective the others never will -> `mismatch`.
+   collective the others never will -> `mismatch`. A rank is judged behind only on a number scraped since
+   its group's newest issue: Prometheus, behind on its scrapes at thousands of ranks, can hold a rank's
+   number from before the hang (GroupState.seen_before_stall).
 3. Every rank at the same sequence number, but with different ops or sizes in flight -> `mismatch`, the
    odd ones out by majority.
 4. Every rank inside the collective: ranks whose collective has not started on the device while others'
@@ -29,7 +31,7 @@ import dataclasses
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -59,6 +61,9 @@ class GroupState:
     last_issued: int = 0
     last_completed: int = 0
     in_flight: InFlight | None = None
+    # Its issued number was scraped before the group's newest issue (Prometheus's scrapes of the rank late):
+    # it shows where the rank was then, not whether it issued the collective the group waits in.
+    seen_before_stall: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,12 +305,15 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     live = [snapshot.ranks[rank] for rank in hang.members if snapshot.ranks[rank].up]
     live = [record for record in live if hang.name in record.groups]
     issued = {record.rank: record.groups[hang.name].last_issued for record in live}
-    behind = sorted(rank for rank, seq in issued.items() if seq < hang.max_issued)
+    behind = sorted(record.rank for record in behind_in(live, hang.name, hang.max_issued))
     evidence: dict[str, Any] = {
         "oldest_in_flight_seconds": round(hang.oldest_age, 3),
         "max_issued_seq": hang.max_issued,
         "last_issued_seq": {str(rank): seq for rank, seq in sorted(issued.items())},
     }
+    unjudged = [record.rank for record in live if record.groups[hang.name].seen_before_stall]
+    if unjudged:
+        evidence["seen_before_stall"] = sorted(unjudged)
     if behind and len(behind) * 2 > len(live):
         ahead = sorted(set(issued) - set(behind))
         evidence["in_flight"] = _in_flight_evidence(snapshot, ahead, hang.name)
@@ -396,6 +404,17 @@ def groups_read_by_hang_rules(snapshot: Snapshot, hang_seconds: float) -> set[st
     return names
 
 
+def behind_in(live: Sequence[RankRecord], group: str, top: int) -> list[RankRecord]:
+    """The ranks of `live` (members of `group`) whose last issued number is below `top`,
+    of those scraped since the group's newest issue: a rank whose number was scraped before it (a late
+    scrape) cannot tell whether it issued the collective the group waits in, and is not judged."""
+    return [
+        record
+        for record in live
+        if (state := record.groups[group]).last_issued < top and not state.seen_before_stall
+    ]
+
+
 def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
     """From ranks behind in `group`, follow each that waits in another group; return the chain ends.
 
@@ -423,7 +442,7 @@ def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[lis
             members = [snapshot.ranks[r] for r in members_of(snapshot, name)]
             live = [m for m in members if m.up and name in m.groups]
             top = max(m.groups[name].last_issued for m in live)
-            laggards += [(name, m.rank) for m in live if m.groups[name].last_issued < top]
+            laggards += [(name, m.rank) for m in behind_in(live, name, top)]
             laggards += [(name, m.rank) for m in members if m.gone]
         if not laggards:
             if rank not in culprits:

@@ -187,9 +187,21 @@ def recording_rules(t: Thresholds) -> list[Recording]:
             f"  max by (run, group) (flare_collective_last_issued_seq{s})\n"
             f"  - on (run, group) group_right flare_collective_last_issued_seq{s}\n)",
         ),
+        # The same, of the ranks scraped since their group's newest issue (the newest collective in flight in
+        # it): what the hang alerts judge. A rank scraped before it (its scrapes late: a Prometheus behind at
+        # thousands of ranks) shows where it was then, not whether it issued what its group waits in
+        # (diagnosis.seen_before_stall).
+        Recording(
+            "run_group_rank:flare_collective_issued:behind_since_stall",
+            "run_group_rank:flare_collective_issued:behind\n"
+            "and on (run, group, rank)\n"
+            f"  (max by (run, group, rank) (timestamp(flare_collective_last_issued_seq{s}))\n"
+            "   > on (run, group) group_left\n"
+            f"     max by (run, group) (flare_collective_in_flight_started_timestamp_seconds{s}))",
+        ),
         Recording(
             "run_group:flare_collective_issued:behind_ranks",
-            "count by (run, group) (run_group_rank:flare_collective_issued:behind > 0)",
+            "count by (run, group) (run_group_rank:flare_collective_issued:behind_since_stall > 0)",
         ),
         Recording(
             "run_group:flare_collective_issued:ranks",
@@ -435,7 +447,7 @@ def collective_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareCollectiveHangCulprit",
             _with_host(
-                "max by (run, rank, group) (run_group_rank:flare_collective_issued:behind > 0)\n"
+                "max by (run, rank, group) (run_group_rank:flare_collective_issued:behind_since_stall > 0)\n"
                 f"  and on (run, group) ({_hung(t)})\n"
                 f"  and on (run, group) ({behind_is_minority})"
             ),

@@ -104,10 +104,11 @@ def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[st
     group_keys |= {
         (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
     }
+    seen_before_stall = set(per_group("seen_before_stall"))
     groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
     for key in group_keys:
         groups[key[0]][key[1]] = GroupState(
-            int(issued.get(key, 0)), int(completed.get(key, 0)), flights.get(key)
+            int(issued.get(key, 0)), int(completed.get(key, 0)), flights.get(key), key in seen_before_stall
         )
     return {rank: {"groups": found} for rank, found in groups.items()}
 
@@ -399,6 +400,13 @@ PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # the groups the hang rules read (diagnosis.groups_read_by_hang_rules) when told the threshold.
 GROUP_QUERIES = {
     "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
+    # the ranks whose number was scraped before their group's newest issue (key `seen_before_stall`,
+    # diagnosis.GroupState): at a hang, the ranks whose scrapes are late; usually none
+    "seen_before_stall": (
+        "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))"
+        " <= on (group) group_left"
+        " max by (group) (flare_collective_in_flight_started_timestamp_seconds{sel})"
+    ),
 }
 # The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes

@@ -186,6 +186,40 @@ def test_two_ranks_behind_on_two_hosts_stay_rank_level():
     assert (verdict.kind, verdict.ranks, verdict.domain) == ("hang", (1, 5), "rank")
 
 
+def seen_before_stall(state: GroupState) -> GroupState:
+    """`state` as Prometheus holds it of a rank scraped late: read before the group's newest issue."""
+    return dataclasses.replace(state, seen_before_stall=True)
+
+
+def test_a_rank_scraped_before_the_stall_is_not_judged_behind():
+    # rank 1's scrape came before the others issued 5: its 4 says nothing of whether it issued 5
+    records = [rank(r, world=waiting(5)) for r in (0, 3)]
+    records += [rank(1, world=seen_before_stall(done(4))), rank(2, world=done(4))]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    assert verdict.evidence["seen_before_stall"] == [1]
+
+
+def test_late_scrapes_of_most_ranks_do_not_make_the_ranks_ahead_a_mismatch():
+    # five of eight ranks were last scraped before the stall: counted behind, they would be a majority
+    records = [rank(r, world=seen_before_stall(done(4))) for r in (0, 1, 2, 3, 4)]
+    records += [rank(5, world=done(4)), rank(6, world=waiting(5)), rank(7, world=waiting(5))]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("hang", (5,))
+
+
+def test_a_chain_does_not_follow_a_rank_scraped_before_the_stall():
+    # in tp-x, rank 4's number is from before the stall: only rank 2, scraped since, is behind there
+    records = [rank(r, world=waiting(5)) for r in (0, 3)]
+    records += [
+        rank(1, world=done(4), groups={"tp-x": waiting(3)}),
+        rank(2, groups={"tp-x": done(2)}),
+        rank(4, groups={"tp-x": seen_before_stall(done(2))}),
+    ]
+    verdict = in_group(diag(*records), "world")
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # mismatch
 

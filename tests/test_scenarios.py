@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import flare_json, pages_without_stragglers, without_stragglers
+from conftest import CULPRIT_ALERTS, flare_json, pages_without_stragglers, without_stragglers
 
 from flare_exporter import alertmanager_process, cli, scrape
 from flare_exporter.alertmanager_process import AlertingStack, WebhookReceiver
@@ -101,10 +101,6 @@ def await_verdict(
         return wait_for(named, 60, f"diagnose {' '.join(source)} to name {expected}")
     except TimeoutError:
         pytest.fail(f"never named {expected}; last report: {json.dumps(reports[-1:], indent=1)[:3000]}")
-
-
-# Alerts that name culprit ranks; the others (the group-level hang, warnings) are not counted.
-CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
 
 
 def await_culprit_page(
