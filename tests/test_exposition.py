@@ -327,6 +327,29 @@ def test_the_native_text_format_writes_what_the_python_one_writes():
     assert native(flare) == python_text_format(flare) and len(flare) > 40
 
 
+def test_the_native_text_format_keeps_each_samples_labels_and_writes_what_a_fresh_render_writes():
+    """Its prefixes are kept by the identity of each sample's name and label strs (csrc/text_format.cpp):
+    the same strs write the same labels; a dict given other values writes those; a full cache starts over."""
+    from conftest import torch_extension
+    from prometheus_client.core import GaugeMetricFamily
+
+    native = torch_extension().render_text
+    flare = build_flare_families()
+    assert native(flare) == native(flare) == python_text_format(flare)
+    gauge = GaugeMetricFamily("flare_kept", "Kept.", labels=["a", "b"])
+    gauge.add_metric(["x", 'y "quoted"'], 1)
+    labels = gauge.samples[0].labels
+    before = native([gauge])
+    labels["a"] = "".join(["ot", "her"])  # the same dict, another str
+    after = native([gauge])
+    assert before.endswith(b'\nflare_kept{a="x",b="y \\"quoted\\""} 1\n')
+    assert after == before.replace(b'a="x"', b'a="other"') == python_text_format([gauge])
+    many = GaugeMetricFamily("flare_many", "More series than the cache keeps.", labels=["n"])
+    for index in range(5000):  # over its 4,096 prefixes
+        many.add_metric([str(index)], index)
+    assert native([many]) == native([many]) == python_text_format([many])
+
+
 def build_flare_families() -> list:
     import time
 
