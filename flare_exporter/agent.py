@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed
@@ -63,6 +64,12 @@ class Attachment:
 _attachment: Attachment | None = None
 
 
+@lru_cache(maxsize=1)  # a rank's: the same str objects at every scrape (collectors._histogram_sample_names)
+def rank_labels(rank: int, run: str) -> tuple[str, str]:
+    """The values of the labels every flare series carries: rank and run."""
+    return str(rank), run
+
+
 def build_registry(state: FlareState) -> CollectorRegistry:
     """A registry exposing every collector over `state`, with the rank's rank/run labels."""
     registry = CollectorRegistry()
@@ -82,7 +89,7 @@ def build_registry(state: FlareState) -> CollectorRegistry:
     registry.register(
         FlareCollector(
             collectors,
-            lambda: (str(state.identity.rank), state.identity.run),
+            lambda: rank_labels(state.identity.rank, state.identity.run),
             state.health,
             prepare=state.manager.drain,
             prepare_component="timing_manager",

@@ -350,6 +350,29 @@ def test_the_native_text_format_keeps_each_samples_labels_and_writes_what_a_fres
     assert native([many]) == native([many]) == python_text_format([many])
 
 
+def test_a_scrape_builds_sample_names_and_label_values_anew_only_where_they_change():
+    """The C++ text format keeps each sample's formatted labels by the identity of its name and label strs:
+    a rank's next scrape gives them the same str objects but where they change (its stack sample)."""
+    import time
+
+    from flare_exporter.agent import build_registry
+    from flare_exporter.testing import virtual_cluster as vc
+
+    now = time.perf_counter()
+    state = vc.rank_state(37, 64, "run-1", now, vc.Faults(hung=5, hung_at=now - 600.0, straggler=3))
+    registry = build_registry(state)
+    first, second = ([s for family in registry.collect() for s in family.samples] for _ in range(2))
+    assert [sample.name for sample in first] == [sample.name for sample in second] and len(first) > 250
+    renewed = {(a.name, "") for a, b in zip(first, second, strict=True) if a.name is not b.name}
+    renewed |= {
+        (a.name, key)
+        for a, b in zip(first, second, strict=True)
+        for key, value in a.labels.items()
+        if value is not b.labels[key]
+    }
+    assert renewed == {("flare_rank_stack_info", "frames")}
+
+
 def build_flare_families() -> list:
     import time
 

@@ -47,21 +47,39 @@ class Families:
         """The samples HistogramMetricFamily.add_metric adds (each bucket, _count, _sum), built with less
         work per bucket: a scrape adds hundreds of buckets, whose label dicts are built once per series."""
         counts, total = histogram.cumulative()
-        name = family.name
-        labels, le_labels = _histogram_labels(name, (*self.common_values, *values), histogram.bounds)
-        bucket = name + "_bucket"
+        labels, le_labels = _histogram_labels(family.name, (*self.common_values, *values), histogram.bounds)
+        bucket, count, total_name = _histogram_sample_names(family.name)
         family.samples.extend(
-            [Sample(bucket, le, count) for le, count in zip(le_labels, counts, strict=True)]
+            [Sample(bucket, le, number) for le, number in zip(le_labels, counts, strict=True)]
         )
-        family.samples.append(Sample(name + "_count", labels, counts[-1]))
-        family.samples.append(Sample(name + "_sum", labels, total))
+        family.samples.append(Sample(count, labels, counts[-1]))
+        family.samples.append(Sample(total_name, labels, total))
+
+
+class _CounterFamily(CounterMetricFamily):
+    """prometheus_client's counter family, its samples named by the same str object at every scrape."""
+
+    def add_metric(
+        self,
+        labels: Sequence[str],
+        value: float,
+        created: float | None = None,
+        timestamp: Any = None,
+        exemplar: Any = None,
+    ) -> None:
+        if created is not None:
+            super().add_metric(labels, value, created, timestamp, exemplar)
+            return
+        name = _counter_sample_name(self.name)
+        labels_dict = dict(zip(self._labelnames, labels, strict=True))
+        self.samples.append(Sample(name, labels_dict, value, timestamp, exemplar))
 
 
 @cache  # one entry per metric of the spec
 def _prototype(name: str) -> Metric:
     metric = spec.BY_NAME[name]
     family_class = {
-        spec.COUNTER: CounterMetricFamily,
+        spec.COUNTER: _CounterFamily,
         spec.GAUGE: GaugeMetricFamily,
         spec.INFO: GaugeMetricFamily,
         spec.HISTOGRAM: HistogramMetricFamily,
@@ -77,6 +95,24 @@ def _histogram_labels(
 ) -> tuple[dict[str, str], tuple[dict[str, str], ...]]:
     labels = dict(zip(_label_names(name), values, strict=True))
     return labels, tuple({**labels, "le": le} for le in bucket_labels(bounds))
+
+
+# A scrape's sample names and label values are the same str objects from one scrape to the next wherever
+# they can be: the C++ text format keeps each sample's formatted labels by their identity.
+@cache  # one entry per histogram of the spec
+def _histogram_sample_names(name: str) -> tuple[str, str, str]:
+    return name + "_bucket", name + "_count", name + "_sum"
+
+
+@cache  # one entry per counter of the spec
+def _counter_sample_name(name: str) -> str:
+    return name + "_total"
+
+
+@lru_cache(maxsize=256)
+def number_label(number: int) -> str:
+    """`str(number)` as a label value, the same str object at every scrape."""
+    return str(number)
 
 
 @cache  # one entry per metric of the spec

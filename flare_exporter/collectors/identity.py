@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 
 from prometheus_client.core import Metric
 
+from ..identity import RankIdentity
 from ..state import FlareState
-from . import Families
+from . import Families, number_label
 
 
 class IdentityCollector:
@@ -18,12 +20,15 @@ class IdentityCollector:
         self.state = state
 
     def collect(self, families: Families) -> Iterable[Metric]:
-        info = self.state.identity.info_labels()
         rank_info = families.new("flare_rank_info")
-        rank_info.add_metric(families.labels(*info.values()), 1)
+        rank_info.add_metric(families.labels(*_info_values(self.state.identity)), 1)
         group_info = families.new("flare_process_group_info")
         for tracker in list(self.state.groups.values()):
-            group_info.add_metric(
-                families.labels(tracker.name, tracker.role, str(tracker.size), tracker.timing.recorder), 1
-            )
+            size, recorder = number_label(tracker.size), tracker.timing.recorder
+            group_info.add_metric(families.labels(tracker.name, tracker.role, size, recorder), 1)
         return [rank_info, group_info]
+
+
+@lru_cache(maxsize=1)  # the same str objects at every scrape until the identity changes (collectors/__init__)
+def _info_values(identity: RankIdentity) -> tuple[str, ...]:
+    return tuple(identity.info_labels().values())
