@@ -57,7 +57,7 @@ from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402 
 from flare_exporter import cli, promql, scrape  # noqa: E402
 from flare_exporter.alertmanager_process import AlertingStack, can_alert  # noqa: E402
 from flare_exporter.prometheus_process import wait_for  # noqa: E402
-from flare_exporter.rules import Thresholds  # noqa: E402
+from flare_exporter.rules import CULPRIT_ALERTS, Thresholds  # noqa: E402
 from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
 
 RUN = "bench-scale"
@@ -210,10 +210,6 @@ def await_page(stack: AlertingStack, alertname: str, rank: int, timeout: float) 
         f"{alertname} {rank}",
     )
     return min(arrived for arrived, _ in found)
-
-
-# Alerts that name a culprit rank (the group-level hang and the warnings name none).
-CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
 
 
 def pages_naming_another_rank(stack: AlertingStack, since: float, rank: int) -> list[str]:

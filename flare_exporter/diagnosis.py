@@ -315,7 +315,7 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     if unjudged:
         evidence["seen_before_stall"] = sorted(unjudged)
     if behind and len(behind) * 2 > len(live):
-        ahead = sorted(set(issued) - set(behind))
+        ahead = sorted(rank for rank, seq in issued.items() if seq == hang.max_issued)
         evidence["in_flight"] = _in_flight_evidence(snapshot, ahead, hang.name)
         return Verdict(
             "mismatch",

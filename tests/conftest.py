@@ -52,10 +52,6 @@ def pages_without_stragglers(pages: list[tuple[float, dict]]) -> list[dict]:
     return [alert for _, alert in pages if alert["labels"]["alertname"] not in STRAGGLER_ALERTS]
 
 
-# Alerts that name culprit ranks; the others (the group-level hang, warnings) are not counted.
-CULPRIT_ALERTS = ("FlareRankDown", "FlareRankFailed", "FlareCollectiveHangCulprit", "FlareCollectiveMismatch")
-
-
 def await_page(stack: Any, alertname: str, timeout: float = 90, **labels: str) -> list[tuple[float, dict]]:
     """The pages of `alertname` with `labels` that `stack` (an AlertingStack) delivers within `timeout`; on
     a miss, the test fails with what Prometheus holds of the alert: never pending, or pending and reset

@@ -208,6 +208,15 @@ def test_late_scrapes_of_most_ranks_do_not_make_the_ranks_ahead_a_mismatch():
     assert (verdict.kind, verdict.ranks) == ("hang", (5,))
 
 
+def test_a_mismatch_names_the_ranks_ahead_not_those_scraped_before_the_stall():
+    # rank 0 issued collective 6, which ranks 1-3 never will; rank 4's number is from before the stall
+    records = [rank(0, world=waiting(6, op="broadcast"))] + [rank(r, world=done(5)) for r in (1, 2, 3)]
+    records.append(rank(4, world=seen_before_stall(done(4))))
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("mismatch", (0,))
+    assert verdict.evidence["seen_before_stall"] == [4]
+
+
 def test_a_chain_does_not_follow_a_rank_scraped_before_the_stall():
     # in tp-x, rank 4's number is from before the stall: only rank 2, scraped since, is behind there
     records = [rank(r, world=waiting(5)) for r in (0, 3)]

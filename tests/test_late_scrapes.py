@@ -16,11 +16,12 @@ import shutil
 import time
 
 import pytest
-from conftest import CULPRIT_ALERTS, await_page, flare_json
+from conftest import await_page, flare_json
 
 from flare_exporter import alertmanager_process
 from flare_exporter.alertmanager_process import AlertingStack
 from flare_exporter.prometheus_process import wait_for
+from flare_exporter.rules import CULPRIT_ALERTS
 from flare_exporter.testing import virtual_cluster as vc
 
 RUN = "late-scrapes"

@@ -98,6 +98,13 @@ def test_unit_tests_evaluate_recording_rules_first_and_every_group():
         assert yaml.safe_load(path.read_text())["group_eval_order"] == groups, path.name
 
 
+def test_the_culprit_alerts_are_alerts_that_name_a_rank():
+    document = rules.rules_document(rules.Thresholds())
+    summaries = {rule["alert"]: rule["annotations"]["summary"] for rule in alert_rules(document)}
+    assert all("{{ $labels.rank }}" in summaries[alert] for alert in rules.CULPRIT_ALERTS)
+    assert "{{ $labels.rank }}" not in summaries["FlareCollectiveHang"]
+
+
 def test_every_alert_has_severity_annotations_and_a_runbook_section():
     sections = {
         re.sub(r"[^a-z0-9-]", "", heading.lower().replace(" ", "-"))

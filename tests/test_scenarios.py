@@ -15,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import CULPRIT_ALERTS, flare_json, pages_without_stragglers, without_stragglers
+from conftest import flare_json, pages_without_stragglers, without_stragglers
 
 from flare_exporter import alertmanager_process, cli, scrape
 from flare_exporter.alertmanager_process import AlertingStack, WebhookReceiver
 from flare_exporter.local_job import ObservedJob
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
+from flare_exporter.rules import CULPRIT_ALERTS
 from flare_exporter.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
