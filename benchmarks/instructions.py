@@ -166,6 +166,23 @@ def scrape_instructions(
     return exporter, scraper
 
 
+Runs = tuple[dict[int, int], dict[int, int]]  # a side's (short run, long run): instructions per thread
+
+
+def thread_growth_per_scrape(unscraped: Runs, scraped: Runs, scrapes: int) -> dict[int, float]:
+    """Each thread's instructions per scrape beyond the unscraped side's, between the short and the long runs
+    ((short, long) per side; threads numbered by callgrind in the order they start, the same on both
+    sides), the training thread left out. The endpoint's thread runs for scrapes only: its growth is a
+    scrape's own, the steady measure; threads that wake on the clock (the timing manager, the samplers)
+    move from run to run."""
+
+    def growth(runs: Runs, thread: int) -> int:
+        return runs[1].get(thread, 0) - runs[0].get(thread, 0)
+
+    threads = sorted((set(unscraped[1]) | set(scraped[1])) - {1})
+    return {thread: (growth(scraped, thread) - growth(unscraped, thread)) / scrapes for thread in threads}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
@@ -206,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.long - args.short
     print(f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side")
     results: dict[str, dict[str, float]] = {}
+    runs: dict[str, Runs] = {}
     sides = {"without": (False, 0), "with": (True, 0)}
     if scrapes:
         sides["scraped"] = (True, args.scrape_every)
@@ -217,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     run(with_exporter, count, Path(tmp) / f"{side}-{name}", args.timeout, scrape_every)
                     for name, count in (("short", args.short), ("long", args.long))
                 )
+                runs[side] = (short, long)
                 main_thread, others = per_step(short, long, steps)
                 results[side] = {"training_thread": main_thread, "other_threads": others}
                 print(
@@ -247,7 +266,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.job_steps_per_scrape} steps adds {100 * share:.2f} % to the training thread's "
             "instructions per step without the exporter"
         )
+        by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
+        endpoint = max(by_thread, key=lambda thread: by_thread[thread])
+        others = ", ".join(
+            f"thread {thread} {by_thread[thread]:+,.0f}"
+            for thread in sorted(by_thread, key=lambda thread: -abs(by_thread[thread]))
+            if thread != endpoint
+        )
+        print(
+            f"  per thread, per scrape: the endpoint's (thread {endpoint}) {by_thread[endpoint]:+,.0f}, "
+            f"the scrape's own; the others, which wake on the clock: {others}"
+        )
         summary |= {
+            "endpoint_thread_instructions": by_thread[endpoint],
             "scrape_instructions": scrape,
             "scraper_instructions": scraper,
             "scrape_share_per_step": share,

@@ -166,3 +166,13 @@ def test_a_scrapes_instructions_are_the_exporters_threads_beyond_the_unscraped_s
     scraped = {"training_thread": 8_001_000.0, "other_threads": 90_000.0}
     exporter, scraper = scrape_instructions(unscraped, scraped, steps=100, scrapes=5)
     assert (exporter, scraper) == (pytest.approx(800_000), pytest.approx(20_000))
+
+
+def test_each_threads_growth_per_scrape_is_beyond_the_unscraped_sides_between_short_and_long():
+    from instructions import thread_growth_per_scrape
+
+    # (short, long) runs: thread 1 trains, 2 wakes on the clock, 3 serves the scrapes
+    unscraped = ({1: 100, 2: 1_000, 3: 10}, {1: 900, 2: 5_000, 3: 10})
+    scraped = ({1: 150, 2: 1_200, 3: 4_000}, {1: 990, 2: 4_600, 3: 24_000})
+    growth = thread_growth_per_scrape(unscraped, scraped, scrapes=5)
+    assert growth == {2: pytest.approx((3_400 - 4_000) / 5), 3: pytest.approx(20_000 / 5)}
