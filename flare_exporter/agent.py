@@ -64,7 +64,7 @@ class Attachment:
 _attachment: Attachment | None = None
 
 
-@lru_cache(maxsize=1)  # a rank's: the same str objects at every scrape (collectors._histogram_sample_names)
+@lru_cache(maxsize=1)  # the same str objects at every scrape, as the text format's kept labels want
 def rank_labels(rank: int, run: str) -> tuple[str, str]:
     """The values of the labels every flare series carries: rank and run."""
     return str(rank), run

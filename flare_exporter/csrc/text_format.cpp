@@ -73,11 +73,7 @@ Result utf8(PyObject* text, std::string_view* out) {
 // Backslash and newline escaped, and double quotes too in a label value (exposition._escape_value); HELP
 // text keeps its quotes.
 void append_escaped(std::string& out, std::string_view text, bool quotes) {
-  const auto special = [quotes](char c) { return c == '\\' || c == '\n' || (quotes && c == '"'); };
-  // most label values and HELP texts have nothing to escape: appended at once up to the first that does
-  const size_t plain = static_cast<size_t>(std::find_if(text.begin(), text.end(), special) - text.begin());
-  out.append(text.data(), plain);
-  for (const char c : text.substr(plain)) {
+  for (const char c : text) {
     if (c == '\\') {
       out += "\\\\";
     } else if (c == '\n') {
