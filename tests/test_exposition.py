@@ -348,6 +348,14 @@ def test_the_native_text_format_keeps_each_samples_labels_and_writes_what_a_fres
     for index in range(5000):  # over its 4,096 prefixes
         many.add_metric([str(index)], index)
     assert native([many]) == native([many]) == python_text_format([many])
+    kept = torch_extension().kept_prefixes()
+    few = GaugeMetricFamily("flare_few", "Series kept.", labels=["n"])
+    for index in range(100):
+        few.add_metric([f"few-{index}"], index)
+    native([few])
+    after = (kept + 100 - 1) % 4096 + 1  # 100 prefixes formatted and kept (a full cache starts over)
+    assert 0 < kept <= 4096 and torch_extension().kept_prefixes() == after
+    assert native([few]) == python_text_format([few]) and torch_extension().kept_prefixes() == after
 
 
 def test_a_scrape_builds_sample_names_and_label_values_anew_only_where_they_change():

@@ -319,6 +319,8 @@ void add_text_format(pybind11::module_& module) {
         return pybind11::reinterpret_steal<pybind11::object>(text);
       },
       "the text format of these metric families as bytes; None if one needs prometheus_client's renderer");
+  module.def(
+      "kept_prefixes", [] { return kept_prefixes().size(); }, "sample prefixes the text format keeps now");
 }
 
 }  // namespace flare
