@@ -29,7 +29,8 @@ thread's ratio with / without, and a scrape's instructions and share of a step. 
 the clock (the timing manager, the GPU health reader, the stall watcher), not per step, and a step takes
 about a hundred times longer under valgrind, so their count per step here overstates them by as much:
 overhead.py's CPU time per thread is their cost. The scraped runs last longer, so those threads wake more
-often in them: a scrape's count is an upper bound.
+often in them: a scrape's count is an upper bound. Each thread's growth per scrape is printed too: the
+endpoint's thread, which runs for scrapes only, is a scrape's own count, the steady one.
 valgrind runs threads one at a time and counts instructions, not cache misses: what the exporter's threads
 cost the training thread through the shared caches and cores is not in these numbers either.
 
@@ -152,34 +153,23 @@ def per_step(short: dict[int, int], long: dict[int, int], steps: int) -> tuple[f
     return main, others
 
 
-def scrape_instructions(
-    unscraped: dict[str, float], scraped: dict[str, float], steps: int, scrapes: int
-) -> tuple[float, float]:
-    """(the exporter's, the scraper's) instructions per scrape: what the scraped runs executed per step
-    beyond the unscraped ones (both with the exporter), over the `steps` and `scrapes` between their short
-    and long runs. The exporter's are its threads' (the render, its drain, the server's side of the HTTP
-    exchange); the scraper's, the GET the training thread makes (a Prometheus's, elsewhere). The drain's
-    work on each collective and sample is done on both sides (by the timing manager on its clock where
-    nothing scrapes): it counts only as far as draining more often costs more."""
-    exporter = (scraped["other_threads"] - unscraped["other_threads"]) * steps / scrapes
-    scraper = (scraped["training_thread"] - unscraped["training_thread"]) * steps / scrapes
-    return exporter, scraper
-
-
 Runs = tuple[dict[int, int], dict[int, int]]  # a side's (short run, long run): instructions per thread
 
 
 def thread_growth_per_scrape(unscraped: Runs, scraped: Runs, scrapes: int) -> dict[int, float]:
-    """Each thread's instructions per scrape beyond the unscraped side's, between the short and the long runs
-    ((short, long) per side; threads numbered by callgrind in the order they start, the same on both
-    sides), the training thread left out. The endpoint's thread runs for scrapes only: its growth is a
-    scrape's own, the steady measure; threads that wake on the clock (the timing manager, the samplers)
-    move from run to run."""
+    """Each thread's instructions per scrape beyond the unscraped side's (both with the exporter), between
+    the short and the long runs ((short, long) per side; threads numbered by callgrind in the order they
+    start, the same on both sides). The training thread's (1) are the GET it makes (a Prometheus's,
+    elsewhere); the others' sum is what a scrape costs the exporter (the render, its drain, the server's
+    side of the HTTP exchange). The endpoint's thread runs for scrapes only: its growth is a scrape's own,
+    the steady measure; threads that wake on the clock (the timing manager, the samplers) move from run to
+    run. The drain's work on each collective and sample is done on both sides (by the timing manager on
+    its clock where nothing scrapes): it counts only as far as draining more often costs more."""
 
     def growth(runs: Runs, thread: int) -> int:
         return runs[1].get(thread, 0) - runs[0].get(thread, 0)
 
-    threads = sorted((set(unscraped[1]) | set(scraped[1])) - {1})
+    threads = sorted(set(unscraped[1]) | set(scraped[1]))
     return {thread: (growth(scraped, thread) - growth(unscraped, thread)) / scrapes for thread in threads}
 
 
@@ -258,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary: dict[str, float] = {"thread_ratio": thread_ratio}
     if scrapes:
-        scrape, scraper = scrape_instructions(with_, results["scraped"], steps, scrapes)
+        by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
+        scraper = by_thread.pop(1)  # the training thread's GET
+        scrape = sum(by_thread.values())
         share = scrape / args.job_steps_per_scrape / without["training_thread"]
         print(
             f"  a scrape (every {args.scrape_every} steps): {scrape:,.0f} instructions in the exporter's "
@@ -266,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.job_steps_per_scrape} steps adds {100 * share:.2f} % to the training thread's "
             "instructions per step without the exporter"
         )
-        by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
         endpoint = max(by_thread, key=lambda thread: by_thread[thread])
         others = ", ".join(
             f"thread {thread} {by_thread[thread]:+,.0f}"

@@ -159,13 +159,16 @@ def test_a_rank_scraping_itself_asks_its_own_endpoint_every_n_steps_as_prometheu
 
 
 def test_a_scrapes_instructions_are_the_exporters_threads_beyond_the_unscraped_side_per_scrape():
-    from instructions import scrape_instructions
+    from instructions import thread_growth_per_scrape
 
-    unscraped = {"training_thread": 8_000_000.0, "other_threads": 50_000.0}
-    # per step: 1,000 more on the training thread (its GETs), 40,000 more on the others (the renders)
-    scraped = {"training_thread": 8_001_000.0, "other_threads": 90_000.0}
-    exporter, scraper = scrape_instructions(unscraped, scraped, steps=100, scrapes=5)
-    assert (exporter, scraper) == (pytest.approx(800_000), pytest.approx(20_000))
+    # 100 steps between the short and long runs; per step, the training thread 8,000,000 and the exporter's
+    # threads 50,000 (thread 2) unscraped; scraped, 1,000 more on the training thread (its GETs) and
+    # 40,000 more on the exporter's (thread 3, the renders)
+    unscraped = ({1: 0, 2: 0, 3: 0}, {1: 800_000_000, 2: 5_000_000, 3: 0})
+    scraped = ({1: 0, 2: 0, 3: 0}, {1: 800_100_000, 2: 5_000_000, 3: 4_000_000})
+    growth = thread_growth_per_scrape(unscraped, scraped, scrapes=5)
+    scraper = growth.pop(1)
+    assert (sum(growth.values()), scraper) == (pytest.approx(800_000), pytest.approx(20_000))
 
 
 def test_each_threads_growth_per_scrape_is_beyond_the_unscraped_sides_between_short_and_long():
@@ -175,4 +178,8 @@ def test_each_threads_growth_per_scrape_is_beyond_the_unscraped_sides_between_sh
     unscraped = ({1: 100, 2: 1_000, 3: 10}, {1: 900, 2: 5_000, 3: 10})
     scraped = ({1: 150, 2: 1_200, 3: 4_000}, {1: 990, 2: 4_600, 3: 24_000})
     growth = thread_growth_per_scrape(unscraped, scraped, scrapes=5)
-    assert growth == {2: pytest.approx((3_400 - 4_000) / 5), 3: pytest.approx(20_000 / 5)}
+    assert growth == {
+        1: pytest.approx((840 - 800) / 5),
+        2: pytest.approx((3_400 - 4_000) / 5),
+        3: pytest.approx(20_000 / 5),
+    }
