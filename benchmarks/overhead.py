@@ -33,6 +33,7 @@ Exit status: 0 when every run completed (whatever the ratio), 1 when a run faile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import http.client
@@ -158,6 +159,10 @@ class Scraper(threading.Thread):
         self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.ports]
         self.cpu_seconds = 0.0  # this thread's own CPU: the benchmark's, on the same cores as the job
         self.rounds: list[Span] = []  # wall time each round's first request began, and its last ended
+        # interleaved runs: scrape only while `running` is set; whoever pauses the job holds `busy` first,
+        # so that no request is left waiting on a paused rank
+        self.running: threading.Event | None = None
+        self.busy = threading.Lock()
 
     def run(self) -> None:
         # Prometheus scrapes from another machine; this thread shares the job's cores, so it takes their idle
@@ -168,15 +173,22 @@ class Scraper(threading.Thread):
             pass
         started_cpu = time.thread_time()
         next_at = time.monotonic()
-        while not self.stop_event.is_set():
-            began = time.time()
-            for rank in range(len(self.ports)):
-                self.attempts[rank].append((time.time(), self._scrape(rank)))
-            self.rounds.append((began, time.time()))
+        while not self.stop_event.wait(max(0.0, next_at - time.monotonic())):
+            if self.running is not None and not self.running.is_set():  # the job is paused
+                if self.running.wait(0.05):  # resumed: its first round half an interval in, as a pace
+                    next_at = time.monotonic() + self.interval / 2
+                continue
+            with self.busy:
+                if self.running is not None and not self.running.is_set():
+                    continue
+                began, began_at = time.time(), time.monotonic()
+                for rank in range(len(self.ports)):
+                    self.attempts[rank].append((time.time(), self._scrape(rank)))
+                self.rounds.append((began, time.time()))
             self.cpu_seconds = time.thread_time() - started_cpu
-            # after a slow round, carry on from now rather than catch up in a burst
-            next_at = max(next_at + self.interval, time.monotonic())
-            self.stop_event.wait(max(0.0, next_at - time.monotonic()))
+            # a round that began late (after a slow one) sets the pace from then on, rather than the next
+            # ones catching up in a burst
+            next_at = max(next_at, began_at) + self.interval
         for connection in self.connections:
             if connection is not None:
                 connection.close()
@@ -283,7 +295,82 @@ class RunResult:
     scrape_cost_s: float | None = None  # median over ranks of scrape_cost; None without scrapes
 
 
-def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str) -> RunResult:
+@dataclass
+class Job:
+    """One job's rank processes, each leading its own session (so that a signal reaches all it started)."""
+
+    label: str
+    with_exporter: bool
+    workdir: Path
+    procs: list[subprocess.Popen]
+    base_port: int
+    cpu_s: list[float | None]  # per rank, once it has exited: its CPU seconds (user + system)
+
+    @property
+    def done(self) -> bool:
+        return all(cpu is not None for cpu in self.cpu_s)
+
+    def poll(self) -> bool:
+        """Reap the ranks that have exited; True once all have. A rank that failed raises RunError."""
+        for rank, proc in enumerate(self.procs):
+            if self.cpu_s[rank] is None and (cpu := _reap(proc)) is not None:
+                self.cpu_s[rank] = cpu
+                if proc.returncode != 0:
+                    finished = (self.workdir / f"report{rank}.json").exists()
+                    when = "after its last step, while exiting" if finished else "before its last step"
+                    raise RunError(
+                        f"{self.label}: rank {rank} exited with code {proc.returncode} {when}; "
+                        f"stderr: {_tail(self.workdir / f'stderr{rank}.log')}",
+                        at_exit=finished,
+                    )
+        return self.done
+
+    def signal(self, signum: int) -> None:
+        """Send `signum` to every rank still running (SIGSTOP / SIGCONT: pause and resume the whole job)."""
+        for rank, proc in enumerate(self.procs):
+            if self.cpu_s[rank] is None:
+                try:
+                    os.killpg(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def timed_out(self) -> RunError:
+        rank = next(r for r, cpu in enumerate(self.cpu_s) if cpu is None)
+        return RunError(
+            f"{self.label}: rank {rank} still running after the timeout; "
+            f"stderr: {_tail(self.workdir / f'stderr{rank}.log')}"
+        )
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            _kill_group(proc)
+
+    def reports(self, warmup: int) -> list[dict]:
+        """Each rank's report (train_ddp.py --report), checked to hold steps after the warm-up."""
+        reports = []
+        for rank in range(len(self.procs)):
+            report = self.workdir / f"report{rank}.json"
+            try:
+                reported = json.loads(report.read_text())
+                reported["step_times"], reported["step_cpu"], reported["process_cpu"], reported["step_ends"]
+            except (OSError, ValueError, KeyError) as error:
+                raise RunError(
+                    f"{self.label}: rank {rank} exited 0 but its report {report.name} is unusable "
+                    f"({error}); stderr: {_tail(self.workdir / f'stderr{rank}.log')}"
+                ) from None
+            if len(reported["step_times"]) <= warmup:
+                raise RunError(
+                    f"{self.label}: rank {rank} reported {len(reported['step_times'])} steps, none after "
+                    f"{warmup} warm-up steps"
+                )
+            reports.append(reported)
+        return reports
+
+
+def start_job(
+    args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str, *script_args: str
+) -> Job:
+    """Start the job's ranks: the training script, under flare's launcher if `with_exporter`."""
     workdir.mkdir(parents=True)
     master_port, base_port = free_port(), free_port_block(args.ranks)
     env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
@@ -302,25 +389,20 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         # polls every gpu_health_interval_seconds, as with a real GPU)
         env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
     prefix = [sys.executable, "-m", "flare_exporter.launch"] if with_exporter else [sys.executable]
-    script_args = ["--steps", str(args.steps), "--batch", str(args.batch)]
-
-    procs: list[subprocess.Popen] = []
-    exited_at: list[float | None] = [None] * args.ranks
-    cpu_s = [0.0] * args.ranks
-    scraper = (
-        Scraper(base_port, args.ranks, args.scrape_interval)
-        if with_exporter and args.scrape_interval
-        else None
-    )
-    started = time.monotonic()
+    job = Job(label, with_exporter, workdir, [], base_port, [None] * args.ranks)
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            report = workdir / f"report{rank}.json"
-            command = [*prefix, str(args.script), *script_args, "--report", str(report)]
+            command = [
+                *prefix,
+                str(args.script),
+                *("--steps", str(args.steps), "--batch", str(args.batch)),
+                *("--report", str(workdir / f"report{rank}.json")),
+                *script_args,
+            ]
             stdout, stderr = workdir / f"stdout{rank}.log", workdir / f"stderr{rank}.log"
             with open(stdout, "wb") as out, open(stderr, "wb") as err:
-                procs.append(
+                job.procs.append(
                     subprocess.Popen(
                         command,
                         env=rank_env,
@@ -331,28 +413,29 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
                         start_new_session=True,
                     )
                 )
-        if scraper is not None:
+    except BaseException:
+        job.kill()
+        raise
+    return job
+
+
+def training_span(report: dict) -> Span:
+    """(first step began, last step ended), wall time."""
+    return report["step_ends"][0] - report["step_times"][0], report["step_ends"][-1]
+
+
+def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str) -> RunResult:
+    scraper = None
+    started = time.monotonic()
+    job = start_job(args, with_exporter, workdir, label)
+    try:
+        if with_exporter and args.scrape_interval:
+            scraper = Scraper(job.base_port, args.ranks, args.scrape_interval)
             scraper.start()
         deadline = started + args.timeout
-        while any(at is None for at in exited_at):
-            for rank, proc in enumerate(procs):
-                if exited_at[rank] is None and (cpu := _reap(proc)) is not None:
-                    exited_at[rank] = time.monotonic()
-                    cpu_s[rank] = cpu
-                    if proc.returncode != 0:
-                        finished = (workdir / f"report{rank}.json").exists()
-                        when = "after its last step, while exiting" if finished else "before its last step"
-                        raise RunError(
-                            f"{label}: rank {rank} exited with code {proc.returncode} {when}; "
-                            f"stderr: {_tail(workdir / f'stderr{rank}.log')}",
-                            at_exit=finished,
-                        )
+        while not job.poll():
             if time.monotonic() > deadline:
-                rank = next(r for r, at in enumerate(exited_at) if at is None)
-                raise RunError(
-                    f"{label}: rank {rank} still running after the {args.timeout:.0f} s timeout; "
-                    f"stderr: {_tail(workdir / f'stderr{rank}.log')}"
-                )
+                raise job.timed_out()
             time.sleep(0.02)
         wall = time.monotonic() - started
     finally:
@@ -360,49 +443,29 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
             scraper.stop_event.set()
             if scraper.is_alive():
                 scraper.join(timeout=SCRAPE_TIMEOUT_S * args.ranks + 1)
-        for proc in procs:
-            _kill_group(proc)
+        job.kill()
 
+    reports = job.reports(args.warmup)
     rank_medians, thread_cpu, process_cpu, costs = [], [], [], []
     threads_cpu: dict[str, list[float]] = {}
-    training = []  # (first step began, last step ended): the report is written right after the last step
-    for rank in range(args.ranks):
-        report = workdir / f"report{rank}.json"
-        try:
-            reported = json.loads(report.read_text())
-            times, step_cpu, step_process_cpu = (
-                reported["step_times"],
-                reported["step_cpu"],
-                reported["process_cpu"],
-            )
-            ended = report.stat().st_mtime
-            training.append((ended - sum(times), ended))
-        except (OSError, ValueError, KeyError) as error:
-            raise RunError(
-                f"{label}: rank {rank} exited 0 but its report {report.name} is unusable "
-                f"({error}); stderr: {_tail(workdir / f'stderr{rank}.log')}"
-            ) from None
-        kept = times[args.warmup :]
-        if not kept:
-            raise RunError(
-                f"{label}: rank {rank} reported {len(times)} steps, none after {args.warmup} warm-up steps"
-            )
-        rank_medians.append(statistics.median(kept))
-        thread_cpu.append(statistics.median(step_cpu[args.warmup :]))
-        process_cpu.append(statistics.fmean(step_process_cpu[args.warmup :]))
+    for reported in reports:
+        times = reported["step_times"]
+        rank_medians.append(statistics.median(times[args.warmup :]))
+        thread_cpu.append(statistics.median(reported["step_cpu"][args.warmup :]))
+        process_cpu.append(statistics.fmean(reported["process_cpu"][args.warmup :]))
         for name, seconds in reported.get("threads_cpu", {}).items():
             threads_cpu.setdefault(name, []).append(seconds / len(times))
-        if scraper is not None and reported.get("step_ends"):
+        if scraper is not None:
             cost = scrape_cost(reported["step_ends"], scraper.rounds, args.warmup)
             if cost is not None:
                 costs.append(cost)
-    scrapes = scraper.counts(training) if scraper is not None else None
+    scrapes = scraper.counts([training_span(r) for r in reports]) if scraper is not None else None
     return RunResult(
         with_exporter,
         statistics.median(rank_medians),
         rank_medians,
         wall,
-        statistics.median(cpu_s),
+        statistics.median(cpu for cpu in job.cpu_s if cpu is not None),
         statistics.median(thread_cpu),
         statistics.median(process_cpu),
         scrapes,
@@ -726,6 +789,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path(train_ddp.__file__),
         help="the training script (default flare_exporter/workloads/train_ddp.py)",
     )
+    parser.add_argument(
+        "--interleave",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="run both jobs at once, taking turns of S seconds, the other paused (default 0: in turn)",
+    )
+    parser.add_argument(
+        "--placebo",
+        action="store_true",
+        help="with --interleave: both jobs without the exporter (what the method reads where there is "
+        "nothing to find)",
+    )
     parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
     args = parser.parse_args(argv)
     if (
@@ -735,8 +811,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         or args.timeout <= 0
         or args.retries < 0
         or args.scrape_interval < 0
+        or args.interleave < 0
     ):
-        parser.error("--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval ≥ 0")
+        parser.error(
+            "--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval, --interleave ≥ 0"
+        )
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and smaller than --steps")
     if not args.micro and not args.script.is_file():
@@ -775,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         print("exporter settings from the environment: " + " ".join(f"{k}={v}" for k, v in flare_env.items()))
     try:
         if not args.micro:
-            results.update(ab(args))
+            results.update(interleaved(args) if args.interleave else ab(args))
         micro_result = micro()
         print_micro(micro_result)
         results["micro"] = micro_result
@@ -924,10 +1003,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             f"  runs retried after a rank crashed while exiting: {len(retried)} "
             f"({without_count} without the exporter, {len(retried) - without_count} with it)"
         )
-    verdict = "met" if median_ratio <= GOAL_RATIO else "NOT met"
-    if ci and ci[0] <= GOAL_RATIO < ci[1]:
-        verdict += " (the goal lies inside the confidence interval: noise-limited, add --steps or --pairs)"
-    print(f"  goal: median ratio <= {GOAL_RATIO}: {verdict}")
+    print(f"  goal: median ratio <= {GOAL_RATIO}: {_verdict(median_ratio, ci)}")
     return {
         "pairs": pairs,
         "summary": {
@@ -946,6 +1022,236 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             "retried": retried,
         },
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# interleaved: both jobs at once, each paused while the other runs
+
+
+SETTLE_S = 0.2  # after a job resumes, its steps are left out for this long (caches, queued wake-ups)
+MIN_SLICE_STEPS = 10  # a slice needs this many whole steps on every rank to count
+
+
+def slice_steps(report: dict, span: Span, warmup: int) -> tuple[list[float], list[float]]:
+    """The step times and training-thread CPU per step of the steps that a rank took wholly within `span`
+    (wall time), SETTLE_S after its start excepted, and after its first `warmup` steps."""
+    began, ended = span
+    times, cpus = [], []
+    for index in range(warmup, len(report["step_times"])):
+        step_ended, seconds = report["step_ends"][index], report["step_times"][index]
+        if began + SETTLE_S <= step_ended - seconds and step_ended <= ended:
+            times.append(seconds)
+            cpus.append(report["step_cpu"][index])
+    return times, cpus
+
+
+def slice_step_time(reports: list[dict], span: Span, warmup: int) -> tuple[float, float] | None:
+    """(step time, training thread's CPU per step) of one job in one slice: the median over ranks of each
+    rank's median; None if a rank took fewer than MIN_SLICE_STEPS steps in it."""
+    times, cpus = [], []
+    for report in reports:
+        rank_times, rank_cpus = slice_steps(report, span, warmup)
+        if len(rank_times) < MIN_SLICE_STEPS:
+            return None
+        times.append(statistics.median(rank_times))
+        cpus.append(statistics.median(rank_cpus))
+    return statistics.median(times), statistics.median(cpus)
+
+
+def slice_pairs(
+    slices: list[tuple[bool, Span]], without: list[dict], with_: list[dict], warmup: int
+) -> list[dict]:
+    """One pair per slice with the exporter that lies between two slices without it: its step time against
+    the mean of theirs (so that a drift of the machine across the three cancels), and the same for the
+    training thread's CPU per step. `slices`: (with the exporter, wall time span), in order."""
+    measured = [
+        slice_step_time(with_ if with_exporter else without, span, warmup) for with_exporter, span in slices
+    ]
+    pairs = []
+    for index in range(1, len(slices) - 1):
+        before, this, after = measured[index - 1 : index + 2]
+        if not slices[index][0] or slices[index - 1][0] or slices[index + 1][0]:
+            continue
+        if before is None or this is None or after is None:
+            continue
+        step_without = (before[0] + after[0]) / 2
+        cpu_without = (before[1] + after[1]) / 2
+        pairs.append(
+            {
+                "slice": index,
+                "step_time_without": step_without,
+                "step_time_with": this[0],
+                "ratio": this[0] / step_without,
+                "thread_cpu_ratio": this[1] / cpu_without,
+            }
+        )
+    return pairs
+
+
+def run_interleaved(
+    args: argparse.Namespace, tmp: Path
+) -> tuple[list[tuple[bool, Span]], Job, Job, Scraper | None]:
+    """Start both jobs, hold each at its first step until both are ready, then run them in turn for
+    `args.interleave` seconds each, the other paused (SIGSTOP) meanwhile, until both have finished."""
+    go = {False: tmp / "go-without", True: tmp / "go-with"}
+    jobs = {
+        with_exporter: start_job(
+            args,
+            with_exporter and not args.placebo,
+            tmp / ("with" if with_exporter else "without"),
+            f"interleaved run {'with' if with_exporter else 'without'} exporter",
+            "--start-after",
+            str(go[with_exporter]),
+        )
+        for with_exporter in (False, True)
+    }
+    scraper = None
+    slices: list[tuple[bool, Span]] = []
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not all(Path(f"{go[w]}.ready").exists() for w in jobs):  # every rank is in the job's group
+            if any(job.poll() for job in jobs.values()):
+                raise RunError(f"{next(j for j in jobs.values() if j.done).label}: ended before training")
+            if time.monotonic() > deadline:
+                raise next(job for w, job in jobs.items() if not Path(f"{go[w]}.ready").exists()).timed_out()
+            time.sleep(0.02)
+        jobs[True].signal(signal.SIGSTOP)
+        for path in go.values():
+            path.touch()
+        if args.scrape_interval and not args.placebo:
+            scraper = Scraper(jobs[True].base_port, args.ranks, args.scrape_interval)
+            scraper.running = threading.Event()
+            scraper.start()
+        running = False
+        while True:
+            job, other = jobs[running], jobs[not running]
+            began = time.time()
+            if running and scraper is not None:
+                scraper.running.set()  # type: ignore[union-attr]
+            while time.time() - began < args.interleave and not job.poll():
+                if time.monotonic() > deadline:
+                    raise job.timed_out()
+                time.sleep(0.01)
+            if other.done:
+                slices.append((running, (began, time.time())))
+                if job.done:
+                    break
+                continue  # the other has finished: this one runs on alone
+            with scraper.busy if scraper is not None else contextlib.nullcontext():
+                if scraper is not None:
+                    scraper.running.clear()  # type: ignore[union-attr]
+                job.signal(signal.SIGSTOP)
+            slices.append((running, (began, time.time())))
+            other.signal(signal.SIGCONT)
+            running = not running
+    finally:
+        if scraper is not None:
+            scraper.stop_event.set()
+            scraper.running.set()  # type: ignore[union-attr]
+            scraper.join(timeout=SCRAPE_TIMEOUT_S * args.ranks + 1)
+        for job in jobs.values():
+            job.signal(signal.SIGCONT)
+            job.kill()
+    return slices, jobs[False], jobs[True], scraper
+
+
+def interleaved(args: argparse.Namespace) -> dict[str, object]:
+    """`args.pairs` pairs of jobs, each pair run at once in turns: a pair's ratio is the median over its
+    slices with the exporter of each against the two slices around it without. Within a pair the machine's
+    drift cancels; what differs from one pair to the next (where each job's processes landed: their memory
+    layout, their cores) shows as the spread of the pairs' ratios, which the confidence interval covers."""
+    print(
+        f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
+        f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, each pair's two jobs at "
+        f"once, taking turns of {args.interleave:g} s (the other paused), "
+        + (
+            "PLACEBO: neither with the exporter"
+            if args.placebo
+            else f"exporter scraped every {args.scrape_interval:g} s"
+            if args.scrape_interval
+            else "no scrapes"
+        )
+    )
+    print(
+        f"{'pair':>4}  {'slices':>6}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  {'thread cpu':>10}  "
+        "scrapes ok/failed  rounds a second"
+    )
+    pairs = []
+    scrapes = ScrapeCounts()
+    with tempfile.TemporaryDirectory(prefix="flare-overhead-") as tmp:
+        for pair in range(1, args.pairs + 1):
+            slices, without, with_, scraper = run_interleaved(args, Path(tmp) / f"pair{pair}")
+            reports_with = with_.reports(args.warmup)
+            measured = slice_pairs(slices, without.reports(args.warmup), reports_with, args.warmup)
+            if not measured:
+                raise RunError(
+                    f"pair {pair}: no slice with the exporter lay between two without it with "
+                    f"{MIN_SLICE_STEPS} steps each: add --steps or --interleave"
+                )
+            result = {
+                "pair": pair,
+                "slices": measured,
+                "step_time_without": statistics.median(m["step_time_without"] for m in measured),
+                "step_time_with": statistics.median(m["step_time_with"] for m in measured),
+                "ratio": statistics.median(m["ratio"] for m in measured),
+                "thread_cpu_ratio": statistics.median(m["thread_cpu_ratio"] for m in measured),
+            }
+            scrape_text = ""
+            if scraper is not None:
+                run_scrapes = scraper.counts([training_span(report) for report in reports_with])
+                scrapes.add(run_scrapes)
+                scraped_s = sum(ended - began for with_exporter, (began, ended) in slices if with_exporter)
+                rate = result["scrape_rounds_per_second"] = len(scraper.rounds) / scraped_s
+                scrape_text = f"{run_scrapes.done:>6}/{run_scrapes.failed:<10}  {rate:.2f}"
+            print(
+                f"{pair:>4}  {len(measured):>6}  {result['step_time_without'] * 1e3:10.3f}  "
+                f"{result['step_time_with'] * 1e3:9.3f}  {result['ratio']:7.4f}  "
+                f"{result['thread_cpu_ratio']:10.4f}  {scrape_text}",
+                flush=True,
+            )
+            pairs.append(result)
+    ratios = [pair["ratio"] for pair in pairs]
+    cpu_ratios = [pair["thread_cpu_ratio"] for pair in pairs]
+    median_ratio, ci, cpu_ci = statistics.median(ratios), median_ci(ratios), median_ci(cpu_ratios)
+    ci_text = f", 95% CI of the median [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""
+    cpu_ci_text = f", 95% CI [{cpu_ci[0]:.4f}, {cpu_ci[1]:.4f}]" if cpu_ci else ""
+    print("summary:")
+    print(
+        f"  ratio with/without: median {median_ratio:.4f} over {len(ratios)} pairs "
+        f"(min {min(ratios):.4f}, max {max(ratios):.4f}{ci_text}); "
+        f"{sum(len(pair['slices']) for pair in pairs)} slices with the exporter weighed in all"
+    )
+    print(
+        f"  training thread's CPU per step, with/without: median {statistics.median(cpu_ratios):.4f}"
+        f"{cpu_ci_text}"
+    )
+    if scrapes.attempts:
+        print(f"  scrapes: {scrapes.done} done, {scrapes.failed} failed")
+    for failure in scrapes.failures:
+        print(f"  scrape failure: {failure}")
+    print(f"  goal: median ratio <= {GOAL_RATIO}: {_verdict(median_ratio, ci)}")
+    return {
+        "interleaved": {
+            "pairs": pairs,
+            "summary": {
+                "median_ratio": median_ratio,
+                "median_ratio_ci95": list(ci) if ci else None,
+                "thread_cpu_median_ratio": statistics.median(cpu_ratios),
+                "thread_cpu_ratio_ci95": list(cpu_ci) if cpu_ci else None,
+                "scrapes": asdict(scrapes),
+                "goal_ratio": GOAL_RATIO,
+                "goal_met": median_ratio <= GOAL_RATIO,
+                "placebo": args.placebo,
+            },
+        }
+    }
+
+
+def _verdict(median_ratio: float, ci: tuple[float, float] | None) -> str:
+    verdict = "met" if median_ratio <= GOAL_RATIO else "NOT met"
+    if ci and ci[0] <= GOAL_RATIO < ci[1]:
+        verdict += " (the goal lies inside the confidence interval: noise-limited, add --steps or --pairs)"
+    return verdict
 
 
 if __name__ == "__main__":

@@ -71,6 +71,23 @@ def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
     assert "training time one scrape round cost" in done.stdout
 
 
+def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_running_one(tmp_path):
+    done, results = run_to_json(
+        tmp_path,
+        "overhead.py",
+        *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
+        *("--interleave", "0.4", "--scrape-interval", "0.1"),
+    )
+    (pair,) = results["interleaved"]["pairs"]
+    assert pair["slices"] and all(
+        s["step_time_with"] > 0 and s["step_time_without"] > 0 for s in pair["slices"]
+    )
+    scrapes = results["interleaved"]["summary"]["scrapes"]
+    # the exporter's job answered while it ran, and no scrape waited on it while it was paused
+    assert scrapes["done"] > 0 and scrapes["failed"] == 0, scrapes["failures"]
+    assert "each pair's two jobs at once, taking turns of 0.4 s" in done.stdout
+
+
 def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
     return list(itertools.accumulate(durations, initial=at))[1:]
 
@@ -183,3 +200,49 @@ def test_each_threads_growth_per_scrape_is_beyond_the_unscraped_sides_between_sh
         2: pytest.approx((3_400 - 4_000) / 5),
         3: pytest.approx(20_000 / 5),
     }
+
+
+def report_of(steps: list[tuple[float, float]], cpu: float = 0.001) -> dict:
+    """A rank's report from (ended, seconds) per step."""
+    return {
+        "step_ends": [ended for ended, _ in steps],
+        "step_times": [seconds for _, seconds in steps],
+        "step_cpu": [cpu] * len(steps),
+    }
+
+
+def steps_in(span: tuple[float, float], seconds: float) -> list[tuple[float, float]]:
+    """Steps of `seconds` back to back from the span's start, the last one running past its end."""
+    began, ended = span
+    count = int((ended - began) / seconds) + 1
+    return [(began + (k + 1) * seconds, seconds) for k in range(count)]
+
+
+def test_a_slice_counts_the_steps_wholly_within_it_once_the_job_has_settled():
+    from overhead import SETTLE_S, slice_steps
+
+    assert SETTLE_S == pytest.approx(0.2)  # the numbers below assume it
+    steps = [(100.0 + 0.05 * k, 0.05) for k in range(1, 41)]  # steps of 50 ms ending at 100.05 .. 102.0
+    steps[25] = (steps[25][0], 0.07)  # began 20 ms before the one before it ended: still counted whole
+    span = (100.31, 101.52)
+    times, _ = slice_steps(report_of(steps), span, warmup=0)
+    # from SETTLE_S in (100.51), the first whole step ends at 100.6 (list index 11), the last at 101.5 (29)
+    assert times == [seconds for _, seconds in steps[11:30]] and 0.07 in times
+    assert slice_steps(report_of(steps), span, warmup=15)[0] == times[4:]  # list indices 11..14: warm-up
+
+
+def test_interleaved_pairs_weigh_each_slice_with_the_exporter_against_the_two_around_it():
+    from overhead import MIN_SLICE_STEPS, SETTLE_S, slice_pairs
+
+    spans = [(100.0 + 2 * k, 102.0 + 2 * k) for k in range(5)]  # without, with, without, with, without
+    slices = [(k % 2 == 1, span) for k, span in enumerate(spans)]
+    seconds = {0: 0.010, 1: 0.0125, 2: 0.012, 3: 0.013, 4: 0.014}  # the machine slows down slice by slice
+    without = [step for k in (0, 2, 4) for step in steps_in(spans[k], seconds[k])]
+    with_ = [step for k in (1, 3) for step in steps_in(spans[k], seconds[k])]
+    pairs = slice_pairs(slices, [report_of(without)], [report_of(with_, cpu=0.0011)], warmup=0)
+    assert [pair["slice"] for pair in pairs] == [1, 3]
+    assert pairs[0]["ratio"] == pytest.approx(0.0125 / 0.011) and pairs[1]["ratio"] == pytest.approx(1.0)
+    assert pairs[0]["thread_cpu_ratio"] == pytest.approx(1.1)
+    # a slice with fewer than MIN_SLICE_STEPS whole steps on a rank counts for nothing
+    short = (True, (spans[1][0], spans[1][0] + SETTLE_S + (MIN_SLICE_STEPS - 0.5) * seconds[1]))
+    assert slice_pairs([slices[0], short, slices[2]], [report_of(without)], [report_of(with_)], 0) == []
