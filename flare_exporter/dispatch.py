@@ -93,6 +93,11 @@ class DispatchSampler:
         self._windows_closed = 0
         self.stale: list[DispatchWindow] = []  # disabled windows that another mode kept us from popping
         self.native = op_timer.load() if every else None  # None: dispatch-mode windows only
+        if self.native is not None:  # each op's fastest time per step, compared with its baseline in C++
+            drift = latency.drift
+            drift.op_shifts = self.native.OpShift(
+                drift.warmup_steps, drift.baseline_end - drift.warmup_steps, drift.window_steps
+            )
         self.native_window_open = False
         self.launches_from_shim = False  # the native shim samples kernel launches: no need for the mode
         self._native_dropped = 0
@@ -150,8 +155,10 @@ class DispatchSampler:
             return
         if self.handed_over and not self.launches_from_shim and _cuda_initialized():
             self._take_back()
+        op_shifts = self.latency.drift.op_shifts
         for taken in self.native.take(self.latency.histogram.bounds):
-            self.latency.add_counts(taken.step, taken.buckets, taken.seconds, taken.op_minimums)
+            self.latency.add_counts(taken.step, taken.buckets, taken.seconds)
+            op_shifts.add(taken)
         dropped = self.native.dropped_samples()
         if dropped > self._native_dropped:
             self.health.drop("ild_dispatch_samples", dropped - self._native_dropped)

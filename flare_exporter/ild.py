@@ -21,7 +21,8 @@ time) moves every op in proportion to its time; a slower host issue path adds th
 So the proportional part is taken out first - the weighted median over the ops of 2 µs or more of their
 relative difference, each weighted by its relative stability (median / MAD)^2 - and the shift is the
 weighted median over all ops of what is left, each weighted by 1 / MAD^2: the stable small ops (views,
-detach) weigh most, and no single op's outlier moves a median.
+detach) weigh most, and no single op's outlier moves a median. The extension keeps it (csrc/op_shift.cpp,
+an OpShift): the ops' times never become Python objects.
 
 Everything here is written by the timing manager's thread only (under its drain lock); scrapes read a copy of
 the histogram and one tuple of drift values.
@@ -30,10 +31,9 @@ the histogram and one tuple of drift values.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import fake_device, spec
@@ -44,14 +44,6 @@ from .progress import StepTracker
 from .timing import EventBackend, TimingManager
 
 KERNEL_ISSUE, HOST_DISPATCH = spec.ILD_DISTRIBUTIONS
-
-MAX_OPS = 1024  # op names followed by the per-op shift; more are left out
-MAX_BASELINE_STEPS_PER_OP = 512  # fastest times kept per op for its baseline
-MIN_BASELINE_STEPS_PER_OP = 5  # an op needs this many sampled baseline steps to count in the shift
-MIN_OP_SPREAD_SECONDS = 10e-9  # an op's baseline MAD is taken as at least this (the clock's grain)...
-MIN_OP_SPREAD_SHARE = 0.05  # ... and as at least this share of its median (a few baseline steps often
-#                             show a spread far below the op's real one)
-PROPORTIONAL_FROM_SECONDS = 2e-6  # ops at least this long (in the baseline) tell the proportional part
 
 
 def bucket_points(bounds: Sequence[float]) -> list[float]:
@@ -108,11 +100,10 @@ class Drift:
         self.baseline = [0] * self.size
         self.windows: dict[int, list[int]] = {}  # step -> bucket counts, at most window_steps steps
         self.current: tuple[float, float] | None = None
-        # the per-op shift: each op's fastest time per baseline step, then per window step
-        self.baseline_minimums: dict[Hashable, list[float]] = {}
-        self.window_minimums: dict[int, dict[Hashable, float]] = {}  # the same steps as `windows`
-        self.op_references: dict[Hashable, tuple[float, float]] | None = None  # op -> (median, MAD)
-        self.op_shift: float | None = None  # seconds
+        # the per-op shift (seconds), where the native timer gives each op's fastest time per step: the
+        # extension's OpShift over the same steps (op_shifts), read at every refresh
+        self.op_shifts: Any = None
+        self.op_shift: float | None = None
         self._changed = False
 
     @property
@@ -126,26 +117,6 @@ class Drift:
             for index, count in buckets:
                 counts[index] += count
 
-    def add_op_minimums(self, step: int, minimums: Mapping[Hashable, float]) -> None:
-        """Each op's fastest time in `step` (op: any key naming it)."""
-        counts = self._counts(step)
-        if counts is None:
-            return
-        if counts is self.baseline:
-            for op, seconds in minimums.items():
-                history = self.baseline_minimums.get(op)
-                if history is None:
-                    if len(self.baseline_minimums) >= MAX_OPS:
-                        continue
-                    history = self.baseline_minimums[op] = []
-                if len(history) < MAX_BASELINE_STEPS_PER_OP:
-                    history.append(seconds)
-            return
-        merged = self.window_minimums.setdefault(step, {})
-        for op, seconds in minimums.items():
-            if op in self.baseline_minimums:  # an op without a baseline cannot shift from it
-                merged[op] = min(seconds, merged.get(op, seconds))
-
     def _counts(self, step: int) -> list[int] | None:
         """The bucket counts a sample of `step` goes into: the baseline's, its window step's, or none."""
         if step < self.warmup_steps:
@@ -158,9 +129,7 @@ class Drift:
                 return None  # a late sample of a step that has left the window
             counts = self.windows[step] = [0] * self.size
             if len(self.windows) > self.window_steps:
-                oldest = min(self.windows)
-                del self.windows[oldest]
-                self.window_minimums.pop(oldest, None)
+                del self.windows[min(self.windows)]
         self._changed = True
         return counts
 
@@ -176,77 +145,13 @@ class Drift:
         if not self._changed:
             return
         self._changed = False
-        self.op_shift = self._op_shift()
+        if self.op_shifts is not None:
+            self.op_shift = self.op_shifts.shift()
         window = self.window()
         if min(self.baseline_samples, sum(window)) < self.min_samples:
             self.current = None
             return
         self.current = drift(self.baseline, window, self.points)
-
-    def _op_shift(self) -> float | None:
-        """The window's per-op shift from the baseline, in seconds (module docstring); None without ops.
-
-        Estimated on each half of the window's steps (the older and the newer), it is the one nearer zero,
-        or 0 when they disagree in sign: a shift that holds across the window, not a burst in one half.
-        """
-        if not self.window_minimums:
-            return None
-        if self.op_references is None:  # the window has begun: the baseline is complete
-            self.op_references = op_references(self.baseline_minimums)
-        steps = sorted(self.window_minimums)
-        middle = len(steps) // 2
-        if not middle:
-            return self._shift_over(steps)
-        older, newer = self._shift_over(steps[:middle]), self._shift_over(steps[middle:])
-        if older is None or newer is None:
-            return None
-        if (older > 0) != (newer > 0):
-            return 0.0
-        return min(older, newer, key=abs)
-
-    def _shift_over(self, steps: Sequence[int]) -> float | None:
-        """The weighted median over ops of each op's median fastest time in `steps` minus its baseline's."""
-        assert self.op_references is not None
-        by_op: dict[Hashable, list[float]] = {}
-        for step in steps:
-            for op, seconds in self.window_minimums[step].items():
-                by_op.setdefault(op, []).append(seconds)
-        moved = []  # (the op's median fastest time minus its baseline's, the baseline's median, its MAD)
-        for op, values in by_op.items():
-            reference = self.op_references.get(op)
-            if reference is not None:
-                median, spread = reference
-                moved.append((statistics.median(values) - median, median, spread))
-        if not moved:
-            return None
-        # the part proportional to each op's time (a slower core: every op x1.5), from the long ops ...
-        relative = [(d / m, (m / s) ** 2) for d, m, s in moved if m >= PROPORTIONAL_FROM_SECONDS]
-        proportion = weighted_median(relative) if relative else 0.0
-        # ... and what is left, the same for every op, mostly from the short, stable ones
-        return weighted_median([(d - proportion * m, 1.0 / (s * s)) for d, m, s in moved])
-
-
-def weighted_median(values: Sequence[tuple[float, float]]) -> float:
-    """The value at which half of the total weight lies below: (value, weight) pairs, weights > 0."""
-    ordered = sorted(values)
-    half = sum(weight for _, weight in ordered) / 2
-    below = 0.0
-    for value, weight in ordered:
-        below += weight
-        if below >= half:
-            return value
-    return ordered[-1][0]
-
-
-def op_references(baseline_minimums: Mapping[Hashable, list[float]]) -> dict[Hashable, tuple[float, float]]:
-    """Op -> (median, MAD) of its fastest time per baseline step, for ops seen in enough baseline steps."""
-    references = {}
-    for op, history in baseline_minimums.items():
-        if len(history) >= MIN_BASELINE_STEPS_PER_OP:
-            median = statistics.median(history)
-            spread = statistics.median(abs(seconds - median) for seconds in history)
-            references[op] = (median, max(spread, MIN_OP_SPREAD_SECONDS, MIN_OP_SPREAD_SHARE * median))
-    return references
 
 
 class IssueLatency:
@@ -272,21 +177,13 @@ class IssueLatency:
         histogram.sum += seconds
         self.drift.add_counts(step, ((index, 1),))
 
-    def add_counts(
-        self,
-        step: int,
-        buckets: Sequence[tuple[int, int]],
-        seconds: float,
-        op_minimums: Mapping[Hashable, float],
-    ) -> None:
-        """Samples of `step` already counted into buckets: (bucket index, samples), their sum, and each op's
-        fastest time among them."""
+    def add_counts(self, step: int, buckets: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Samples of `step` already counted into buckets: (bucket index, samples), and their sum."""
         histogram = self.histogram
         histogram.sum += seconds
         for index, count in buckets:
             histogram.counts[index] += count
         self.drift.add_counts(step, buckets)
-        self.drift.add_op_minimums(step, op_minimums)
 
     def add_many(self, step: int, samples: Sequence[float]) -> None:
         for seconds in samples:

@@ -29,7 +29,10 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # compiled together; their headers lie in SOURCE_DIR too
-SOURCES = [SOURCE_DIR / name for name in ("op_timer.cpp", "collectives.cpp", "steps.cpp", "text_format.cpp")]
+SOURCES = [
+    SOURCE_DIR / name
+    for name in ("op_timer.cpp", "op_shift.cpp", "collectives.cpp", "steps.cpp", "text_format.cpp")
+]
 MODULE_NAME = "flare_op_timer"
 COMPILER_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-Wall"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
 from flare_exporter.fake_device import FakeDevice
 from flare_exporter.identity import RankIdentity
-from flare_exporter.ild import Drift, bucket_points, drift, weighted_median
+from flare_exporter.ild import Drift, bucket_points, drift
 from flare_exporter.scrape import parse
 from flare_exporter.state import FlareState
 
@@ -78,23 +79,12 @@ def test_counts_of_a_step_are_added_at_once():
     assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
 
 
-def test_weighted_median_is_where_half_the_weight_lies_below():
-    assert weighted_median([(3.0, 1.0), (1.0, 1.0), (2.0, 1.0)]) == 2.0
-    assert weighted_median([(5.0, 1.0), (0.0, 10.0)]) == 0.0  # the heavy value decides
-    assert weighted_median([(1.0, 1.0), (2.0, 1.0)]) == 1.0  # half the weight at or below 1.0
-
-
-def op_shift_tracker(baseline: dict[str, list[float]]) -> Drift:
-    """A tracker whose baseline steps 0..n-1 gave each op these fastest times."""
-    tracker = Drift(
-        (1.0,),
-        warmup_steps=0,
-        baseline_steps=len(next(iter(baseline.values()))),
-        window_steps=2,
-        min_samples=1,
-    )
-    for step in range(tracker.baseline_end):
-        tracker.add_op_minimums(step, {op: times[step] for op, times in baseline.items()})
+def op_shift_tracker(baseline: dict[str, list[float]], window_steps: int = 2) -> Any:
+    """The extension's OpShift, whose baseline steps 0..n-1 gave each op these fastest times."""
+    steps = len(next(iter(baseline.values())))
+    tracker = torch_extension().OpShift(warmup_steps=0, baseline_steps=steps, window_steps=window_steps)
+    for step in range(steps):
+        tracker.add_minimums(step, {op: times[step] for op, times in baseline.items()})
     return tracker
 
 
@@ -112,54 +102,64 @@ MEDIANS = {"view": 300e-9, "detach": 100e-9, "addmm": 20e-6, "mm": 8e-6, "relu":
 
 def test_per_op_shift_estimates_a_delay_added_to_every_op():
     tracker = op_shift_tracker(BASELINE)
-    assert tracker.op_shift is None  # no window yet
+    assert tracker.shift() is None and tracker.references is None  # no window yet
     for step in (7, 8):  # every op 150 ns slower
         slower = {op: median + 150e-9 for op, median in MEDIANS.items()}
-        tracker.add_op_minimums(step, {**slower, "new": 1e-6})
-    tracker.refresh()
+        tracker.add_minimums(step, {**slower, "new": 1e-6})
     # the long ops' relative change (under 3 %) is taken for a proportional part: a few ns off
-    assert tracker.op_shift == pytest.approx(150e-9, abs=5e-9)
-    assert set(tracker.op_references) == set(MEDIANS)
+    assert tracker.shift() == pytest.approx(150e-9, abs=5e-9)
+    assert tracker.references == len(MEDIANS)  # "new" has no baseline
 
 
 def test_a_slower_core_moves_every_op_in_proportion_and_is_no_shift():
     tracker = op_shift_tracker(BASELINE)
     for step in (7, 8):  # every op x1.5: a vCPU slowed down, not the issue path
-        tracker.add_op_minimums(step, {op: median * 1.5 for op, median in MEDIANS.items()})
-    tracker.refresh()
-    assert tracker.op_shift == pytest.approx(0.0, abs=1e-12)
+        tracker.add_minimums(step, {op: median * 1.5 for op, median in MEDIANS.items()})
+    assert tracker.shift() == pytest.approx(0.0, abs=1e-12)
 
 
 def test_per_op_shift_ignores_a_noisy_op_and_is_zero_when_nothing_moved():
     tracker = op_shift_tracker(BASELINE)
-    tracker.add_op_minimums(7, {**MEDIANS, "addmm": 60e-6})  # addmm 40 µs slower
-    tracker.add_op_minimums(8, {**MEDIANS, "addmm": 61e-6})
-    tracker.refresh()
-    assert tracker.op_shift == pytest.approx(0.0, abs=1e-12)
-    tracker.add_op_minimums(9, {"view": 900e-9, "detach": 600e-9})  # step 7 leaves the window: 8 and 9
-    tracker.refresh()
-    assert sorted(tracker.window_minimums) == [8, 9]
-    assert tracker.op_shift == 0.0  # +500 ns in the newer half only: a burst, not a shift
-    tracker.add_op_minimums(10, {"view": 700e-9, "detach": 500e-9})  # steps 9 and 10: both slower
-    tracker.refresh()
-    assert tracker.op_shift == pytest.approx(400e-9)  # the half nearer zero: step 10's (detach decides)
+    tracker.add_minimums(7, {**MEDIANS, "addmm": 60e-6})  # addmm 40 µs slower
+    tracker.add_minimums(8, {**MEDIANS, "addmm": 61e-6})
+    assert tracker.shift() == pytest.approx(0.0, abs=1e-12)
+    tracker.add_minimums(9, {"view": 900e-9, "detach": 600e-9})  # step 7 leaves the window: 8 and 9
+    assert tracker.window_steps == [8, 9]
+    assert tracker.shift() == 0.0  # +500 ns in the newer half only: a burst, not a shift
+    tracker.add_minimums(10, {"view": 700e-9, "detach": 500e-9})  # steps 9 and 10: both slower
+    assert tracker.shift() == pytest.approx(400e-9)  # the half nearer zero: step 10's (detach decides)
+    tracker.add_minimums(8, {"view": 1e-3})  # a late sample of a step that has left the window
+    assert tracker.window_steps == [9, 10] and tracker.shift() == pytest.approx(400e-9)
+    tracker.add_minimums(10, {"detach": 450e-9})  # more of step 10: each op's fastest time is kept
+    assert tracker.shift() == pytest.approx(350e-9)
 
 
 def test_per_op_shift_is_taken_on_each_half_of_the_window():
-    tracker = op_shift_tracker(BASELINE)
-    tracker.window_steps = 4
+    tracker = op_shift_tracker(BASELINE, window_steps=4)
     for step, view in ((7, 500e-9), (8, 300e-9), (9, 600e-9), (10, 500e-9)):
-        tracker.add_op_minimums(step, {"view": view})
-    tracker.refresh()
+        tracker.add_minimums(step, {"view": view})
     # halves (7, 8) and (9, 10): each op's median over the half, +100 ns and +250 ns; the nearer zero
-    assert tracker.op_shift == pytest.approx(100e-9)
+    assert tracker.shift() == pytest.approx(100e-9)
 
 
 def test_an_op_needs_enough_baseline_steps_to_count():
-    tracker = op_shift_tracker({"view": [300e-9] * 4})  # 4 < MIN_BASELINE_STEPS_PER_OP
-    tracker.add_op_minimums(4, {"view": 1e-6})
+    tracker = op_shift_tracker({"view": [300e-9] * 4})  # 4 < the 5 baseline steps an op needs
+    tracker.add_minimums(4, {"view": 1e-6})
+    assert tracker.shift() is None and tracker.references == 0  # the references are taken at the first shift
+
+
+def test_the_drift_reads_the_per_op_shift_at_each_refresh():
+    tracker = Drift((1.0,), warmup_steps=0, baseline_steps=7, window_steps=2, min_samples=1)
+    tracker.op_shifts = op_shift_tracker(BASELINE)
+    for step in range(7):
+        tracker.add_counts(step, [(0, 1)])
     tracker.refresh()
-    assert tracker.op_references == {} and tracker.op_shift is None
+    assert tracker.op_shift is None
+    for step in (7, 8):
+        tracker.add_counts(step, [(0, 1)])
+        tracker.op_shifts.add_minimums(step, {op: median + 150e-9 for op, median in MEDIANS.items()})
+    tracker.refresh()
+    assert tracker.op_shift == pytest.approx(150e-9, abs=5e-9)
 
 
 def test_too_few_samples_export_no_drift():
@@ -259,12 +259,12 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
         assert set(state.ild.host_dispatch.drift.windows) <= {3, 6}  # samples carry their window's step
         # with the native timer, each op's fastest time in both windows went to the baseline (steps 2 to 11);
         # the dispatch mode's own Python per op is too noisy for the per-op shift
-        baseline_minimums = state.ild.host_dispatch.drift.baseline_minimums
+        op_shifts = state.ild.host_dispatch.drift.op_shifts
         if dispatch_timer == "native":
-            assert 3 <= len(baseline_minimums) <= 60
-            assert all(len(times) == 2 and 0 < min(times) < 0.5 for times in baseline_minimums.values())
+            assert 3 <= len(op_shifts.baseline) <= 60
+            assert all(len(times) == 2 and 0 < min(times) < 0.5 for times in op_shifts.baseline.values())
         else:
-            assert baseline_minimums == {}
+            assert op_shifts is None
     finally:
         state.steps.remove()
         state.ild.remove()

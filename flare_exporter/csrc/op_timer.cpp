@@ -6,7 +6,7 @@
 // is one sample) and appends (window step, seconds) to a bounded multi-producer ring; the timing manager's
 // thread takes them, counted into histogram buckets per step (take()). A full ring drops the sample and
 // counts it; nothing waits or allocates. Each sample also carries a hash of its op's name, so that take() can
-// hand over each op's fastest time in the step (the per-op shift of ild.py compares those with a baseline).
+// hand over each op's fastest time in the step, which OpShift (op_shift.cpp) compares with a baseline.
 //
 // For benchmarks and tests, inject_delay(seconds) registers a second observer, always enabled, that
 // busy-waits at the end of every op: a slower host, inside each op's timed interval.
@@ -32,6 +32,7 @@
 
 #include "clock.h"
 #include "collectives.h"
+#include "op_shift.h"
 #include "op_timer.h"
 #include "steps.h"
 #include "text_format.h"
@@ -151,13 +152,7 @@ void close_window() {
 
 namespace {
 
-// One step's samples since the last take, counted into histogram buckets, and each op's fastest time.
-struct StepCounts {
-  int64_t step;
-  double seconds;                                     // their sum
-  std::vector<std::pair<int64_t, int64_t>> buckets;  // (bucket index, samples), for buckets with samples
-  std::unordered_map<uint64_t, double> op_minimums;   // op (name hash) -> its shortest sample in the step
-};
+using flare::StepCounts;
 
 // The samples written since the last take, bucketed by `bounds` (ascending upper bounds; index
 // len(bounds) is +Inf; a sample equal to a bound counts in that bound's bucket, as Python's bisect_left),
@@ -243,7 +238,8 @@ PYBIND11_MODULE(flare_op_timer, m) {
       .def_readonly("step", &StepCounts::step)
       .def_readonly("seconds", &StepCounts::seconds, "the sum of the step's samples")
       .def_readonly("buckets", &StepCounts::buckets, "(bucket index, samples) for buckets with samples")
-      .def_readonly("op_minimums", &StepCounts::op_minimums, "op (a hash of its name) -> its shortest sample");
+      .def_readonly("op_minimums", &StepCounts::op_minimums,
+                    "op (a hash of its name) -> its shortest sample (OpShift.add reads it without a dict)");
   m.def("take", &take, "the samples since the last take, bucketed by these bounds: a StepCounts per step");
   m.def("dropped_samples", &dropped_samples, "samples dropped because the ring was full");
   m.def("inject_delay", &inject_delay,
@@ -256,6 +252,7 @@ PYBIND11_MODULE(flare_op_timer, m) {
   m.def("stamp_completion", &stamp_completion,
         "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
   flare::add_collectives(m);
+  flare::add_op_shift(m);
   flare::add_steps(m);
   flare::add_text_format(m);
 }
