@@ -334,10 +334,10 @@ class Job:
                 except ProcessLookupError:
                     pass
 
-    def timed_out(self) -> RunError:
+    def timed_out(self, timeout: float) -> RunError:
         rank = next(r for r, cpu in enumerate(self.cpu_s) if cpu is None)
         return RunError(
-            f"{self.label}: rank {rank} still running after the timeout; "
+            f"{self.label}: rank {rank} still running after the {timeout:.0f} s timeout; "
             f"stderr: {_tail(self.workdir / f'stderr{rank}.log')}"
         )
 
@@ -435,7 +435,7 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         deadline = started + args.timeout
         while not job.poll():
             if time.monotonic() > deadline:
-                raise job.timed_out()
+                raise job.timed_out(args.timeout)
             time.sleep(0.02)
         wall = time.monotonic() - started
     finally:
@@ -1109,11 +1109,12 @@ def run_interleaved(
     slices: list[tuple[bool, Span]] = []
     try:
         deadline = time.monotonic() + args.timeout
-        while not all(Path(f"{go[w]}.ready").exists() for w in jobs):  # every rank is in the job's group
+        # a rank writes the ready file once the job's group is formed: every rank of the job has started
+        while waiting := [job for w, job in jobs.items() if not Path(f"{go[w]}.ready").exists()]:
             if any(job.poll() for job in jobs.values()):
                 raise RunError(f"{next(j for j in jobs.values() if j.done).label}: ended before training")
             if time.monotonic() > deadline:
-                raise next(job for w, job in jobs.items() if not Path(f"{go[w]}.ready").exists()).timed_out()
+                raise waiting[0].timed_out(args.timeout)
             time.sleep(0.02)
         jobs[True].signal(signal.SIGSTOP)
         for path in go.values():
@@ -1130,7 +1131,7 @@ def run_interleaved(
                 scraper.running.set()  # type: ignore[union-attr]
             while time.time() - began < args.interleave and not job.poll():
                 if time.monotonic() > deadline:
-                    raise job.timed_out()
+                    raise job.timed_out(args.timeout)
                 time.sleep(0.01)
             if other.done:
                 slices.append((running, (began, time.time())))
