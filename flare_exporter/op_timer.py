@@ -4,7 +4,8 @@
 
 It holds the native host dispatch timer (csrc/op_timer.cpp), a torch RecordFunction observer that times
 every aten op in a sampling window for tens of ns per op, where the Python dispatch mode (dispatch.py)
-costs microseconds; the recording backend (csrc/collectives.cpp), which records every collective of a
+costs microseconds, and the per-op shift of its samples from their baseline (csrc/op_shift.cpp, ild.py);
+the recording backend (csrc/collectives.cpp), which records every collective of a
 gloo group in C++ (process_group.py); the optimizer step hook as a C function (csrc/steps.cpp,
 progress.py); and the text format a scrape serves (csrc/text_format.cpp, exposition.py). Built into a
 directory named after the sources, torch and Python versions, under `FLARE_OP_TIMER_DIR` (default:
