@@ -64,6 +64,7 @@ from flare_exporter.workloads import train_ddp  # noqa: E402
 GOAL_RATIO = 1.005
 FAKE_NVML = "flare_exporter.testing.fake_nvml"
 SCRAPE_TIMEOUT_S = 2.0
+REPORT_KEYS = ("step_times", "step_cpu", "process_cpu", "step_ends")  # per step, from train_ddp.py --report
 
 
 class RunError(Exception):
@@ -300,7 +301,6 @@ class Job:
     """One job's rank processes, each leading its own session (so that a signal reaches all it started)."""
 
     label: str
-    with_exporter: bool
     workdir: Path
     procs: list[subprocess.Popen]
     base_port: int
@@ -352,7 +352,9 @@ class Job:
             report = self.workdir / f"report{rank}.json"
             try:
                 reported = json.loads(report.read_text())
-                reported["step_times"], reported["step_cpu"], reported["process_cpu"], reported["step_ends"]
+                missing = [key for key in REPORT_KEYS if key not in reported]
+                if missing:
+                    raise KeyError(", ".join(missing))
             except (OSError, ValueError, KeyError) as error:
                 raise RunError(
                     f"{self.label}: rank {rank} exited 0 but its report {report.name} is unusable "
@@ -389,7 +391,7 @@ def start_job(
         # polls every gpu_health_interval_seconds, as with a real GPU)
         env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
     prefix = [sys.executable, "-m", "flare_exporter.launch"] if with_exporter else [sys.executable]
-    job = Job(label, with_exporter, workdir, [], base_port, [None] * args.ranks)
+    job = Job(label, workdir, [], base_port, [None] * args.ranks)
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
