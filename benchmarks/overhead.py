@@ -25,7 +25,9 @@ touch it.
 The micro section times, on this thread, what a hook adds to one collective (GroupTracker.issue + track on a
 fake work whose real torch Future is already complete, so the completion callback runs inline too) and to
 one optimizer step (StepTracker.on_step), against an empty loop; then both again, each call timed alone
-right after matrix products that evict the CPU caches, as in a training step ("cold").
+right after matrix products that evict the CPU caches, as in a training step ("cold"). And, with flare's
+extension built, what a host-dispatch sampling window adds to a step of the training script's model: the
+training thread's CPU time of steps with the native timer's window open against steps without.
 
 Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments.
 """
@@ -54,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -675,6 +678,8 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
         "empty_call_cold_ns": cold_empty_ns,
         "step_hook_native": float(full.steps.counter is not None),
     }
+    if extension is not None:
+        result.update(window_cost(extension, Config().ild_dispatch_every_steps))
     for key, timed, baseline in (
         ("collective_hook", "hooks", "empty"),
         ("wrapper_path", "wrapper", "direct"),
@@ -690,6 +695,51 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
 
 
 COLD_CALLS = 501
+WINDOW_STEPS = 600  # steps with a sampling window open, and as many without
+
+
+def window_cost(extension: Any, every: int) -> dict[str, float]:
+    """What a host-dispatch sampling window adds to a training step: the training script's model and
+    optimizer in this process (no process group), the training thread's CPU time of steps with the native
+    timer's window open against steps without, alternated; medians, and the ops a window timed. A window
+    opens on one step in `every` (ild_dispatch_every_steps)."""
+    import torch
+
+    from flare_exporter import spec
+
+    model = train_ddp.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, targets = torch.randn(64, train_ddp.WIDTH), torch.randint(0, 10, (64,))
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(20):
+        step()
+    bounds = list(spec.ISSUE_LATENCY_BUCKETS)
+    extension.take(bounds)
+    plain, windowed, ops = [], [], 0
+    for index in range(2 * WINDOW_STEPS):
+        sampled = index % 2 == 1
+        started = time.thread_time_ns()
+        if sampled:
+            extension.open_window(index)
+        step()
+        if sampled:
+            extension.close_window()
+        (windowed if sampled else plain).append(time.thread_time_ns() - started)
+        if sampled:
+            ops += sum(count for taken in extension.take(bounds) for _, count in taken.buckets)
+    added = statistics.median(windowed) - statistics.median(plain)
+    return {
+        "ild_window_step_ns": added,
+        "ild_window_ops": ops / WINDOW_STEPS,
+        "ild_plain_step_cpu_ns": statistics.median(plain),
+        "ild_dispatch_every_steps": every,
+    }
 
 
 def _cold_ns(hook: Callable[[], None], drain: Callable[[], None]) -> float:
@@ -753,6 +803,14 @@ def print_micro(result: dict[str, float]) -> None:
         f"  {'step hook, Python, cold':22} the same for StepTracker.on_step with the same listener      "
         f"{result['step_hook_python_cold_ns']:7.0f} ns"
     )
+    if "ild_window_step_ns" in result:
+        every, added = result["ild_dispatch_every_steps"], result["ild_window_step_ns"]
+        ops, step_cpu = result["ild_window_ops"], result["ild_plain_step_cpu_ns"]
+        print(
+            f"  ILD window        a sampling window's {ops:.0f} ops timed, on the script's model "
+            f"({step_cpu / 1e3:.0f} us of CPU a step): +{added / 1e3:.1f} us a window step, "
+            f"{added / every / 1e3:.2f} us a step at 1 in {every:.0f} ({added / every / step_cpu:.2%})"
+        )
     print(
         f"  (empty loop: {result['empty_loop_ns']:.0f} ns per iteration; an empty call, cold: "
         f"{result['empty_call_cold_ns']:.0f} ns; off the training thread, "

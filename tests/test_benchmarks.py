@@ -69,6 +69,8 @@ def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
     assert isinstance(pair["with"]["scrape_cost_s"], float) and pair["without"]["scrape_cost_s"] is None
     assert results["summary"]["scrape_cost_s"] == pair["with"]["scrape_cost_s"]
     assert "training time one scrape round cost" in done.stdout
+    # what a sampling window adds to a step: the ops it timed, on the script's model
+    assert results["micro"]["ild_window_ops"] >= 20 and "ILD window" in done.stdout
 
 
 def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_running_one(tmp_path):
