@@ -876,6 +876,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             "--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval, --interleave ≥ 0"
         )
+    if args.placebo and not args.interleave:
+        parser.error("--placebo needs --interleave (a placebo compares two jobs run in turns)")
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and smaller than --steps")
     if not args.micro and not args.script.is_file():

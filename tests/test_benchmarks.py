@@ -53,6 +53,11 @@ def test_collective_path_rejects_bad_arguments():
     assert done.returncode == 2 and "--blocks must be at least 1" in done.stderr
 
 
+def test_overhead_rejects_a_placebo_without_turns():
+    done = run_benchmark("overhead.py", "--placebo")
+    assert done.returncode == 2 and "--placebo needs --interleave" in done.stderr
+
+
 def test_instructions_rejects_bad_arguments():
     done = run_benchmark("instructions.py", "--short", "50", "--long", "50")
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
