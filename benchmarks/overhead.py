@@ -35,7 +35,6 @@ Exit status: 0 when every run completed (whatever the ratio), 1 when a run faile
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import gzip
 import http.client
@@ -55,6 +54,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,7 @@ class Scraper(threading.Thread):
     """Scrapes every rank's /metrics once per second until stopped, as Prometheus does: one kept-alive
     connection per rank, gzip and Prometheus's Accept header. Classifies failures afterwards."""
 
-    def __init__(self, base_port: int, ranks: int, interval: float) -> None:
+    def __init__(self, base_port: int, ranks: int, interval: float, gated: bool = False) -> None:
         super().__init__(name="overhead-scraper", daemon=True)
         self.interval = interval
         self.ports = [base_port + rank for rank in range(ranks)]
@@ -163,10 +163,30 @@ class Scraper(threading.Thread):
         self.attempts: list[list[tuple[float, str | None]]] = [[] for _ in self.ports]
         self.cpu_seconds = 0.0  # this thread's own CPU: the benchmark's, on the same cores as the job
         self.rounds: list[Span] = []  # wall time each round's first request began, and its last ended
-        # interleaved runs: scrape only while `running` is set; whoever pauses the job holds `busy` first,
-        # so that no request is left waiting on a paused rank
-        self.running: threading.Event | None = None
-        self.busy = threading.Lock()
+        # gated (interleaved runs): scrape only while the job runs, from resume() to pause(); a pause waits
+        # for the round in flight, so that no request is left waiting on a paused rank
+        self.running: threading.Event | None = threading.Event() if gated else None
+        self._busy = threading.Lock()
+
+    def resume(self) -> None:
+        """The job runs again: scrape it (gated only)."""
+        assert self.running is not None
+        self.running.set()
+
+    def pause(self, pause_job: Callable[[], None]) -> None:
+        """Stop scraping, then `pause_job`, once the round in flight has its answers (gated only)."""
+        assert self.running is not None
+        with self._busy:
+            self.running.clear()
+            pause_job()
+
+    def stop(self) -> None:
+        """End the scrapes and wait for the thread (a round's requests time out in SCRAPE_TIMEOUT_S each)."""
+        self.stop_event.set()
+        if self.running is not None:
+            self.running.set()  # out of its wait for a resume
+        if self.is_alive():
+            self.join(timeout=SCRAPE_TIMEOUT_S * len(self.ports) + 1)
 
     def run(self) -> None:
         # Prometheus scrapes from another machine; this thread shares the job's cores, so it takes their idle
@@ -182,9 +202,9 @@ class Scraper(threading.Thread):
                 if self.running.wait(0.05):  # resumed: its first round half an interval in, as a pace
                     next_at = time.monotonic() + self.interval / 2
                 continue
-            with self.busy:
-                if self.running is not None and not self.running.is_set():
-                    continue
+            with self._busy:
+                if self.stop_event.is_set() or (self.running is not None and not self.running.is_set()):
+                    continue  # stopped, or paused, since the wait
                 began, began_at = time.time(), time.monotonic()
                 for rank in range(len(self.ports)):
                     self.attempts[rank].append((time.time(), self._scrape(rank)))
@@ -445,9 +465,7 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         wall = time.monotonic() - started
     finally:
         if scraper is not None:
-            scraper.stop_event.set()
-            if scraper.is_alive():
-                scraper.join(timeout=SCRAPE_TIMEOUT_S * args.ranks + 1)
+            scraper.stop()
         job.kill()
 
     reports = job.reports(args.warmup)
@@ -1182,15 +1200,15 @@ def run_interleaved(
         for path in go.values():
             path.touch()
         if args.scrape_interval and not args.placebo:
-            scraper = Scraper(jobs[True].base_port, args.ranks, args.scrape_interval)
-            scraper.running = threading.Event()
+            scraper = Scraper(jobs[True].base_port, args.ranks, args.scrape_interval, gated=True)
             scraper.start()
         running = False
         while True:
             job, other = jobs[running], jobs[not running]
             began = time.time()
-            if running and scraper is not None:
-                scraper.running.set()  # type: ignore[union-attr]
+            scraped = scraper if running else None  # only the exporter's job is scraped
+            if scraped is not None:
+                scraped.resume()
             while time.time() - began < args.interleave and not job.poll():
                 if time.monotonic() > deadline:
                     raise job.timed_out(args.timeout)
@@ -1200,18 +1218,16 @@ def run_interleaved(
                 if job.done:
                     break
                 continue  # the other has finished: this one runs on alone
-            with scraper.busy if scraper is not None else contextlib.nullcontext():
-                if scraper is not None:
-                    scraper.running.clear()  # type: ignore[union-attr]
+            if scraped is not None:
+                scraped.pause(partial(job.signal, signal.SIGSTOP))
+            else:
                 job.signal(signal.SIGSTOP)
             slices.append((running, (began, time.time())))
             other.signal(signal.SIGCONT)
             running = not running
     finally:
         if scraper is not None:
-            scraper.stop_event.set()
-            scraper.running.set()  # type: ignore[union-attr]
-            scraper.join(timeout=SCRAPE_TIMEOUT_S * args.ranks + 1)
+            scraper.stop()
         for job in jobs.values():
             job.signal(signal.SIGCONT)
             job.kill()

@@ -94,10 +94,7 @@ class DispatchSampler:
         self.stale: list[DispatchWindow] = []  # disabled windows that another mode kept us from popping
         self.native = op_timer.load() if every else None  # None: dispatch-mode windows only
         if self.native is not None:  # each op's fastest time per step, compared with its baseline in C++
-            drift = latency.drift
-            drift.op_shifts = self.native.OpShift(
-                drift.warmup_steps, drift.baseline_end - drift.warmup_steps, drift.window_steps
-            )
+            latency.drift.keep_op_shift(self.native)
         self.native_window_open = False
         self.launches_from_shim = False  # the native shim samples kernel launches: no need for the mode
         self._native_dropped = 0

@@ -106,6 +106,12 @@ class Drift:
         self.op_shift: float | None = None
         self._changed = False
 
+    def keep_op_shift(self, extension: Any) -> None:
+        """Have the extension keep the per-op shift (an OpShift), over the steps that the bucket counts take
+        the same parts in: the drain hands it each step the native timer took."""
+        baseline_steps = self.baseline_end - self.warmup_steps
+        self.op_shifts = extension.OpShift(self.warmup_steps, baseline_steps, self.window_steps)
+
     @property
     def baseline_samples(self) -> int:
         return sum(self.baseline)

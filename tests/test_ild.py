@@ -150,9 +150,10 @@ def test_an_op_needs_enough_baseline_steps_to_count():
 
 def test_the_drift_reads_the_per_op_shift_at_each_refresh():
     tracker = Drift((1.0,), warmup_steps=0, baseline_steps=7, window_steps=2, min_samples=1)
-    tracker.op_shifts = op_shift_tracker(BASELINE)
+    tracker.keep_op_shift(torch_extension())
     for step in range(7):
         tracker.add_counts(step, [(0, 1)])
+        tracker.op_shifts.add_minimums(step, {op: times[step] for op, times in BASELINE.items()})
     tracker.refresh()
     assert tracker.op_shift is None
     for step in (7, 8):
