@@ -225,6 +225,16 @@ def pages_naming_another_rank(stack: AlertingStack, since: float, rank: int) -> 
     )
 
 
+def await_straggler_figures(url: str, timeout: float) -> float:
+    """Seconds until the rules' straggler figures (rules.straggler_summary_rules), which `flare diagnose`
+    reads in place of every rank's windows, are of the windows every rank serves now."""
+    started = time.monotonic()
+    (last,) = promql.query(url, f'max(flare_straggler_last_window{{run="{RUN}"}})', 30)
+    figure = f'run:flare_straggler_last_window:min{{run="{RUN}"}} == {last["value"][1]}'
+    wait_for(lambda: bool(promql.query(url, figure, 30)), timeout, "the rules' straggler figures")
+    return time.monotonic() - started
+
+
 def alerts_firing(url: str) -> list[str]:
     answer = promql.query(url, f'ALERTS{{alertstate="firing", run="{RUN}"}}', 30)
     return sorted({f"{a['metric'].get('alertname')}[{a['metric'].get('rank', '')}]" for a in answer})
@@ -337,6 +347,12 @@ def phases(
         f"(configured {args.scrape_interval} s)"
     )
 
+    waited = await_straggler_figures(url, 600)
+    print(
+        f"  the rules' straggler figures cover every rank's windows {waited:.1f} s later (the slow signals' "
+        f"group runs every {Thresholds.slow_interval})"
+    )
+    out["straggler_figures_seconds"] = waited
     print(f"phase 1, straggler: rank {straggler} (throttled GPU) waits least in every window")
     out["straggler"] = attribution(args, url, targets_dir, "straggler", straggler, "straggler")
 

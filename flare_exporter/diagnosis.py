@@ -99,6 +99,23 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
+class WindowSummary:
+    """What the straggler rules need of the ranks a source did not read the windows of: the same windows
+    closed by every live rank, how many ranks, and the median and spread (MAD scaled to a standard
+    deviation) of their wait shares in each window and over the windows together. The ranks that could be
+    named (whose wait share over the windows lies far enough below the median) come with their windows.
+    It stands for every live rank's windows only where one median serves every rank (more than
+    LEAVE_ONE_OUT_RANKS) and no rank is `job_slowdown` slower than its own best in every window (the
+    job-wide verdict lists every rank)."""
+
+    windows: tuple[int, ...]  # oldest first
+    ranks: int
+    per_window: tuple[tuple[float, float], ...]  # (median, spread) of the shares in each window
+    pooled: tuple[float, float]  # (median, spread) of the shares over the windows together
+    at: float  # Unix time the figures were taken
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Every rank of one run at one moment (`now`, Unix time), from one source."""
 
@@ -107,6 +124,9 @@ class Snapshot:
     run: str = ""
     world_size: int = 0
     group_sizes: Mapping[str, int] = field(default_factory=dict)
+    # Every rank's straggler windows in figures (from Prometheus's recording rules, at thousands of ranks),
+    # with the windows of the ranks that could be named in the records; None: the records hold every rank's.
+    window_summary: WindowSummary | None = None
 
     @cached_property
     def members(self) -> dict[str, tuple[int, ...]]:
@@ -517,7 +537,10 @@ def straggler_scores(snapshot: Snapshot) -> dict[int, dict[str, float]]:
 
 def judged_by_windows(snapshot: Snapshot) -> bool:
     """Whether stragglers are judged from the exported windows (every live rank with data has them), not
-    from the cumulative step and collective times (older exporters, or before the first window closed)."""
+    from the cumulative step and collective times (older exporters, or before the first window closed).
+    A summary of every rank's windows says they do."""
+    if snapshot.window_summary is not None:
+        return True
     live = [record for record in snapshot.ranks.values() if record.up and record.step_count]
     return bool(live) and all(record.step_windows for record in live)
 
@@ -567,14 +590,20 @@ def _scores_below_median(shares: Mapping[int, float]) -> dict[int, tuple[float, 
     compared with the others only; in a large one its own weight is negligible and one median serves all.
     """
     if len(shares) > LEAVE_ONE_OUT_RANKS:
-        median, spread = _robust(list(shares.values()))
-        scale = max(spread, MIN_SHARE_SPREAD)
-        return {rank: (median, (median - share) / scale, median - share) for rank, share in shares.items()}
+        return _scores_against(shares, *_robust(list(shares.values())))
     out = {}
     for rank, share in shares.items():
         median, spread = _robust([other for key, other in shares.items() if key != rank])
         out[rank] = (median, (median - share) / max(spread, MIN_SHARE_SPREAD), median - share)
     return out
+
+
+def _scores_against(
+    shares: Mapping[int, float], median: float, spread: float
+) -> dict[int, tuple[float, float, float]]:
+    """Per rank: (median, robust z of its share below it, the gap), against one median and spread."""
+    scale = max(spread, MIN_SHARE_SPREAD)
+    return {rank: (median, (median - share) / scale, median - share) for rank, share in shares.items()}
 
 
 def window_scores(snapshot: Snapshot, policy: StragglerPolicy) -> tuple[list[int], dict[int, dict[str, Any]]]:
@@ -597,14 +626,26 @@ class WindowScores:
     def __init__(self, snapshot: Snapshot, policy: StragglerPolicy) -> None:
         self.windows: list[int] = []
         self.ranks: list[int] = []  # the scored ones, in order; none when too few ranks or windows
+        self.count = 0  # the ranks weighed: the scored ones, or with a summary every rank it stands for
         rows = {
             record.rank: record for record in snapshot.ranks.values() if record.up and record.step_windows
         }
-        if len(rows) < policy.min_ranks:  # a rank is scored against the others: too few, nothing to compare
-            return
-        common = set.intersection(*(set(record.step_windows) for record in rows.values()))
-        self.windows = sorted(common)[-policy.hold_windows :]
-        if len(self.windows) < policy.hold_windows:
+        summary = snapshot.window_summary
+        if summary is None:
+            self.count = len(rows)
+            if self.count < policy.min_ranks:  # a rank is scored against the others: too few to compare
+                return
+            common = set.intersection(*(set(record.step_windows) for record in rows.values()))
+            self.windows = sorted(common)[-policy.hold_windows :]
+        else:  # its windows, of the ranks that have them all
+            self.count = summary.ranks
+            self.windows = list(summary.windows)
+            rows = {
+                rank: record
+                for rank, record in rows.items()
+                if set(summary.windows) <= record.step_windows.keys()
+            }
+        if self.count < policy.min_ranks or len(self.windows) < policy.hold_windows:
             return
         self.records = rows
         # each rank's (step, wait) in each of the windows, in their order; the scores per window, then pooled
@@ -612,15 +653,23 @@ class WindowScores:
             rank: [rows[rank].step_windows[window] for window in self.windows] for rank in sorted(rows)
         }
         self.ranks = list(self.weighed)
-        self.per_window = [
-            _scores_below_median({rank: _share(*found[index]) for rank, found in self.weighed.items()})
+        shares = [
+            {rank: _share(*found[index]) for rank, found in self.weighed.items()}
             for index in range(len(self.windows))
         ]
         self.pooled = {
             rank: _share(sum(step for step, _ in found), sum(wait for _, wait in found))
             for rank, found in self.weighed.items()
         }
-        self.pooled_scores = _scores_below_median(self.pooled)
+        if summary is None:
+            self.per_window = [_scores_below_median(found) for found in shares]
+            self.pooled_scores = _scores_below_median(self.pooled)
+        else:
+            self.per_window = [
+                _scores_against(found, *figures)
+                for found, figures in zip(shares, summary.per_window, strict=True)
+            ]
+            self.pooled_scores = _scores_against(self.pooled, *summary.pooled)
 
     def stands_out(self, rank: int, policy: StragglerPolicy) -> bool:
         """Whether the rank's wait share over the windows together lies `pooled_z` robust sigmas and
@@ -668,7 +717,7 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
     not hold in every window yet, and no verdict is better than the wrong one)."""
     scored = WindowScores(snapshot, policy)
     windows = scored.windows
-    if len(scored.ranks) < policy.min_ranks:
+    if scored.count < policy.min_ranks or not scored.ranks:
         return []
     stands_out = [rank for rank in scored.ranks if scored.stands_out(rank, policy)]
     scores = {rank: scored.row(rank) for rank in stands_out}
@@ -678,7 +727,7 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
         if min(scores[rank]["window_z"]) >= policy.window_z
         and min(scores[rank]["window_gap"]) >= policy.window_gap
     ]
-    if slow and len(slow) * 2 < len(scored.ranks):
+    if slow and len(slow) * 2 < scored.count:
         first = scores[slow[0]]
         evidence = {"windows": windows, "ranks": {str(rank): scores[rank] for rank in slow}}
         return [
@@ -695,6 +744,8 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
             )
         ]
     threshold = 1 + policy.job_slowdown
+    if snapshot.window_summary is not None:  # given only where no rank is that slow in every window
+        return []
     if not stands_out and all(min(scored.slowdown_ratio(rank)) >= threshold for rank in scored.ranks):
         scores = {rank: scored.row(rank) for rank in scored.ranks}
         ratios = [row["slowdown_ratio"][-1] for row in scores.values()]

@@ -293,6 +293,54 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
     ]
 
 
+# The names of the straggler summary's rules (straggler_summary_rules), as sources.from_prometheus reads them.
+SUMMARY_POOLED = "run_rank:flare_straggler_wait_share:pooled"
+SUMMARY_AT = "run:flare_straggler_slowdown:min"  # written last: the time of the summary's figures
+
+
+def straggler_summary_rules(t: Thresholds) -> list[Recording]:
+    """What `flare diagnose` reads of a run's straggler windows at thousands of ranks in place of every
+    rank's (diagnosis.WindowSummary): each rank's wait share over the last hold_windows together, their
+    median and MAD; how many ranks have each window, and a best step time; the first and the last rank's
+    last window; and the lowest of the ranks' step times over their own best. All at one evaluation: the
+    last rule's timestamp is theirs."""
+    held = selector(t, f'ago=~"{_held_windows(t)}"')
+    s = selector(t)
+
+    def per_window(name: str) -> str:
+        return f"max by (run, rank, ago) ({name}{held})"
+
+    pooled_median = "run:flare_straggler_wait_share_pooled:median"
+    return [
+        Recording(
+            SUMMARY_POOLED,
+            f"sum by (run, rank) ({per_window('flare_straggler_window_wait_seconds')})\n"
+            f"/ sum by (run, rank) ({per_window('flare_straggler_window_step_seconds')})",
+        ),
+        Recording(pooled_median, f"quantile by (run) (0.5, {SUMMARY_POOLED})"),
+        Recording(
+            "run:flare_straggler_wait_share_pooled:mad",
+            f"quantile by (run) (0.5, abs({SUMMARY_POOLED} - on (run) group_left {pooled_median}))",
+        ),
+        Recording(
+            "run_ago:flare_straggler_windows:ranks",
+            "count by (run, ago) (run_rank_ago:flare_straggler_wait_share:ratio)",
+        ),
+        Recording(
+            "run:flare_straggler_best_step:ranks",
+            f"count by (run) (max by (run, rank) (flare_straggler_best_step_seconds{s}) > 0)",
+        ),
+        Recording("run:flare_straggler_last_window:min", f"min by (run) (flare_straggler_last_window{s})"),
+        Recording("run:flare_straggler_last_window:max", f"max by (run) (flare_straggler_last_window{s})"),
+        Recording(
+            SUMMARY_AT,
+            "min by (run) (\n"
+            f"  min by (run, rank) ({per_window('flare_straggler_window_step_seconds')})\n"
+            f"  / on (run, rank) max by (run, rank) (flare_straggler_best_step_seconds{s})\n)",
+        ),
+    ]
+
+
 def _one_line(expr: str) -> str:
     return " ".join(expr.split())
 
@@ -747,7 +795,7 @@ RULE_GROUPS = (
     # group's once took 9.7 s instead of 1.8 s).
     RuleGroup(
         "flare.slow_signals",
-        recordings=(ild_recording_rules, straggler_recording_rules),
+        recordings=(ild_recording_rules, straggler_recording_rules, straggler_summary_rules),
         alerts=(issue_latency_alerts, straggler_alerts, gpu_slowdown_alerts, exporter_alerts),
         slow=True,
     ),

@@ -9,6 +9,7 @@ exposition in parallel, each with a timeout.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections import defaultdict
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from . import diagnosis, promql, scrape, spec
+from . import diagnosis, promql, rules, scrape, spec
 from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
 from .targets import Target
 
@@ -441,6 +442,25 @@ def recent_windows(policy: diagnosis.StragglerPolicy) -> tuple[dict[str, str], d
     return windows("=~"), windows("!~")
 
 
+# At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
+# (rules.straggler_summary_rules; diagnosis.WindowSummary), read in place of them where it stands for them:
+# the time of the rules' last evaluation, then the figures at that time and the ranks that could be named.
+SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({rules.SUMMARY_AT}{{sel}}))"}
+SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
+SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
+
+
+def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
+    """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
+    and min_wait_gap of the step; diagnosis.WindowScores.stands_out) that the rules could name them."""
+    pooled, figure = rules.SUMMARY_POOLED, "run:flare_straggler_wait_share_pooled"
+    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {diagnosis.MIN_SHARE_SPREAD!r})"
+    distance = (
+        f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
+    )
+    return f"max by (rank) ({pooled}{{sel}} <= on (run) group_left () ({figure}:median{{sel}} - {distance}))"
+
+
 # Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
 # only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
 ILD_QUERIES = _current(ILD_METRICS, ", distribution")
@@ -569,13 +589,17 @@ def from_prometheus(
     matchers = _matcher(run)
 
     def fetch(
-        queries: Mapping[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()
+        queries: Mapping[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = (), at: float = now
     ) -> dict[str, Series]:
-        """The answers to `queries`, of the ranks named (of every rank if none), in the groups named (all)."""
+        """The answers to `queries`, of the ranks named (of every rank if none), in the groups named (all),
+        at `at` (now)."""
         named = f', rank=~"{"|".join(map(str, ranks))}"' if ranks else ""
         if groups:
             named += f', group=~"{_any_of(sorted(groups))}"'
-        return _fetch(base_url, queries, matchers + named, window, timeout, now)
+        return _fetch(base_url, queries, matchers + named, window, timeout, at)
+
+    def answers(queries: Mapping[str, str], at: float = now) -> list[list[dict[str, Any]]]:
+        return _answers(base_url, queries, matchers, window, timeout, at)
 
     if detail_for is None:
         return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
@@ -601,14 +625,27 @@ def from_prometheus(
         ild = ild or diagnosis.IldPolicy()
         stragglers = stragglers or diagnosis.StragglerPolicy()
         recent, older = recent_windows(stragglers)
-        pace = fetch(PACE_QUERIES | recent | ild_candidates(ild))
+        summary: diagnosis.WindowSummary | None = None
+        if faults.ranks_seen <= diagnosis.LEAVE_ONE_OUT_RANKS:
+            pace = fetch(PACE_QUERIES | recent | ild_candidates(ild))
+        else:  # the rules' figures may stand in for every rank's windows; the ILD candidates meanwhile
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                screened = pool.submit(fetch, ild_candidates(ild))
+                summarised = _window_summary(answers, fetch, faults, stragglers)
+                if summarised is None:
+                    pace = fetch(PACE_QUERIES | recent)
+                else:
+                    summary, pace = summarised
+                pace |= screened.result()
         candidates = sorted({int(labels["rank"]) for labels, _ in pace.pop("ild_candidates", [])})
         if candidates:
             some = candidates if len(candidates) <= MAX_NAMED_RANKS else []
             if fetch(ild_screen(ild), some).get("ild_screen"):
                 pace |= fetch(ILD_QUERIES)  # every rank's drift: its peers' medians decide
         snapshot = with_pace(faults, pace)
-        if not diagnosis.decided_by_last_windows(snapshot, stragglers):
+        if summary is not None:
+            snapshot = dataclasses.replace(snapshot, window_summary=summary)
+        elif not diagnosis.decided_by_last_windows(snapshot, stragglers):
             for name, found in fetch(older).items():
                 pace.setdefault(name, []).extend(found)
             snapshot = with_pace(faults, pace)
@@ -619,6 +656,59 @@ def from_prometheus(
     if not named:
         return snapshot
     return with_detail(snapshot, fetch(DETAIL_QUERIES, named if len(named) <= MAX_NAMED_RANKS else []))
+
+
+def _window_summary(
+    answers: Callable[..., list[list[dict[str, Any]]]],
+    fetch: Callable[..., dict[str, Series]],
+    faults: Snapshot,
+    policy: diagnosis.StragglerPolicy,
+) -> tuple[diagnosis.WindowSummary, dict[str, Series]] | None:
+    """What Prometheus's recording rules say of every rank's straggler windows, and the windows of the ranks
+    they could name, all as of the rules' last evaluation; None where the figures do not stand for every
+    live rank's windows (diagnosis.WindowSummary): no rules, not every live rank with each of the windows
+    and a best step time, windows not closed alike, a job-wide slowdown, more ranks to name than a
+    selector names."""
+    (at_answer,) = answers(SUMMARY_AT_QUERY)
+    if not at_answer:
+        return None
+    at = float(at_answer[0]["value"][1])
+    queries = {"figures": SUMMARY_FIGURES, "candidates": summary_candidates(policy)}
+    found, named = answers(queries, at)
+    figures = {
+        (item["metric"].get("__name__", ""), item["metric"].get("ago", "")): float(item["value"][1])
+        for item in found
+    }
+    agos = [str(ago) for ago in reversed(range(policy.hold_windows))]  # the oldest window first
+    counts = [figures.get(("run_ago:flare_straggler_windows:ranks", ago)) for ago in agos]
+    counts.append(figures.get(("run:flare_straggler_best_step:ranks", "")))
+    first = figures.get(("run:flare_straggler_last_window:min", ""))
+    last = figures.get(("run:flare_straggler_last_window:max", ""))
+    slowest = figures.get((rules.SUMMARY_AT, ""))
+    candidates = sorted({int(item["metric"]["rank"]) for item in named if "rank" in item["metric"]})
+    if (
+        any(count != faults.ranks_seen for count in counts)
+        or first is None
+        or first != last
+        or slowest is None
+        or round(slowest, 4) >= 1 + policy.job_slowdown
+        or len(candidates) > MAX_NAMED_RANKS
+    ):
+        return None
+
+    def robust(prefix: str, ago: str = "") -> tuple[float, float]:
+        median, mad = (figures.get((f"{prefix}:{stat}", ago), math.nan) for stat in ("median", "mad"))
+        return median, 1.4826 * mad
+
+    per_window = tuple(robust("run_ago:flare_straggler_wait_share", ago) for ago in agos)
+    pooled = robust("run:flare_straggler_wait_share_pooled")
+    if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
+        return None
+    newest = int(last)
+    summary = diagnosis.WindowSummary(
+        tuple(range(newest - policy.hold_windows + 1, newest + 1)), faults.ranks_seen, per_window, pooled, at
+    )
+    return summary, (fetch(PACE_QUERIES, candidates, at=at) if candidates else {})
 
 
 def _with_hang_groups(
@@ -673,6 +763,21 @@ def _fetch(
     base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
 ) -> dict[str, Series]:
     """The answers to `queries` over the series that `matchers` select, at `now`, as series by metric name."""
+    series: dict[str, Series] = defaultdict(list)
+    for name, answer in zip(
+        queries, _answers(base_url, queries, matchers, window, timeout, now), strict=True
+    ):
+        for item in answer:
+            labels = item["metric"]
+            if "rank" in labels:
+                series[labels.pop("__name__", name)].append((labels, float(item["value"][1])))
+    return series
+
+
+def _answers(
+    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+) -> list[list[dict[str, Any]]]:
+    """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
     values = {
         "{sel_not_native}": f'{{{matchers}, group!="{spec.NATIVE_GROUP}"}}',
         "{sel": f"{{{matchers}",  # `{sel}`, or `{sel, more="matchers"}`
@@ -680,12 +785,5 @@ def _fetch(
     }
     # in one pass: a run's name may hold a placeholder's text
     exprs = [PLACEHOLDERS.sub(lambda found: values[found.group()], template) for template in queries.values()]
-    series: dict[str, Series] = defaultdict(list)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        answers = pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs)
-        for name, answer in zip(queries, answers, strict=True):
-            for item in answer:
-                labels = item["metric"]
-                if "rank" in labels:
-                    series[labels.pop("__name__", name)].append((labels, float(item["value"][1])))
-    return series
+        return list(pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs))

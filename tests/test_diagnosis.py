@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
-from hypothesis import example, given
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from flare_exporter.diagnosis import (
     KINDS,
+    LEAVE_ONE_OUT_RANKS,
     GpuState,
     GroupState,
     IldDrift,
@@ -22,6 +24,7 @@ from flare_exporter.diagnosis import (
     Snapshot,
     StragglerPolicy,
     Verdict,
+    WindowSummary,
     decided_by_last_windows,
     diagnose,
     follow_chain,
@@ -571,6 +574,73 @@ def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ran
     if decided_by_last_windows(recent, policy):
         every = [v.to_json() for v in diagnose(snapshot(*records), HANG, policy)]
         assert [v.to_json() for v in diagnose(recent, HANG, policy)] == every
+
+
+def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot | None:
+    """What sources.from_prometheus makes of Prometheus's figures (rules.straggler_summary_rules) over
+    `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
+    (sources.summary_candidates); None where the figures do not stand for every rank's windows."""
+    windows = sorted(records[0].step_windows)[-policy.hold_windows :]
+    steps = {r.rank: [r.step_windows[w] for w in windows] for r in records}
+    slowest = min(
+        min(step for step, _ in found) / r.best_step_seconds
+        for r, found in zip(records, steps.values(), strict=True)
+    )
+    if len(records) <= LEAVE_ONE_OUT_RANKS or round(slowest, 4) >= 1 + policy.job_slowdown:
+        return None
+
+    def robust(shares: list[float]) -> tuple[float, float]:  # quantile(0.5, ...), as PromQL computes it
+        median = statistics.median(shares)
+        return median, 1.4826 * statistics.median(abs(share - median) for share in shares)
+
+    per_window = tuple(
+        robust([wait / step for step, wait in (found[i] for found in steps.values())])
+        for i in range(len(windows))
+    )
+    pooled = {rank: sum(w for _, w in found) / sum(s for s, _ in found) for rank, found in steps.items()}
+    median, spread = robust(list(pooled.values()))
+    distance = max(0.999 * policy.pooled_z * max(spread, 0.005), 0.999 * policy.min_wait_gap)
+    named = [r for r in records if pooled[r.rank] <= median - distance]
+    kept = {r.rank: r if r in named else dataclasses.replace(r, step_windows={}) for r in records}
+    summary = WindowSummary(tuple(windows), len(records), per_window, (median, spread), NOW - 30)
+    return dataclasses.replace(snapshot(*kept.values()), window_summary=summary)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    healthy=st.lists(
+        st.sampled_from([(1.0, 0.40), (1.0, 0.41), (1.0, 0.38), (1.2, 0.45)]), min_size=3, max_size=3
+    ),
+    slow=st.lists(
+        st.sampled_from([(1.0, 0.02), (1.5, 0.05), (1.0, 0.39), (2.0, 0.3)]), min_size=3, max_size=3
+    ),
+    stragglers=st.integers(min_value=0, max_value=3),
+    ranks=st.integers(min_value=LEAVE_ONE_OUT_RANKS + 1, max_value=LEAVE_ONE_OUT_RANKS + 40),
+    best=st.sampled_from([0.5, 1.0]),
+)
+@example(healthy=[(1.0, 0.40)] * 3, slow=[(1.0, 0.02)] * 3, stragglers=1, ranks=100, best=1.0)
+def test_figures_for_every_rank_and_the_windows_of_the_ranks_they_name_give_the_same_verdicts(
+    healthy, slow, stragglers, ranks, best
+):
+    """At thousands of ranks, sources.from_prometheus gives the rules Prometheus's figures over every
+    rank's windows in place of them, with the windows of the ranks that could be named: the same verdicts."""
+    policy = StragglerPolicy()
+    records = [
+        exported(r, 12, (slow if r % 17 == 5 and r // 17 < stragglers else healthy)[::-1], best)
+        for r in range(ranks)
+    ]
+    # the healthy ones differ a little, as ranks do
+    records = [
+        dataclasses.replace(
+            r,
+            step_windows={w: (s, x * (1 + 0.01 * (r.rank % 5 - 2))) for w, (s, x) in r.step_windows.items()},
+        )
+        for r in records
+    ]
+    every = [v.to_json() for v in diagnose(snapshot(*records), HANG, policy)]
+    summary = summarised(records, policy)
+    assume(summary is not None)  # else the source reads every rank's windows
+    assert [v.to_json() for v in diagnose(summary, HANG, policy)] == every
 
 
 def test_windowed_straggler_not_named_when_one_window_does_not_hold():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json
 
-from flare_exporter import diagnosis, promql, sources, spec
+from flare_exporter import diagnosis, promql, rules, sources, spec
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.testing import virtual_cluster as vc
 
@@ -40,6 +40,7 @@ class Clusters:
     prometheus: PrometheusProcess
     small: Cluster
     large: Cluster
+    huge: Cluster  # more ranks than diagnosis.LEAVE_ONE_OUT_RANKS: the rules' straggler figures stand in
 
 
 def await_count(prometheus: PrometheusProcess, expr: str, count: int) -> None:
@@ -54,27 +55,35 @@ def await_count(prometheus: PrometheusProcess, expr: str, count: int) -> None:
 
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
-    """8 and 24 virtual ranks, a straggler in each (its GPU throttles), pages ready to hang one rank."""
+    """8, 24 and 96 virtual ranks, a straggler in each (its GPU throttles), pages ready to hang one rank;
+    Prometheus evaluates flare's rules every second."""
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus is not installed")
     work = tmp_path_factory.mktemp("sources")
     targets = str(work / "targets")
     built = []
     with contextlib.ExitStack() as servers:
-        for run, ranks in (("rounds-small", 8), ("rounds-large", 24)):
+        for run, ranks in (("rounds-small", 8), ("rounds-large", 24), ("rounds-huge", 96)):
             straggler, hung = ranks * 3 // 8, ranks * 5 // 8
             healthy, later, hung_pages = vc.render_phases(ranks, run, straggler, hung)
             server = servers.enter_context(vc.ClusterServer(healthy))
             vc.write_file_sd(targets, run, server.targets(), ranks)
             built.append((Cluster(run, ranks, straggler, hung, server, hung_pages), later))
-        with PrometheusProcess(str(work / "prometheus"), targets) as prometheus:
+        rules_file = work / "flare.rules.yml"
+        rules_file.write_text(rules.render(rules.Thresholds(hang_seconds=HANG_SECONDS, slow_interval="")))
+        with PrometheusProcess(str(work / "prometheus"), targets, rule_files=[str(rules_file)]) as prometheus:
             for cluster, later in built:
                 await_count(prometheus, f'count(flare_rank_info{{run="{cluster.run}"}})', cluster.ranks)
                 cluster.server.set_pages(later)  # the job makes progress: step counts increase
             for cluster, _ in built:
                 steps = f'flare_step_duration_seconds_count{{run="{cluster.run}"}}'
                 await_count(prometheus, f"count(increase({steps}[5m]) > 0)", cluster.ranks)
-            yield Clusters(prometheus, built[0][0], built[1][0])
+            # the rules' figures over the pages every rank serves now: every rank's last window, the same
+            huge = built[2][0]
+            (last,) = prometheus.query(f'max(flare_straggler_last_window{{run="{huge.run}"}})')
+            figure = f'run:flare_straggler_last_window:min{{run="{huge.run}"}} == {last["value"][1]}'
+            await_count(prometheus, f"count({figure})", 1)
+            yield Clusters(prometheus, *(cluster for cluster, _ in built))
 
 
 def test_every_metric_a_snapshot_reads_is_in_the_spec_and_asked_of_prometheus():
@@ -124,6 +133,32 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
             record.gpu is None for record in snapshot.ranks.values() if record.rank != cluster.straggler
         )
     assert len(sent_by_run["rounds-small"]) == len(sent_by_run["rounds-large"])
+
+
+def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_windows(clusters, monkeypatch):
+    """With more ranks than one median serves (diagnosis.LEAVE_ONE_OUT_RANKS), the straggler rules weigh
+    Prometheus's figures of every rank's windows (rules.straggler_summary_rules) and the windows of the
+    ranks the figures could name: the same verdict as every rank's windows, in as many queries whatever
+    the number of ranks, none of them over every rank's windows."""
+    cluster = clusters.huge
+    snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
+    summary = snapshot.window_summary
+    assert summary is not None and summary.ranks == cluster.ranks
+    assert summary.at <= snapshot.now
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    assert everything.window_summary is None
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [cluster.straggler])]
+    assert "hw_thermal_slowdown" in verdicts[0]["summary"]
+    # faults; the figures' time; the figures and the ranks they name; those ranks' windows; the ILD
+    # candidates; the straggler's detail
+    figures = 1 + 2 + len(sources.PACE_QUERIES) + 1
+    assert len(sent) == len(sources.FAULT_QUERIES) + figures + len(sources.DETAIL_QUERIES)
+    windows = [expr for expr in sent if "flare_straggler_window_wait_seconds" in expr]
+    assert len(windows) == 1 and f'rank=~"{cluster.straggler}"' in windows[0]
+    # and the windows are those of the figures' time, not of now
+    assert sorted(snapshot.ranks[cluster.straggler].step_windows)[-3:] == list(summary.windows)
 
 
 def test_a_straggler_verdict_is_the_same_in_rounds_as_all_at_once_with_its_gpu_reason(clusters, monkeypatch):
@@ -659,3 +694,71 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
         item["metric"]["group"]: int(float(item["value"][1])) for item in clusters.prometheus.query(expr)
     }
     assert found == {name: counts[name] for name in picked if name in counts}
+
+
+SUMMARY_RANKS = diagnosis.LEAVE_ONE_OUT_RANKS + 4
+# rules.straggler_summary_rules's figures for a run whose every rank closed window 12 and has 10 to 12
+FIGURES = {
+    **{
+        (f"run_ago:flare_straggler_wait_share:{stat}", str(ago)): 0.4
+        for ago in range(3)
+        for stat in ("median",)
+    },
+    **{("run_ago:flare_straggler_wait_share:mad", str(ago)): 0.01 for ago in range(3)},
+    **{("run_ago:flare_straggler_windows:ranks", str(ago)): SUMMARY_RANKS for ago in range(3)},
+    ("run:flare_straggler_wait_share_pooled:median", ""): 0.4,
+    ("run:flare_straggler_wait_share_pooled:mad", ""): 0.01,
+    ("run:flare_straggler_best_step:ranks", ""): SUMMARY_RANKS,
+    ("run:flare_straggler_last_window:min", ""): 12,
+    ("run:flare_straggler_last_window:max", ""): 12,
+    (rules.SUMMARY_AT, ""): 1.2,
+}
+
+
+def as_answer(figures: dict[tuple[str, str], float]) -> list[dict]:
+    return [
+        {"metric": {"__name__": name, **({"ago": ago} if ago else {})}, "value": [0, repr(value)]}
+        for (name, ago), value in figures.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    "changed, stands",
+    [
+        ({}, True),
+        ({("run:flare_straggler_last_window:min", ""): 11}, False),  # a rank has not closed window 12
+        ({("run_ago:flare_straggler_windows:ranks", "2"): SUMMARY_RANKS - 1}, False),  # one without 10
+        ({("run:flare_straggler_best_step:ranks", ""): SUMMARY_RANKS - 1}, False),  # one without its best
+        ({(rules.SUMMARY_AT, ""): 1.5}, False),  # every rank 1.5x its best: the job-wide verdict lists each
+        ({("run:flare_straggler_wait_share_pooled:mad", ""): None}, False),  # not evaluated yet
+    ],
+)
+def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(changed, stands):
+    """sources._window_summary: the figures as of the rules' last evaluation, the windows of the ranks they
+    name read at that time; None (every rank's windows read) where they do not stand for every live rank."""
+    figures = {key: value for key, value in (FIGURES | changed).items() if value is not None}
+    asked, fetched = [], []
+
+    def answers(queries, at=NOW):
+        asked.append((sorted(queries), at))
+        if "summary_at" in queries:
+            return [[{"metric": {}, "value": [NOW, repr(NOW - 20)]}]]
+        return [as_answer(figures), [{"metric": {"rank": "5"}, "value": [NOW - 20, "0.02"]}]]
+
+    def fetch(queries, ranks=(), groups=(), at=NOW):
+        fetched.append((set(queries), list(ranks), at))
+        return {"flare_straggler_last_window": [({"rank": "5"}, 12.0)]}
+
+    faults = diagnosis.Snapshot({r: diagnosis.RankRecord(r) for r in range(SUMMARY_RANKS)}, NOW, "r")
+    found = sources._window_summary(answers, fetch, faults, diagnosis.StragglerPolicy())
+    assert asked == [(["summary_at"], NOW), (["candidates", "figures"], NOW - 20)]
+    if not stands:
+        assert found is None and fetched == []
+        return
+    assert found is not None
+    summary, windows = found
+    assert summary == diagnosis.WindowSummary(
+        (10, 11, 12), SUMMARY_RANKS, ((0.4, 1.4826 * 0.01),) * 3, (0.4, 1.4826 * 0.01), NOW - 20
+    )
+    assert fetched == [(set(sources.PACE_QUERIES), [5], NOW - 20)]  # the named rank's, at the figures' time
+    assert windows == {"flare_straggler_last_window": [({"rank": "5"}, 12.0)]}
