@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "--every", type=int, default=0, help="window on one step in N (the exporter's default)"
     )
     parser.add_argument("--window", type=int, default=2, help="sampled steps in the current window (2)")
-    parser.add_argument("--baseline", type=int, default=100, help="baseline steps after 5 warm-up (100)")
+    parser.add_argument(
+        "--baseline", type=int, default=0, help="baseline steps after 5 warm-up (the exporter's default)"
+    )
     parser.add_argument("--healthy-steps", type=int, default=1000, help="healthy steps checked (1000)")
     parser.add_argument("--within", type=int, default=10, help="steps within which to detect (10)")
     parser.add_argument(
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         "--shares", default="0.25,0.5,1,2,4,8", help="delays to try, in %% of the step time (comma-separated)"
     )
     args = parser.parse_args(argv)
+    from flare_exporter.config import Config
+
+    args.baseline = args.baseline or Config().ild_baseline_steps
     if args.timer == "native":
         op_timer.build()  # once per torch version, ~10-30 s
     else:

@@ -145,7 +145,7 @@ class Config:
     )
 
     ild_dispatch_every_steps: int = _setting(
-        16,
+        32,
         "Host dispatch latency is sampled in one step out of this many (a dispatch mode times every op of "
         "that step; see docs/ild.md); 0: never.",
         *_between(0, 1_000_000),
@@ -161,7 +161,7 @@ class Config:
         *_between(0, 1_000_000),
     )
     ild_baseline_steps: int = _setting(
-        100,
+        200,
         "Steps after the warm-up whose issue latencies form each rank's ILD baseline.",
         *_between(1, 1_000_000),
     )
