@@ -40,7 +40,9 @@ class FlareState:
         steps = StepTracker(health)
         manager.after_drain.append(steps.report_errors)
         groups: dict[str, GroupTracker] = {}
-        windows = StepWindows(steps, groups, health, config.straggler_window_steps, config.straggler_windows)
+        windows = StepWindows(
+            steps, groups, health, config.straggler_window_steps, config.straggler_windows, manager.finished
+        )
         manager.add_group(windows)  # its forget_finished() runs at the end of every drain
         ild = IldState(config, health, manager, steps)
         native.attach(ild, manager, steps, health)  # reads the native shim's ring if it is preloaded

@@ -12,8 +12,10 @@ Where the numbers come from, without touching the training thread beyond the ste
 - step boundaries: the optimizer step hook appends (step number, perf_counter time) to
   `StepTracker.boundaries_after`; step n spans (boundary n-1, boundary n];
 - collective wait: every collective's issue time and duration (issue to completion, as in
-  flare_collective_duration_seconds), from the groups' pending queues. A collective belongs to the step in
-  which it was issued; a step is complete once every collective issued before its end has finished.
+  flare_collective_duration_seconds), from the groups' pending queues, and for the collectives the recording
+  backend completed between two drains, from the manager's `finished` list (timing.NativeTiming). A
+  collective belongs to the step in which it was issued; a step is complete once every collective issued
+  before its end has finished.
 
 StepWindows registers with the timing manager like a group, so `forget_finished()` runs at the end of
 every drain (the manager's thread every timing_interval_seconds, and every scrape), under the drain lock:
@@ -115,9 +117,11 @@ class StepWindows:
         health: ExporterHealth,
         steps_per_window: int,
         kept: int,
+        finished: list[tuple[float, float]],  # TimingManager.finished: collectives without a pending record
     ) -> None:
         self.steps = steps
         self.groups = groups
+        self.finished = finished
         self.health = health
         self.ring = WindowRing(steps_per_window, kept)
         self._unfinished: list[Any] = []  # CollectiveRecords seen in a pending queue without a duration
@@ -137,6 +141,7 @@ class StepWindows:
         # Boundaries first: a collective issued before a boundary we read was queued before it (one thread).
         boundaries = self.steps.boundaries_after(self._last_step)
         self._see_new_collectives()
+        self._waits.extend(self.finished)
         still = []
         for record in self._unfinished:
             if record.duration is None:

@@ -89,6 +89,9 @@ class TimingManager:
         self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
         self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
         self.logs: list[tuple[NativeTiming, Any]] = []  # recording backends' logs, with their GroupTrackers
+        # (issued_at, duration) of the collectives a drain accounted without a record in a pending queue (the
+        # recording backends'): the straggler windows take them in the same drain, which then clears them
+        self.finished: list[tuple[float, float]] = []
         self.polls_often = False
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
@@ -186,6 +189,7 @@ class TimingManager:
             self._guarded("timing_tasks", self.tasks.popleft())
         if self.events:
             self._resolve_events()
+        self.finished.clear()
         for hook in list(self.after_drain):
             self._guarded("timing_after_drain", hook)
 
@@ -209,14 +213,18 @@ class TimingManager:
             backend.release(event)
 
     def _account(self, record: CollectiveRecord) -> None:
-        key = (record.group.name, record.op)
+        self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
+
+    def account(self, group: Any, op: str, nbytes: int, seq: int, duration: float) -> None:
+        """Count a completed collective of `group` (a GroupTracker); under the drain lock."""
+        key = (group.name, op)
         stats = self.stats.get(key)
         if stats is None:
             stats = self.stats[key] = CollectiveStats()
-        stats.durations.observe(record.duration or 0.0)
-        stats.bytes_total += record.nbytes
-        if record.seq > record.group.last_completed_seq:
-            record.group.last_completed_seq = record.seq
+        stats.durations.observe(duration)
+        stats.bytes_total += nbytes
+        if seq > group.last_completed_seq:
+            group.last_completed_seq = seq
 
 
 class TimingBackend:
@@ -318,10 +326,11 @@ class NativeTiming(TimingBackend):
     """gloo groups recorded by the extension's backend (csrc/collectives.cpp): no hook on the training thread.
 
     The backend records each collective in `log` (a CollectiveLog) from C++. At the start of every drain the
-    manager takes the log into the group's `pending` queue, as the hooks would have queued its records: the
-    collectives completed since (their durations set), and the oldest one still in flight. That record stays
-    the same object until it completes, so the group's `in_flight` and the straggler windows follow it as
-    they follow a hook's record; the newer collectives in flight behind it are seen once they complete.
+    manager takes the log: the collectives completed since are counted at once, without a record (their
+    issue times and durations go to the straggler windows through `TimingManager.finished`), and the oldest
+    one still in flight goes into the group's `pending` queue, as a hook would have queued it. That record
+    stays the same object until it completes, so the group's `in_flight` and the straggler windows follow it
+    as they follow a hook's record; the newer collectives in flight behind it are seen once they complete.
     """
 
     recorder = "cpp"
@@ -343,14 +352,13 @@ class NativeTiming(TimingBackend):
         completed, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take()
         in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
+        manager = self.manager
         for op, nbytes, seq, issued_at, seconds in completed:
-            if (seq, issued_at) == seen:
-                record = in_flight
+            if (seq, issued_at) == seen:  # the straggler windows follow it: they see its duration
+                in_flight.duration = seconds
             else:
-                record = CollectiveRecord(group, op, nbytes, seq, issued_at)
-                group.remember(record)
-            record.duration = seconds
-            self.manager.complete(record)
+                manager.finished.append((issued_at, seconds))
+            manager.account(group, op, nbytes, seq, seconds)
         if oldest is not None and oldest[2:] != seen:
             group.remember(CollectiveRecord(group, *oldest))
         group.last_issued_seq = last_issued_seq

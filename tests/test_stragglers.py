@@ -79,7 +79,7 @@ def issue(group: FakeGroup, at: float) -> CollectiveRecord:
 
 def test_step_windows_attribute_collectives_to_the_step_they_were_issued_in():
     steps, world = FakeSteps(), FakeGroup("world")
-    windows = StepWindows(steps, {"world": world}, ExporterHealth(), steps_per_window=2, kept=4)
+    windows = StepWindows(steps, {"world": world}, ExporterHealth(), steps_per_window=2, kept=4, finished=[])
     steps.boundaries.append((1, 10.0))
     first = issue(world, 10.5)  # step 2
     first.duration = 0.25
@@ -96,7 +96,7 @@ def test_step_windows_attribute_collectives_to_the_step_they_were_issued_in():
 
 def test_step_windows_see_a_collective_that_finished_between_drains():
     steps, world = FakeSteps(), FakeGroup("world")
-    windows = StepWindows(steps, {"world": world}, ExporterHealth(), steps_per_window=1, kept=4)
+    windows = StepWindows(steps, {"world": world}, ExporterHealth(), steps_per_window=1, kept=4, finished=[])
     steps.boundaries.append((1, 0.0))
     windows.forget_finished()
     record = issue(world, 0.5)
@@ -108,9 +108,29 @@ def test_step_windows_see_a_collective_that_finished_between_drains():
     assert windows.ring.windows == (Window(0, 1.0, 0.2),)
 
 
+def test_step_windows_count_collectives_counted_without_a_pending_record():
+    """The recording backend's completed collectives reach the windows as (issued_at, duration) pairs in the
+    manager's `finished` list, in the drain that counted them; its oldest in flight as a pending record."""
+    steps, world, finished = FakeSteps(), FakeGroup("world"), []
+    windows = StepWindows(
+        steps, {"world": world}, ExporterHealth(), steps_per_window=2, kept=4, finished=finished
+    )
+    steps.boundaries.extend([(1, 10.0), (2, 11.0)])
+    finished.append((10.2, 0.1))  # step 2's
+    in_flight = issue(world, 11.5)  # step 3's, still running
+    steps.boundaries.append((3, 12.0))
+    windows.forget_finished()
+    finished.clear()  # what the manager does at the end of the drain
+    assert windows.ring.windows == ()  # step 3 waits for its collective
+    in_flight.duration = 0.3
+    finished.append((11.1, 0.2))  # also step 3's, completed behind it
+    windows.forget_finished()
+    assert windows.ring.windows == (Window(0, 1.0, 0.3),)  # (0.1 + 0.3 + 0.2) over 2 steps
+
+
 def test_step_windows_never_raise_into_a_drain():
     health = ExporterHealth()
-    windows = StepWindows(None, {}, health, steps_per_window=1, kept=4)
+    windows = StepWindows(None, {}, health, steps_per_window=1, kept=4, finished=[])
     windows.forget_finished()
     assert health.errors["straggler_windows"] == 1
 
