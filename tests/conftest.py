@@ -18,7 +18,7 @@ from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.workloads import train_ddp
 
 RANKS = 4
-STEPS = 30
+STEPS = 40  # past step 32, where the default host-dispatch window (one step in 32) opens
 
 
 @dataclass
