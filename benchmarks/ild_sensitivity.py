@@ -43,7 +43,7 @@ def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from flare_exporter.state import FlareState
 
     config = Config(
-        ild_dispatch_every_steps=state_every(args),
+        ild_dispatch_every_steps=args.every,
         ild_warmup_steps=5,
         ild_baseline_steps=args.baseline,
         ild_window_steps=args.window,
@@ -136,12 +136,6 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, peers):  # t
         trainer.close()
 
 
-def state_every(args: argparse.Namespace) -> int:
-    from flare_exporter.config import Config
-
-    return args.every or Config().ild_dispatch_every_steps
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timer", choices=("native", "python"), default="native", help="(default native)")
@@ -164,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from flare_exporter.config import Config
 
+    args.every = args.every or Config().ild_dispatch_every_steps
     args.baseline = args.baseline or Config().ild_baseline_steps
     if args.timer == "native":
         op_timer.build()  # once per torch version, ~10-30 s
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     shifts = sorted(shift for _, shift in drifts if shift is not None)
     print(
         f"ILD sensitivity (host dispatch latency, {args.timer} timer): window on 1 step in "
-        f"{state_every(args)}, current window "
+        f"{args.every}, current window "
         f"{args.window} sampled steps, baseline {args.baseline} steps; {ops:.0f} ops per step, median step "
         f"{step_time * 1e3:.3f} ms (windows included)"
     )

@@ -57,7 +57,7 @@ from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402 
 from flare_exporter import cli, promql, scrape  # noqa: E402
 from flare_exporter.alertmanager_process import AlertingStack, can_alert  # noqa: E402
 from flare_exporter.prometheus_process import wait_for  # noqa: E402
-from flare_exporter.rules import CULPRIT_ALERTS, Thresholds  # noqa: E402
+from flare_exporter.rules import CULPRIT_ALERTS, LAST_WINDOW, Thresholds  # noqa: E402
 from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
 
 RUN = "bench-scale"
@@ -230,7 +230,7 @@ def await_straggler_figures(url: str, timeout: float) -> float:
     reads in place of every rank's windows, are of the windows every rank serves now."""
     started = time.monotonic()
     (last,) = promql.query(url, f'max(flare_straggler_last_window{{run="{RUN}"}})', 30)
-    figure = f'run:flare_straggler_last_window:min{{run="{RUN}"}} == {last["value"][1]}'
+    figure = f'{LAST_WINDOW}:min{{run="{RUN}"}} == {last["value"][1]}'
     wait_for(lambda: bool(promql.query(url, figure, 30)), timeout, "the rules' straggler figures")
     return time.monotonic() - started
 

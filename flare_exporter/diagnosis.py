@@ -743,9 +743,9 @@ def window_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Verdict
                 evidence,
             )
         ]
-    threshold = 1 + policy.job_slowdown
-    if snapshot.window_summary is not None:  # given only where no rank is that slow in every window
+    if snapshot.window_summary is not None:  # given only where no rank is job_slowdown slower in every window
         return []
+    threshold = 1 + policy.job_slowdown
     if not stands_out and all(min(scored.slowdown_ratio(rank)) >= threshold for rank in scored.ranks):
         scores = {rank: scored.row(rank) for rank in scored.ranks}
         ratios = [row["slowdown_ratio"][-1] for row in scores.values()]

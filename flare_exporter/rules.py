@@ -246,6 +246,17 @@ def ild_recording_rules(t: Thresholds) -> list[Recording]:
     ]
 
 
+# The names of the straggler summary's records (straggler_summary_rules, with the per-window median and MAD
+# of straggler_recording_rules), as sources.from_prometheus reads them.
+WINDOW_SHARE = "run_ago:flare_straggler_wait_share"  # :median and :mad, per window (ago)
+SUMMARY_POOLED = "run_rank:flare_straggler_wait_share:pooled"
+POOLED_SHARE = "run:flare_straggler_wait_share_pooled"  # :median and :mad
+WINDOW_RANKS = "run_ago:flare_straggler_windows:ranks"
+BEST_STEP_RANKS = "run:flare_straggler_best_step:ranks"
+LAST_WINDOW = "run:flare_straggler_last_window"  # :min and :max
+SUMMARY_AT = "run:flare_straggler_slowdown:min"  # written last: the time of the summary's figures
+
+
 def straggler_recording_rules(t: Thresholds) -> list[Recording]:
     held = selector(t, f'ago=~"{_held_windows(t)}"')
     return [
@@ -259,11 +270,11 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
             f"flare_straggler_window_step_seconds{held})",
         ),
         Recording(
-            "run_ago:flare_straggler_wait_share:median",
+            f"{WINDOW_SHARE}:median",
             "quantile by (run, ago) (0.5, run_rank_ago:flare_straggler_wait_share:ratio)",
         ),
         Recording(
-            "run_ago:flare_straggler_wait_share:mad",
+            f"{WINDOW_SHARE}:mad",
             "quantile by (run, ago) (0.5, abs(\n"
             "  run_rank_ago:flare_straggler_wait_share:ratio\n"
             "  - on (run, ago) group_left run_ago:flare_straggler_wait_share:median\n))",
@@ -293,11 +304,6 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
     ]
 
 
-# The names of the straggler summary's rules (straggler_summary_rules), as sources.from_prometheus reads them.
-SUMMARY_POOLED = "run_rank:flare_straggler_wait_share:pooled"
-SUMMARY_AT = "run:flare_straggler_slowdown:min"  # written last: the time of the summary's figures
-
-
 def straggler_summary_rules(t: Thresholds) -> list[Recording]:
     """What `flare diagnose` reads of a run's straggler windows at thousands of ranks in place of every
     rank's (diagnosis.WindowSummary): each rank's wait share over the last hold_windows together, their
@@ -310,7 +316,7 @@ def straggler_summary_rules(t: Thresholds) -> list[Recording]:
     def per_window(name: str) -> str:
         return f"max by (run, rank, ago) ({name}{held})"
 
-    pooled_median = "run:flare_straggler_wait_share_pooled:median"
+    pooled_median = f"{POOLED_SHARE}:median"
     return [
         Recording(
             SUMMARY_POOLED,
@@ -319,19 +325,19 @@ def straggler_summary_rules(t: Thresholds) -> list[Recording]:
         ),
         Recording(pooled_median, f"quantile by (run) (0.5, {SUMMARY_POOLED})"),
         Recording(
-            "run:flare_straggler_wait_share_pooled:mad",
+            f"{POOLED_SHARE}:mad",
             f"quantile by (run) (0.5, abs({SUMMARY_POOLED} - on (run) group_left {pooled_median}))",
         ),
         Recording(
-            "run_ago:flare_straggler_windows:ranks",
+            WINDOW_RANKS,
             "count by (run, ago) (run_rank_ago:flare_straggler_wait_share:ratio)",
         ),
         Recording(
-            "run:flare_straggler_best_step:ranks",
+            BEST_STEP_RANKS,
             f"count by (run) (max by (run, rank) (flare_straggler_best_step_seconds{s}) > 0)",
         ),
-        Recording("run:flare_straggler_last_window:min", f"min by (run) (flare_straggler_last_window{s})"),
-        Recording("run:flare_straggler_last_window:max", f"max by (run) (flare_straggler_last_window{s})"),
+        Recording(f"{LAST_WINDOW}:min", f"min by (run) (flare_straggler_last_window{s})"),
+        Recording(f"{LAST_WINDOW}:max", f"max by (run) (flare_straggler_last_window{s})"),
         Recording(
             SUMMARY_AT,
             "min by (run) (\n"

@@ -453,7 +453,7 @@ SUMMARY_SLACK = 0.999  # the screen's distance below the median, against roundin
 def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
     """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
     and min_wait_gap of the step; diagnosis.WindowScores.stands_out) that the rules could name them."""
-    pooled, figure = rules.SUMMARY_POOLED, "run:flare_straggler_wait_share_pooled"
+    pooled, figure = rules.SUMMARY_POOLED, rules.POOLED_SHARE
     spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {diagnosis.MIN_SHARE_SPREAD!r})"
     distance = (
         f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
@@ -680,10 +680,10 @@ def _window_summary(
         for item in found
     }
     agos = [str(ago) for ago in reversed(range(policy.hold_windows))]  # the oldest window first
-    counts = [figures.get(("run_ago:flare_straggler_windows:ranks", ago)) for ago in agos]
-    counts.append(figures.get(("run:flare_straggler_best_step:ranks", "")))
-    first = figures.get(("run:flare_straggler_last_window:min", ""))
-    last = figures.get(("run:flare_straggler_last_window:max", ""))
+    counts = [figures.get((rules.WINDOW_RANKS, ago)) for ago in agos]
+    counts.append(figures.get((rules.BEST_STEP_RANKS, "")))
+    first = figures.get((f"{rules.LAST_WINDOW}:min", ""))
+    last = figures.get((f"{rules.LAST_WINDOW}:max", ""))
     slowest = figures.get((rules.SUMMARY_AT, ""))
     candidates = sorted({int(item["metric"]["rank"]) for item in named if "rank" in item["metric"]})
     if (
@@ -700,8 +700,8 @@ def _window_summary(
         median, mad = (figures.get((f"{prefix}:{stat}", ago), math.nan) for stat in ("median", "mad"))
         return median, 1.4826 * mad
 
-    per_window = tuple(robust("run_ago:flare_straggler_wait_share", ago) for ago in agos)
-    pooled = robust("run:flare_straggler_wait_share_pooled")
+    per_window = tuple(robust(rules.WINDOW_SHARE, ago) for ago in agos)
+    pooled = robust(rules.POOLED_SHARE)
     if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
         return None
     newest = int(last)

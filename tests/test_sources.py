@@ -81,7 +81,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
             # the rules' figures over the pages every rank serves now: every rank's last window, the same
             huge = built[2][0]
             (last,) = prometheus.query(f'max(flare_straggler_last_window{{run="{huge.run}"}})')
-            figure = f'run:flare_straggler_last_window:min{{run="{huge.run}"}} == {last["value"][1]}'
+            figure = f'{rules.LAST_WINDOW}:min{{run="{huge.run}"}} == {last["value"][1]}'
             await_count(prometheus, f"count({figure})", 1)
             yield Clusters(prometheus, *(cluster for cluster, _ in built))
 
@@ -699,18 +699,14 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
 SUMMARY_RANKS = diagnosis.LEAVE_ONE_OUT_RANKS + 4
 # rules.straggler_summary_rules's figures for a run whose every rank closed window 12 and has 10 to 12
 FIGURES = {
-    **{
-        (f"run_ago:flare_straggler_wait_share:{stat}", str(ago)): 0.4
-        for ago in range(3)
-        for stat in ("median",)
-    },
-    **{("run_ago:flare_straggler_wait_share:mad", str(ago)): 0.01 for ago in range(3)},
-    **{("run_ago:flare_straggler_windows:ranks", str(ago)): SUMMARY_RANKS for ago in range(3)},
-    ("run:flare_straggler_wait_share_pooled:median", ""): 0.4,
-    ("run:flare_straggler_wait_share_pooled:mad", ""): 0.01,
-    ("run:flare_straggler_best_step:ranks", ""): SUMMARY_RANKS,
-    ("run:flare_straggler_last_window:min", ""): 12,
-    ("run:flare_straggler_last_window:max", ""): 12,
+    **{(f"{rules.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
+    **{(f"{rules.WINDOW_SHARE}:mad", str(ago)): 0.01 for ago in range(3)},
+    **{(rules.WINDOW_RANKS, str(ago)): SUMMARY_RANKS for ago in range(3)},
+    (f"{rules.POOLED_SHARE}:median", ""): 0.4,
+    (f"{rules.POOLED_SHARE}:mad", ""): 0.01,
+    (rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS,
+    (f"{rules.LAST_WINDOW}:min", ""): 12,
+    (f"{rules.LAST_WINDOW}:max", ""): 12,
     (rules.SUMMARY_AT, ""): 1.2,
 }
 
@@ -726,11 +722,11 @@ def as_answer(figures: dict[tuple[str, str], float]) -> list[dict]:
     "changed, stands",
     [
         ({}, True),
-        ({("run:flare_straggler_last_window:min", ""): 11}, False),  # a rank has not closed window 12
-        ({("run_ago:flare_straggler_windows:ranks", "2"): SUMMARY_RANKS - 1}, False),  # one without 10
-        ({("run:flare_straggler_best_step:ranks", ""): SUMMARY_RANKS - 1}, False),  # one without its best
+        ({(f"{rules.LAST_WINDOW}:min", ""): 11}, False),  # a rank has not closed window 12
+        ({(rules.WINDOW_RANKS, "2"): SUMMARY_RANKS - 1}, False),  # one without 10
+        ({(rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS - 1}, False),  # one without its best
         ({(rules.SUMMARY_AT, ""): 1.5}, False),  # every rank 1.5x its best: the job-wide verdict lists each
-        ({("run:flare_straggler_wait_share_pooled:mad", ""): None}, False),  # not evaluated yet
+        ({(f"{rules.POOLED_SHARE}:mad", ""): None}, False),  # not evaluated yet
     ],
 )
 def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(changed, stands):
