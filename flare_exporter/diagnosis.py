@@ -411,17 +411,34 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     )
 
 
-def groups_read_by_hang_rules(snapshot: Snapshot, hang_seconds: float) -> set[str]:
+class HangReads(NamedTuple):
+    """What the hang rules read of every member of a group (what_hang_rules_read)."""
+
+    numbers: set[str]  # the groups of which they read each member's issued number
+    flights: set[str]  # the groups of which they read which collective each member has in flight
+
+
+def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
     """The groups whose members' issued numbers the hang rules read: each hung group, and every group a
     rank on a hang's chain waits in (follow_chain). A source that reads every member's number in each of
     these, and only these, gives the hang verdicts of the whole snapshot; on less, the chains found name the
-    groups to read next."""
-    names: set[str] = set()
+    groups to read next.
+
+    And the hung groups whose verdicts weigh which collective each member has in flight (InFlight's op,
+    number, bytes and state; its start decides whether the group is hung): those with no chain, where no
+    live member is behind or most are (a mismatch). A chain starts at the ranks behind and names them from
+    the issued numbers alone; a group with a gone member is the rank_down verdict's. Elsewhere a source may
+    leave them unread: at a hang of thousands of ranks, those of every rank that waits in the group."""
+    gone = set(gone_ranks(snapshot))
+    reads = HangReads(set(), set())
     for hang in hung_groups(snapshot, hang_seconds):
-        names.add(hang.name)
-        for hop in explain_hang(snapshot, hang).evidence.get("chain", []):
-            names.update(hop["waits_in"])
-    return names
+        reads.numbers.add(hang.name)
+        chain = explain_hang(snapshot, hang).evidence.get("chain")
+        for hop in chain or ():
+            reads.numbers.update(hop["waits_in"])
+        if chain is None and not gone & set(hang.members):
+            reads.flights.add(hang.name)
+    return reads
 
 
 def behind_in(live: Sequence[RankRecord], group: str, top: int) -> list[RankRecord]:

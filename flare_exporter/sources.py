@@ -22,6 +22,7 @@ from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
 from .targets import Target
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
+ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
 
 
 class SourceError(RuntimeError):
@@ -91,21 +92,31 @@ def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[st
     flight_seq = per_group("flare_collective_in_flight_seq")
     flight_bytes = per_group("flare_collective_in_flight_bytes")
     flight_started = per_group("flare_collective_in_flight_started_timestamp_seconds")
-    flights = {}
-    for labels, _ in series.get("flare_collective_in_flight_info", []):
-        key = (int(labels["rank"]), labels["group"])
-        flights[key] = InFlight(
-            labels.get("op", ""),
+    flight_info = {
+        (int(labels["rank"]), labels["group"]): labels for labels, _ in series.get(FLIGHT_INFO, [])
+    }
+    flights = {  # which collective and its state where read (FLIGHT_QUERIES); in flight since when, always
+        key: InFlight(
+            (info := flight_info.get(key, {})).get("op", ""),
             int(flight_seq.get(key, 0)),
             int(flight_bytes.get(key, 0)),
-            labels.get("state", "issued"),
+            info.get("state", "issued"),
             flight_started.get(key, now),
         )
+        for key in flight_started.keys() | flight_info.keys()
+    }
     group_keys = set(issued) | set(completed) | set(flights)
     group_keys |= {
         (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
     }
-    seen_before_stall = set(per_group("seen_before_stall"))
+    newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
+    for (_, group), started in flight_started.items():
+        newest_issue[group] = max(started, newest_issue.get(group, started))
+    seen_before_stall = {
+        key
+        for key, at in per_group(ISSUED_AT).items()
+        if key[1] in newest_issue and at <= newest_issue[key[1]]
+    }
     groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
     for key in group_keys:
         groups[key[0]][key[1]] = GroupState(
@@ -363,11 +374,12 @@ def _current(names: Iterable[str], labels: str) -> dict[str, str]:
     return {name: f"max by (rank{labels}) ({name}{{sel}})" for name in names}
 
 
-IN_FLIGHT_METRICS = (
-    "flare_collective_in_flight_seq",
-    "flare_collective_in_flight_bytes",
-    "flare_collective_in_flight_started_timestamp_seconds",
-)
+# since when each rank has had a collective in flight in each group: is a group hung? (every rank, faults)
+IN_FLIGHT_METRICS = ("flare_collective_in_flight_started_timestamp_seconds",)
+# which collective, how large and whether started: what a hang's verdict weighs only where no member of
+# the group is behind, or most are (diagnosis.what_hang_rules_read)
+FLIGHT_INFO = "flare_collective_in_flight_info"
+FLIGHT_METRICS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
 STRAGGLER_METRICS = (
     "flare_straggler_last_window",
     "flare_straggler_best_step_seconds",
@@ -388,9 +400,6 @@ FAULT_QUERIES = {
         "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
     ),
     "up": "max by (rank) (up{sel})",
-    "flare_collective_in_flight_info": (
-        "max by (rank, group, op, state) (flare_collective_in_flight_info{sel})"
-    ),
     **_current(IN_FLIGHT_METRICS, ", group"),
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
@@ -398,16 +407,19 @@ FAULT_QUERIES = {
 PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # Who is in each group and who is behind in it: every rank (asked when a collective has been in flight for
 # the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
-# the groups the hang rules read (diagnosis.groups_read_by_hang_rules) when told the threshold.
+# the groups the hang rules read (diagnosis.what_hang_rules_read) when told the threshold.
 GROUP_QUERIES = {
     "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
-    # the ranks whose number was scraped before their group's newest issue (key `seen_before_stall`,
-    # diagnosis.GroupState): at a hang, the ranks whose scrapes are late; usually none
-    "seen_before_stall": (
-        "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))"
-        " <= on (group) group_left"
-        " max by (group) (flare_collective_in_flight_started_timestamp_seconds{sel})"
-    ),
+    # when each number was scraped: a rank's scraped before its group's newest issue (the newest start of
+    # the faults round's) is late (diagnosis.GroupState.seen_before_stall). Read as it is, of the same
+    # series: compared in Prometheus, the starts' series were read again (at 6,144 ranks, twice as long).
+    ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
+}
+# Which collective each rank of the hung groups whose verdicts weigh it has in flight, and how large. At a
+# hang of thousands of ranks, half of what the faults round would read.
+FLIGHT_QUERIES = {
+    FLIGHT_INFO: f"max by (rank, group, op, state) ({FLIGHT_INFO}{{sel}})",
+    **_current(FLIGHT_METRICS, ", group"),
 }
 # The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
@@ -517,6 +529,7 @@ VIEW_QUERIES = {
 PROMETHEUS_QUERIES = {
     **FAULT_QUERIES,
     **GROUP_QUERIES,
+    **FLIGHT_QUERIES,
     **GONE_GROUP_QUERIES,
     **PACE_QUERIES,
     **ILD_QUERIES,
@@ -535,8 +548,9 @@ SNAPSHOT_METRICS = frozenset(
         "flare_heartbeat_timestamp_seconds",
         "flare_collective_last_issued_seq",
         "flare_collective_last_completed_seq",
-        "flare_collective_in_flight_info",
+        FLIGHT_INFO,
         *IN_FLIGHT_METRICS,
+        *FLIGHT_METRICS,
         *STRAGGLER_METRICS,
         *ILD_METRICS,
         "flare_step_duration_seconds_count",
@@ -572,7 +586,8 @@ def from_prometheus(
     Without `detail_for`, everything of every rank, at once. With it (the rules: the ranks their verdicts
     name), in rounds, each only where the rules need it: every rank's faults (and the progress of the
     ranks that raised; and every rank's groups, with the past groups of the ranks that are down, when a
-    collective has been in flight for `hang_seconds`, always when it is None); when they name no rank,
+    collective has been in flight for `hang_seconds`, always when it is None; and which collective the
+    members of a hung group have in flight, where the hang's verdict weighs it); when they name no rank,
     every rank's pace (its last straggler windows under `stragglers`, the rules' StragglerPolicy, and the
     older ones where the rules would read them; its cumulative times where the rules need them; its ILD
     drift where a rank's could count as shifted under `ild`, the rules' IldPolicy); then the detail of the
@@ -615,10 +630,13 @@ def from_prometheus(
         if down:
             series |= fetch(GONE_GROUP_QUERIES, down if len(down) <= MAX_NAMED_RANKS else [])
         if hang_seconds is None:
-            series |= fetch(GROUP_QUERIES)
+            series |= fetch(GROUP_QUERIES | FLIGHT_QUERIES)
             faults = _with_fields(faults, _group_fields(series, now))
         else:
-            faults = _with_hang_groups(faults, series, hung, hang_seconds, fetch, now)
+            faults, weighed = _with_hang_groups(faults, series, hung, hang_seconds, fetch, now)
+            if weighed:
+                series |= fetch(FLIGHT_QUERIES, groups=weighed)
+                faults = _with_fields(faults, _group_fields(series, now))
     snapshot = faults
     named = sorted(set(detail_for(snapshot)))
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
@@ -718,10 +736,11 @@ def _with_hang_groups(
     hang_seconds: float,
     fetch: Callable[..., dict[str, Series]],
     now: float,
-) -> Snapshot:
+) -> tuple[Snapshot, set[str]]:
     """`faults` with the groups the hang rules read: the hung groups' issued numbers first, then those of
     the groups their chains lead to, as the rules name them, until they name none unread (at thousands of
-    ranks in tensor-, pipeline- and data-parallel groups, most groups have nothing to do with a hang)."""
+    ranks in tensor-, pipeline- and data-parallel groups, most groups have nothing to do with a hang); and
+    the groups of which the rules weigh what each member has in flight (diagnosis.what_hang_rules_read)."""
     read: set[str] = set()
     needed = hung
     for _ in range(MAX_CHAIN_ROUNDS):
@@ -729,11 +748,13 @@ def _with_hang_groups(
             series.setdefault(name, []).extend(found)  # other groups' numbers of the same metric
         read |= needed
         snapshot = _with_fields(faults, _group_fields(series, now))
-        needed = diagnosis.groups_read_by_hang_rules(snapshot, hang_seconds)
-        if needed <= read:
-            return snapshot
+        reads = diagnosis.what_hang_rules_read(snapshot, hang_seconds)
+        if reads.numbers <= read:
+            return snapshot, reads.flights
+        needed = reads.numbers
     series |= fetch(GROUP_QUERIES)  # a chain longer than any job's: every group
-    return _with_fields(faults, _group_fields(series, now))
+    snapshot = _with_fields(faults, _group_fields(series, now))
+    return snapshot, diagnosis.what_hang_rules_read(snapshot, hang_seconds).flights
 
 
 REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$-")

@@ -467,11 +467,15 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
 
 def read(record: diagnosis.RankRecord, field: str, windows: Sequence[int] = ()) -> object:
     """A field of a record as the rules read it: a group's name for the record's state in that group (its
-    last issued number and what is in flight, not the last completed: only views read that); of its
-    straggler windows, the `windows` the rules weigh (the rounds leave older ones unread)."""
+    last issued number and since when it has had a collective in flight, not the last completed: only views
+    read that; which collective, only where a hang's verdict weighs it: see
+    test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weighs_it); of its straggler
+    windows, the `windows` the rules weigh (the rounds leave older ones unread)."""
     if field not in diagnosis.RankRecord.__dataclass_fields__:
         state = record.groups.get(field)
-        return None if state is None else (state.last_issued, state.in_flight)
+        if state is None:
+            return None
+        return state.last_issued, None if state.in_flight is None else state.in_flight.started_at
     if field == "step_windows":
         return {window: record.step_windows.get(window) for window in windows}
     return getattr(record, field)
@@ -678,6 +682,58 @@ def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake
     ]
     groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.GROUP_QUERIES)]
     assert groups == [{"world"}, {"pair-a"}]  # the hung group, then the group its chain leads to
+
+
+def front_job(issued: dict[int, int], nbytes: dict[int, int], states: dict[int, str]) -> dict[str, list]:
+    """Four ranks of group `world`, each waiting for 400 s in the last collective it issued (`issued`, 8
+    where not given), of 4096 bytes (`nbytes`), started (`states`)."""
+    rows: list[tuple[str, dict, float]] = []
+    for rank in range(4):
+        seq, flight = issued.get(rank, 8), {"rank": rank, "group": "world"}
+        state = {"op": "all_reduce", "state": states.get(rank, "started")}
+        rows += [
+            ("flare_rank_info", {"rank": rank, "host": f"h{rank}", "world_size": 4}, 1.0),
+            ("up", {"rank": rank}, 1.0),
+            ("flare_collective_last_issued_seq", {"rank": rank, "group": "world"}, float(seq)),
+            ("flare_collective_in_flight_info", {**flight, **state}, 1.0),
+            ("flare_collective_in_flight_seq", flight, float(seq)),
+            ("flare_collective_in_flight_bytes", flight, float(nbytes.get(rank, 4096))),
+            ("flare_collective_in_flight_started_timestamp_seconds", flight, NOW - 400),
+        ]
+    return series_of(*rows)
+
+
+@pytest.mark.parametrize(
+    "issued, nbytes, states, verdict, weighed",
+    [
+        ({3: 7}, {}, {}, ("hang", [3]), False),  # rank 3 is behind: the issued numbers name it
+        ({3: 7}, {0: 1}, {0: "issued"}, ("hang", [3]), False),  # ... whatever the others have in flight
+        ({}, {2: 8192}, {}, ("mismatch", [2]), True),  # every rank at the front; rank 2's is larger
+        ({}, {}, {1: "issued"}, ("hang", [1]), True),  # ... rank 1's has not started
+        ({}, {}, {}, ("hang", []), True),  # ... all alike: the group's communication
+        ({0: 9}, {}, {}, ("mismatch", [0]), True),  # rank 0 issued one the others never did
+    ],
+)
+def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weighs_it(
+    fake_prometheus, issued, nbytes, states, verdict, weighed
+):
+    """The faults round reads since when every rank has had a collective in flight; which collective (op,
+    number, bytes, state) is read in a round of its own, of the hung groups whose verdict weighs it: where
+    no rank is behind, or most are. At a hang of thousands of ranks, most of what the ranks hold."""
+    fake_prometheus["job"] = front_job(issued, nbytes, states)
+    everything = sources.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [verdict]
+    asked = fake_prometheus["asked"]
+    assert not any(set(sources.FLIGHT_QUERIES) & names for names, _, _ in asked[:1])  # not in the faults
+    assert ((set(sources.FLIGHT_QUERIES), None, {"world"}) in asked) == weighed
+    in_flight = {rank: record.groups["world"].in_flight for rank, record in snapshot.ranks.items()}
+    assert all(flight is not None and flight.started_at == NOW - 400 for flight in in_flight.values())
+    if not weighed:
+        assert {flight.op for flight in in_flight.values() if flight is not None} == {""}
 
 
 def test_groups_are_named_to_prometheus_exactly(clusters):
