@@ -138,6 +138,22 @@ class Snapshot:
                 found.setdefault(name, []).append(record.rank)
         return {name: tuple(ranks) for name, ranks in found.items()}
 
+    @cached_property
+    def oldest_in_flight(self) -> dict[str, float]:
+        """Group -> the age of the oldest collective in flight in it on a live rank (groups with one only).
+
+        One pass over the ranks, once: at thousands of ranks there are thousands of groups, and most have
+        nothing in flight for long; each rule that asks whether a group is hung reads it."""
+        earliest: dict[str, float] = {}
+        for record in self.ranks.values():
+            if not record.up:
+                continue
+            for name, state in record.groups.items():
+                flight = state.in_flight
+                if flight is not None and flight.started_at < earliest.get(name, math.inf):
+                    earliest[name] = flight.started_at
+        return {name: self.now - started for name, started in earliest.items()}
+
     @property
     def ranks_seen(self) -> int:
         return sum(1 for record in self.ranks.values() if record.up)
@@ -292,7 +308,7 @@ def members_of(snapshot: Snapshot, group: str) -> tuple[int, ...]:
 
 def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
     """Groups in which some live rank has had a collective unfinished for at least `hang_seconds`."""
-    oldest = oldest_in_flight(snapshot)
+    oldest = snapshot.oldest_in_flight
     hangs = []
     for name in sorted(oldest):
         if oldest[name] < hang_seconds:
@@ -302,23 +318,6 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
         max_issued = max(record.groups[name].last_issued for record in live if name in record.groups)
         hangs.append(GroupHang(name, members, oldest[name], max_issued))
     return hangs
-
-
-def oldest_in_flight(snapshot: Snapshot) -> dict[str, float]:
-    """Group -> the age of the oldest collective in flight in it on a live rank (groups with one only).
-
-    One pass over the ranks: at thousands of ranks there are thousands of groups, and most have nothing in
-    flight for long."""
-    oldest: dict[str, float] = {}
-    for record in snapshot.ranks.values():
-        if not record.up:
-            continue
-        for name, state in record.groups.items():
-            if state.in_flight is not None:
-                age = snapshot.now - state.in_flight.started_at
-                if name not in oldest or age > oldest[name]:
-                    oldest[name] = age
-    return oldest
 
 
 def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:

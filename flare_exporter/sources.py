@@ -623,7 +623,7 @@ def from_prometheus(
     if raised:  # did they restart since? (before the records are built: it decides which ranks are gone)
         series |= fetch(PROGRESS_QUERIES, raised if len(raised) <= MAX_NAMED_RANKS else [])
     faults = _snapshot(series, now, run)
-    oldest = diagnosis.oldest_in_flight(faults)
+    oldest = faults.oldest_in_flight
     hung = {name for name, age in oldest.items() if hang_seconds is not None and age >= hang_seconds}
     if hang_seconds is None or hung:  # a group may be hung
         down = [rank for rank, record in faults.ranks.items() if not record.up]
