@@ -91,7 +91,7 @@ def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[st
     completed = per_group("flare_collective_last_completed_seq")
     flight_seq = per_group("flare_collective_in_flight_seq")
     flight_bytes = per_group("flare_collective_in_flight_bytes")
-    flight_started = per_group("flare_collective_in_flight_started_timestamp_seconds")
+    flight_started = per_group(FLIGHT_STARTED)
     flight_info = {
         (int(labels["rank"]), labels["group"]): labels for labels, _ in series.get(FLIGHT_INFO, [])
     }
@@ -374,12 +374,12 @@ def _current(names: Iterable[str], labels: str) -> dict[str, str]:
     return {name: f"max by (rank{labels}) ({name}{{sel}})" for name in names}
 
 
-# since when each rank has had a collective in flight in each group: is a group hung? (every rank, faults)
-IN_FLIGHT_METRICS = ("flare_collective_in_flight_started_timestamp_seconds",)
-# which collective, how large and whether started: what a hang's verdict weighs only where no member of
-# the group is behind, or most are (diagnosis.what_hang_rules_read)
+# Since when each rank has had a collective in flight in each group: is a group hung? (every rank, faults)
+FLIGHT_STARTED = "flare_collective_in_flight_started_timestamp_seconds"
+# Which collective (op and state; its number and bytes): what a hang's verdict weighs only where no member
+# of the group is behind, or most are (diagnosis.what_hang_rules_read).
 FLIGHT_INFO = "flare_collective_in_flight_info"
-FLIGHT_METRICS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
+FLIGHT_NUMBERS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
 STRAGGLER_METRICS = (
     "flare_straggler_last_window",
     "flare_straggler_best_step_seconds",
@@ -400,7 +400,7 @@ FAULT_QUERIES = {
         "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
     ),
     "up": "max by (rank) (up{sel})",
-    **_current(IN_FLIGHT_METRICS, ", group"),
+    **_current([FLIGHT_STARTED], ", group"),
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
 # the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
@@ -419,7 +419,7 @@ GROUP_QUERIES = {
 # hang of thousands of ranks, half of what the faults round would read.
 FLIGHT_QUERIES = {
     FLIGHT_INFO: f"max by (rank, group, op, state) ({FLIGHT_INFO}{{sel}})",
-    **_current(FLIGHT_METRICS, ", group"),
+    **_current(FLIGHT_NUMBERS, ", group"),
 }
 # The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
@@ -548,9 +548,9 @@ SNAPSHOT_METRICS = frozenset(
         "flare_heartbeat_timestamp_seconds",
         "flare_collective_last_issued_seq",
         "flare_collective_last_completed_seq",
+        FLIGHT_STARTED,
         FLIGHT_INFO,
-        *IN_FLIGHT_METRICS,
-        *FLIGHT_METRICS,
+        *FLIGHT_NUMBERS,
         *STRAGGLER_METRICS,
         *ILD_METRICS,
         "flare_step_duration_seconds_count",

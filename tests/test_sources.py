@@ -736,6 +736,31 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
         assert {flight.op for flight in in_flight.values() if flight is not None} == {""}
 
 
+def test_a_number_scraped_before_its_groups_newest_issue_is_late():
+    """GroupState.seen_before_stall from the issued numbers' scrape times (sources.ISSUED_AT) against the
+    newest start of a collective in flight in the same group, on any rank: at it or before, late."""
+    started = "flare_collective_in_flight_started_timestamp_seconds"
+    job = series_of(
+        *[("flare_collective_last_issued_seq", {"rank": r, "group": g}, 8.0) for r in range(3) for g in "ab"],
+        (started, {"rank": 0, "group": "a"}, NOW - 50),
+        (started, {"rank": 1, "group": "a"}, NOW - 40),  # group a's newest issue
+        (sources.ISSUED_AT, {"rank": 0, "group": "a"}, NOW - 45),  # before it
+        (sources.ISSUED_AT, {"rank": 1, "group": "a"}, NOW - 40),  # at it
+        (sources.ISSUED_AT, {"rank": 2, "group": "a"}, NOW - 39),  # after it
+        *[
+            (sources.ISSUED_AT, {"rank": r, "group": "b"}, NOW - 100) for r in range(3)
+        ],  # b: nothing in flight
+    )
+    groups = {rank: fields["groups"] for rank, fields in sources._group_fields(job, NOW).items()}
+    late = {
+        (rank, name)
+        for rank, found in groups.items()
+        for name, state in found.items()
+        if state.seen_before_stall
+    }
+    assert late == {(0, "a"), (1, "a")}
+
+
 def test_groups_are_named_to_prometheus_exactly(clusters):
     """The group matcher of a round: a regular expression in a PromQL string that matches the names given,
     whatever they hold, and no other name."""
