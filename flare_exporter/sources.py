@@ -410,9 +410,9 @@ PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # the groups the hang rules read (diagnosis.what_hang_rules_read) when told the threshold.
 GROUP_QUERIES = {
     "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
-    # when each number was scraped: a rank's scraped before its group's newest issue (the newest start of
-    # the faults round's) is late (diagnosis.GroupState.seen_before_stall). Read as it is, of the same
-    # series: compared in Prometheus, the starts' series were read again (at 6,144 ranks, twice as long).
+    # when each number was scraped: one scraped at or before its group's newest issue (the latest start the
+    # faults round read) is late (diagnosis.GroupState.seen_before_stall). Compared here, not in
+    # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
     ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
 }
 # Which collective each rank of the hung groups whose verdicts weigh it has in flight, and how large. At a
