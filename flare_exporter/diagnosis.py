@@ -221,8 +221,8 @@ def diagnose(
         verdicts.append(rank_down_verdict(snapshot, down, hangs))
     down_set = set(down)
     for hang in hangs:
-        if down_set & set(hang.members):
-            continue  # the rank_down verdict explains it
+        if waits_on_gone(hang, down_set):
+            continue
         verdicts.append(explain_hang(snapshot, hang))
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
@@ -410,6 +410,11 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     )
 
 
+def waits_on_gone(hang: GroupHang, gone: set[int]) -> bool:
+    """A hung group with a gone member (of `gone`, gone_ranks): the rank_down verdict explains it."""
+    return not gone.isdisjoint(hang.members)
+
+
 class HangReads(NamedTuple):
     """What the hang rules read of every member of a group (what_hang_rules_read)."""
 
@@ -435,7 +440,7 @@ def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
         chain = explain_hang(snapshot, hang).evidence.get("chain")
         for hop in chain or ():
             reads.numbers.update(hop["waits_in"])
-        if chain is None and not gone & set(hang.members):
+        if chain is None and not waits_on_gone(hang, gone):
             reads.flights.add(hang.name)
     return reads
 
