@@ -43,8 +43,9 @@ KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regres
 DOMAINS = ("rank", "host", "group", "job")
 
 
-@dataclass(frozen=True)
-class InFlight:
+# InFlight and GroupState are NamedTuples, not frozen dataclasses: a source builds one of each per rank and
+# group (at a hang of 6,144 ranks, 12,288 a round): 0.5 µs each to build, against 1.5–1.9 µs.
+class InFlight(NamedTuple):
     """A group's oldest unfinished collective on one rank."""
 
     op: str
@@ -54,8 +55,7 @@ class InFlight:
     started_at: float  # Unix time it was issued
 
 
-@dataclass(frozen=True)
-class GroupState:
+class GroupState(NamedTuple):
     """One rank's view of one process group."""
 
     last_issued: int = 0

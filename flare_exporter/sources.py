@@ -14,7 +14,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from . import diagnosis, promql, rules, scrape, spec
@@ -586,7 +586,8 @@ def from_prometheus(
     Without `detail_for`, everything of every rank, at once. With it (the rules: the ranks their verdicts
     name), in rounds, each only where the rules need it: every rank's faults (and the progress of the
     ranks that raised; and every rank's groups, with the past groups of the ranks that are down, when a
-    collective has been in flight for `hang_seconds`, always when it is None; and which collective the
+    collective has been in flight for `hang_seconds`, always when it is None; the hung groups' asked with
+    the faults, as soon as the starts say so: see _faults_round; and which collective the
     members of a hung group have in flight, where the hang's verdict weighs it); when they name no rank,
     every rank's pace (its last straggler windows under `stragglers`, the rules' StragglerPolicy, and the
     older ones where the rules would read them; its cumulative times where the rules need them; its ILD
@@ -618,7 +619,7 @@ def from_prometheus(
 
     if detail_for is None:
         return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
-    series = fetch(FAULT_QUERIES)
+    series, ahead = _faults_round(fetch, now, hang_seconds)
     raised = sorted({int(labels["rank"]) for labels, _ in series.get("flare_rank_exception_info", [])})
     if raised:  # did they restart since? (before the records are built: it decides which ranks are gone)
         series |= fetch(PROGRESS_QUERIES, raised if len(raised) <= MAX_NAMED_RANKS else [])
@@ -633,7 +634,7 @@ def from_prometheus(
             series |= fetch(GROUP_QUERIES | FLIGHT_QUERIES)
             faults = _with_fields(faults, _group_fields(series, now))
         else:
-            faults, weighed = _with_hang_groups(faults, series, hung, hang_seconds, fetch, now)
+            faults, weighed = _with_hang_groups(faults, series, hung, hang_seconds, fetch, now, ahead)
             if weighed:
                 series |= fetch(FLIGHT_QUERIES, groups=weighed)
                 faults = _with_fields(faults, _group_fields(series, now))
@@ -664,8 +665,7 @@ def from_prometheus(
         if summary is not None:
             snapshot = dataclasses.replace(snapshot, window_summary=summary)
         elif not diagnosis.decided_by_last_windows(snapshot, stragglers):
-            for name, found in fetch(older).items():
-                pace.setdefault(name, []).extend(found)
+            _extend(pace, fetch(older))
             snapshot = with_pace(faults, pace)
         if not diagnosis.judged_by_windows(snapshot):
             pace |= fetch(CUMULATIVE_QUERIES)
@@ -729,6 +729,60 @@ def _window_summary(
     return summary, (fetch(PACE_QUERIES, candidates, at=at) if candidates else {})
 
 
+class ReadAhead(NamedTuple):
+    """The issued numbers of `groups`, asked before the faults round's records were built (_faults_round)."""
+
+    groups: set[str]
+    answers: Future[dict[str, Series]]
+
+
+def _faults_round(
+    fetch: Callable[..., dict[str, Series]], now: float, hang_seconds: float | None
+) -> tuple[dict[str, Series], ReadAhead | None]:
+    """Every rank's faults (FAULT_QUERIES); and, told the hang threshold, the issued numbers of the groups
+    in which some rank has had a collective in flight for it (the hung groups, or more where that rank is
+    not up), asked as soon as the starts are in: while the round's other answers come and its records are
+    built. At a hang of thousands of ranks, both rounds' answers take Prometheus hundreds of ms; the records,
+    about 100 ms."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        rest = pool.submit(
+            fetch, {name: query for name, query in FAULT_QUERIES.items() if name != FLIGHT_STARTED}
+        )
+        series = fetch({FLIGHT_STARTED: FAULT_QUERIES[FLIGHT_STARTED]})
+        ahead = None
+        if hang_seconds is not None:
+            groups = {
+                labels["group"]
+                for labels, started in series.get(FLIGHT_STARTED, [])
+                if now - started >= hang_seconds
+            }
+            if groups:
+                ahead = ReadAhead(groups, pool.submit(fetch, group_queries(series, groups), groups=groups))
+        series |= rest.result()
+    finally:
+        pool.shutdown(wait=False)  # a read-ahead no hung group needs after all goes on alone
+    return series, ahead
+
+
+def group_queries(series: Mapping[str, Series], groups: Iterable[str]) -> dict[str, str]:
+    """GROUP_QUERIES for `groups`, with the scrape times of only the numbers that could be late: those
+    scraped at or before the newest start in `groups` that `series` hold (none where nothing is in flight
+    in them). Each group's own newest start decides (_group_fields); the late scrapes are few, every
+    member's scrape time a row each."""
+    groups = set(groups)
+    newest = max(
+        (started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups),
+        default=None,
+    )
+    queries = dict(GROUP_QUERIES)
+    if newest is None:
+        del queries[ISSUED_AT]
+    elif math.isfinite(newest):
+        queries[ISSUED_AT] += f" <= {newest!r}"
+    return queries
+
+
 def _with_hang_groups(
     faults: Snapshot,
     series: dict[str, Series],
@@ -736,16 +790,22 @@ def _with_hang_groups(
     hang_seconds: float,
     fetch: Callable[..., dict[str, Series]],
     now: float,
+    ahead: ReadAhead | None,
 ) -> tuple[Snapshot, set[str]]:
-    """`faults` with the groups the hang rules read: the hung groups' issued numbers first, then those of
-    the groups their chains lead to, as the rules name them, until they name none unread (at thousands of
-    ranks in tensor-, pipeline- and data-parallel groups, most groups have nothing to do with a hang); and
-    the groups of which the rules weigh what each member has in flight (diagnosis.what_hang_rules_read)."""
+    """`faults` with the groups the hang rules read: the hung groups' issued numbers first (those `ahead`
+    asked, and any other), then those of the groups their chains lead to, as the rules name them, until
+    they name none unread (at thousands of ranks in tensor-, pipeline- and data-parallel groups, most
+    groups have nothing to do with a hang); and the groups of which the rules weigh what each member has in
+    flight (diagnosis.what_hang_rules_read)."""
     read: set[str] = set()
+    if ahead is not None:
+        _extend(series, ahead.answers.result())
+        read = set(ahead.groups)
     needed = hung
     for _ in range(MAX_CHAIN_ROUNDS):
-        for name, found in fetch(GROUP_QUERIES, groups=needed - read).items():
-            series.setdefault(name, []).extend(found)  # other groups' numbers of the same metric
+        unread = needed - read
+        if unread:
+            _extend(series, fetch(group_queries(series, unread), groups=unread))
         read |= needed
         snapshot = _with_fields(faults, _group_fields(series, now))
         reads = diagnosis.what_hang_rules_read(snapshot, hang_seconds)
@@ -755,6 +815,12 @@ def _with_hang_groups(
     series |= fetch(GROUP_QUERIES)  # a chain longer than any job's: every group
     snapshot = _with_fields(faults, _group_fields(series, now))
     return snapshot, diagnosis.what_hang_rules_read(snapshot, hang_seconds).flights
+
+
+def _extend(series: dict[str, Series], more: Mapping[str, Series]) -> None:
+    """`more` added to `series`, which may hold other series of the same metrics (other groups, windows)."""
+    for name, found in more.items():
+        series.setdefault(name, []).extend(found)
 
 
 REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$-")

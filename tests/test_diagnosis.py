@@ -191,7 +191,7 @@ def test_two_ranks_behind_on_two_hosts_stay_rank_level():
 
 def seen_before_stall(state: GroupState) -> GroupState:
     """`state` as Prometheus holds it of a rank scraped late: read before the group's newest issue."""
-    return dataclasses.replace(state, seen_before_stall=True)
+    return state._replace(seen_before_stall=True)
 
 
 def test_a_rank_scraped_before_the_stall_is_not_judged_behind():

@@ -482,6 +482,16 @@ def read(record: diagnosis.RankRecord, field: str, windows: Sequence[int] = ()) 
 
 
 FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
+# the faults round (sources._faults_round): every rank's starts, and at once its other faults
+STARTED_ROUND = ({sources.FLIGHT_STARTED}, None, None)
+OTHER_FAULTS_ROUND = (set(sources.FAULT_QUERIES) - {sources.FLIGHT_STARTED}, None, None)
+
+
+def but(asked: list, at_once: list) -> list:
+    """The rounds `asked` but `at_once`, which were each asked once, in any order among the others (from
+    the threads of the faults round)."""
+    assert [asked.count(round) for round in at_once] == [1] * len(at_once)
+    return [round for round in asked if round not in at_once]
 
 
 @pytest.mark.parametrize("fault, ild_shifted", [("hang", True), ("straggler", True), ("straggler", False)])
@@ -497,16 +507,20 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
     named = {rank for verdict in verdicts for rank in verdict["ranks"]}
     # rank 3 restarted: its heartbeat, read in the progress round of the ranks that raised, says so
     assert not snapshot.ranks[3].gone and snapshot.ranks[3].heartbeat == NOW - 4
-    faults, progress = (
-        (set(sources.FAULT_QUERIES), None, None),
-        (set(sources.PROGRESS_QUERIES), {"2", "3"}, None),
-    )
+    started, progress = STARTED_ROUND, (set(sources.PROGRESS_QUERIES), {"2", "3"}, None)
     asked = fake_prometheus["asked"]
     raised = {int(labels["rank"]) for labels, _ in fake_prometheus["job"]["flare_rank_exception_info"]}
-    if fault == "hang":  # faults, progress of 2 and 3, rank 1's groups, the hung group's numbers, detail
+    if fault == "hang":
+        # faults, and the hung group's numbers once the starts say it waited for the threshold; progress of
+        # 2 and 3, rank 1's groups, detail
         gone = (set(sources.GONE_GROUP_QUERIES), {"1"}, None)
         world = (set(sources.GROUP_QUERIES), None, {"world"})  # rank 4, behind, waits in no other group
-        assert asked == [faults, progress, gone, world, (set(sources.DETAIL_QUERIES), {"1"}, None)]
+        assert asked.index(started) < asked.index(world)
+        assert but(asked, [started, OTHER_FAULTS_ROUND, world]) == [
+            progress,
+            gone,
+            (set(sources.DETAIL_QUERIES), {"1"}, None),
+        ]
         # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
         assert [(v["kind"], v["ranks"], v["evidence"]["hung_groups"]) for v in verdicts] == [
             ("rank_down", [1], ["world"])
@@ -521,7 +535,12 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         )
         # only where one could count: the screen of the candidates (rank 5), then every rank's drift
         screen = [({"ild_screen"}, {"5"}, None), (set(sources.ILD_QUERIES), None, None)]
-        assert asked == [faults, (progress[0], {"3"}, None), pace, *(screen if ild_shifted else []), detail]
+        assert but(asked, [started, OTHER_FAULTS_ROUND]) == [
+            (progress[0], {"3"}, None),
+            pace,
+            *(screen if ild_shifted else []),
+            detail,
+        ]
         ild = [("ild_regression", [5])] if ild_shifted else []
         assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5]), *ild]
         assert "SM clock" in verdicts[0]["summary"]  # the detail round's GPU health
@@ -728,8 +747,11 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [verdict]
     asked = fake_prometheus["asked"]
-    assert not any(set(sources.FLIGHT_QUERIES) & names for names, _, _ in asked[:1])  # not in the faults
-    assert ((set(sources.FLIGHT_QUERIES), None, {"world"}) in asked) == weighed
+    world = (set(sources.GROUP_QUERIES), None, {"world"})  # asked in the faults round: the starts say hung
+    later = but(asked, [STARTED_ROUND, OTHER_FAULTS_ROUND, world])
+    flights = [names for names, _, _ in asked if set(sources.FLIGHT_QUERIES) & names]
+    assert flights == ([set(sources.FLIGHT_QUERIES)] if weighed else [])  # in a round of its own
+    assert ((set(sources.FLIGHT_QUERIES), None, {"world"}) in later) == weighed
     in_flight = {rank: record.groups["world"].in_flight for rank, record in snapshot.ranks.items()}
     assert all(flight is not None and flight.started_at == NOW - 400 for flight in in_flight.values())
     if not weighed:
@@ -759,6 +781,22 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
         if state.seen_before_stall
     }
     assert late == {(0, "a"), (1, "a")}
+
+
+def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be_late():
+    """sources.group_queries: the scrape times of the issued numbers scraped at or before the newest start
+    in the groups asked (a bound for each group's own, which _group_fields applies); none where nothing is
+    in flight in them."""
+    started = sources.FLIGHT_STARTED
+    series = series_of(
+        (started, {"rank": 0, "group": "a"}, NOW - 50),
+        (started, {"rank": 1, "group": "a"}, NOW - 40.25),
+        (started, {"rank": 0, "group": "b"}, NOW - 10),
+    )
+    unfiltered = sources.GROUP_QUERIES[sources.ISSUED_AT]
+    assert sources.group_queries(series, {"a"})[sources.ISSUED_AT] == f"{unfiltered} <= {NOW - 40.25!r}"
+    assert sources.group_queries(series, {"a", "b"})[sources.ISSUED_AT] == f"{unfiltered} <= {NOW - 10!r}"
+    assert set(sources.group_queries(series, {"c"})) == set(sources.GROUP_QUERIES) - {sources.ISSUED_AT}
 
 
 def test_groups_are_named_to_prometheus_exactly(clusters):
