@@ -12,7 +12,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -781,6 +781,26 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
         if state.seen_before_stall
     }
     assert late == {(0, "a"), (1, "a")}
+
+
+def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung(fake_prometheus):
+    """sources._faults_round: told the hang threshold, the issued numbers of the groups in which a rank has
+    had a collective in flight for it are asked before the round's records are built (ReadAhead); not
+    where none has, nor without a threshold."""
+    fake_prometheus["job"] = front_job({3: 7}, {}, {})  # every rank in flight in group world since NOW - 400
+
+    def fetch(queries: dict[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()) -> dict:
+        assert not ranks
+        named = f', group=~"{sources._any_of(sorted(groups))}"' if groups else ""
+        return sources._fetch("http://x", queries, 'run="r"' + named, "5m", 10.0, NOW)
+
+    series, ahead = sources._faults_round(fetch, NOW, HANG_SECONDS)
+    assert {sources.FLIGHT_STARTED, "up", "flare_rank_info"} <= set(series)
+    assert ahead is not None and ahead.groups == {"world"}
+    numbers = ahead.answers.result()["flare_collective_last_issued_seq"]
+    assert {labels["rank"]: value for labels, value in numbers} == {"0": 8.0, "1": 8.0, "2": 8.0, "3": 7.0}
+    assert sources._faults_round(fetch, NOW, 401.0)[1] is None  # in flight for 400 s: not hung yet
+    assert sources._faults_round(fetch, NOW, None)[1] is None
 
 
 def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be_late():
