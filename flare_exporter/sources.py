@@ -586,9 +586,9 @@ def from_prometheus(
     Without `detail_for`, everything of every rank, at once. With it (the rules: the ranks their verdicts
     name), in rounds, each only where the rules need it: every rank's faults (and the progress of the
     ranks that raised; and every rank's groups, with the past groups of the ranks that are down, when a
-    collective has been in flight for `hang_seconds`, always when it is None; the hung groups' asked with
-    the faults, as soon as the starts say so: see _faults_round; and which collective the
-    members of a hung group have in flight, where the hang's verdict weighs it); when they name no rank,
+    collective has been in flight for `hang_seconds`, always when it is None: the hung groups' numbers are
+    asked during the faults round, as soon as the starts say so, see _faults_round; and which collective
+    the members of a hung group have in flight, where the hang's verdict weighs it); when they name no rank,
     every rank's pace (its last straggler windows under `stragglers`, the rules' StragglerPolicy, and the
     older ones where the rules would read them; its cumulative times where the rules need them; its ILD
     drift where a rank's could count as shifted under `ild`, the rules' IldPolicy); then the detail of the
