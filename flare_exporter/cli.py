@@ -293,6 +293,7 @@ def _run(args: argparse.Namespace) -> int:
         if not 0 < args.timeout <= 3600:  # also refuses nan
             raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
         if args.prometheus:
+            rules.duration_seconds(args.window, "flag --window")
             snapshot = sources.from_prometheus(
                 args.prometheus,
                 args.run,

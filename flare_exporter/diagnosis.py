@@ -31,7 +31,7 @@ import dataclasses
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -137,6 +137,17 @@ class Snapshot:
             for name in names:
                 found.setdefault(name, []).append(record.rank)
         return {name: tuple(ranks) for name, ranks in found.items()}
+
+    @cached_property
+    def live_states(self) -> dict[str, tuple[tuple[int, GroupState], ...]]:
+        """Group -> (rank, its GroupState) of each live rank that reports it, by rank: what the hang rules
+        weigh of a group, indexed once (at a hang of thousands of ranks, every rule reads the hung group)."""
+        found: dict[str, list[tuple[int, GroupState]]] = {}
+        for record in sorted(self.ranks.values(), key=lambda r: r.rank):
+            if record.up:
+                for name, state in record.groups.items():
+                    found.setdefault(name, []).append((record.rank, state))
+        return {name: tuple(states) for name, states in found.items()}
 
     @cached_property
     def oldest_in_flight(self) -> dict[str, float]:
@@ -313,28 +324,28 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
     for name in sorted(oldest):
         if oldest[name] < hang_seconds:
             continue
-        members = members_of(snapshot, name)
-        live = [snapshot.ranks[rank] for rank in members if snapshot.ranks[rank].up]
-        max_issued = max(record.groups[name].last_issued for record in live if name in record.groups)
-        hangs.append(GroupHang(name, members, oldest[name], max_issued))
+        max_issued = max(state.last_issued for _, state in snapshot.live_states[name])
+        hangs.append(GroupHang(name, members_of(snapshot, name), oldest[name], max_issued))
     return hangs
 
 
 def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
-    live = [snapshot.ranks[rank] for rank in hang.members if snapshot.ranks[rank].up]
-    live = [record for record in live if hang.name in record.groups]
-    issued = {record.rank: record.groups[hang.name].last_issued for record in live}
-    behind = sorted(record.rank for record in behind_in(live, hang.name, hang.max_issued))
+    live = snapshot.live_states[hang.name]
+    behind = behind_in(live, hang.max_issued)
+    ahead = [rank for rank, state in live if state.last_issued == hang.max_issued]
     evidence: dict[str, Any] = {
         "oldest_in_flight_seconds": round(hang.oldest_age, 3),
         "max_issued_seq": hang.max_issued,
-        "last_issued_seq": {str(rank): seq for rank, seq in sorted(issued.items())},
+        # the live members' numbers below it (bounded by who is behind, not by the group's size)
+        "last_issued_seq": {
+            str(rank): state.last_issued for rank, state in live if state.last_issued != hang.max_issued
+        },
+        "ranks_at_max_issued_seq": len(ahead),
     }
-    unjudged = [record.rank for record in live if record.groups[hang.name].seen_before_stall]
+    unjudged = [rank for rank, state in live if state.seen_before_stall]
     if unjudged:
-        evidence["seen_before_stall"] = sorted(unjudged)
+        evidence["seen_before_stall"] = unjudged
     if behind and len(behind) * 2 > len(live):
-        ahead = sorted(rank for rank, seq in issued.items() if seq == hang.max_issued)
         evidence["in_flight"] = _in_flight_evidence(snapshot, ahead, hang.name)
         return Verdict(
             "mismatch",
@@ -363,10 +374,9 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
             hang.name,
         )
     at_seq = {
-        record.rank: state.in_flight
-        for record in live
-        if (state := record.groups[hang.name]).in_flight is not None
-        and state.in_flight.seq == hang.max_issued
+        rank: state.in_flight
+        for rank, state in live
+        if state.in_flight is not None and state.in_flight.seq == hang.max_issued
     }
     evidence["in_flight"] = _in_flight_evidence(snapshot, sorted(at_seq), hang.name)
     signatures = Counter((flight.op, flight.nbytes) for flight in at_seq.values())
@@ -445,15 +455,12 @@ def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
     return reads
 
 
-def behind_in(live: Sequence[RankRecord], group: str, top: int) -> list[RankRecord]:
-    """The ranks of `live` (members of `group`) whose last issued number is below `top`,
-    of those scraped since the group's newest issue: a rank whose number was scraped before it (a late
-    scrape) cannot tell whether it issued the collective the group waits in, and is not judged."""
-    return [
-        record
-        for record in live
-        if (state := record.groups[group]).last_issued < top and not state.seen_before_stall
-    ]
+def behind_in(live: Iterable[tuple[int, GroupState]], top: int) -> list[int]:
+    """The ranks of `live` (a group's live members and their states, Snapshot.live_states) whose last
+    issued number is below `top`, of those scraped since the group's newest issue: a rank whose number was
+    scraped before it (a late scrape) cannot tell whether it issued the collective the group waits in, and
+    is not judged."""
+    return [rank for rank, state in live if state.last_issued < top and not state.seen_before_stall]
 
 
 def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
@@ -480,11 +487,10 @@ def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[lis
         chain.append({"group": from_group, "rank": rank, "waits_in": waits_in})
         laggards = []
         for name in waits_in:
-            members = [snapshot.ranks[r] for r in members_of(snapshot, name)]
-            live = [m for m in members if m.up and name in m.groups]
-            top = max(m.groups[name].last_issued for m in live)
-            laggards += [(name, m.rank) for m in behind_in(live, name, top)]
-            laggards += [(name, m.rank) for m in members if m.gone]
+            live = snapshot.live_states.get(name, ())
+            top = max((state.last_issued for _, state in live), default=0)
+            laggards += [(name, behind) for behind in behind_in(live, top)]
+            laggards += [(name, r) for r in members_of(snapshot, name) if snapshot.ranks[r].gone]
         if not laggards:
             if rank not in culprits:
                 culprits.append(rank)

@@ -912,16 +912,16 @@ def engine_config(args: argparse.Namespace) -> config_module.Config:
     )
 
 
-DURATION = re.compile(r"^(\d+)(ms|s|m|h|d|w|y)$")
+DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
 def duration_seconds(text: str, what: str) -> float:
-    """Seconds in a Prometheus duration such as 15s or 5m; ConfigError naming `what` otherwise."""
-    match = DURATION.match(text)
-    if not match:
+    """Seconds in a Prometheus duration such as 15s, 5m or 1h30m; ConfigError naming `what` otherwise."""
+    if not DURATION.match(text):
         raise config_module.ConfigError(f"{what}: {text!r} is not a Prometheus duration such as 30s or 5m")
-    return int(match.group(1)) * _SECONDS[match.group(2)]
+    return sum(int(number) * _SECONDS[unit] for number, unit in DURATION_PART.findall(text))
 
 
 def thresholds_from_args(args: argparse.Namespace) -> Thresholds:

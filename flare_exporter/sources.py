@@ -597,11 +597,7 @@ def from_prometheus(
     once), without building them again.
     """
     now = time.time()
-    if not run:
-        runs = promql.query(
-            base_url, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now
-        )
-        run = _one_run([item["metric"].get("run", "") for item in runs], run, f"Prometheus at {base_url}")
+    run = run or _the_run(base_url, window, timeout, now)
     matchers = _matcher(run)
 
     def fetch(
@@ -674,6 +670,19 @@ def from_prometheus(
     if not named:
         return snapshot
     return with_detail(snapshot, fetch(DETAIL_QUERIES, named if len(named) <= MAX_NAMED_RANKS else []))
+
+
+def _the_run(base_url: str, window: str, timeout: float, now: float) -> str:
+    """The one run whose ranks Prometheus scraped within `window` before `now`. Its index answers first (no
+    sample read: the query reads every rank's `window` of flare_rank_info, 0.1 to 0.3 s at 6,144 ranks);
+    where it names other than one run (it may name runs scraped before the window), the query decides."""
+    where = f"Prometheus at {base_url}"
+    start = now - rules.duration_seconds(window, "flag --window")
+    named = promql.label_values(base_url, "run", "flare_rank_info", start, now, timeout)
+    if len(named) == 1 and named[0]:
+        return named[0]
+    runs = promql.query(base_url, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
+    return _one_run([item["metric"].get("run", "") for item in runs], "", where)
 
 
 def _window_summary(

@@ -167,7 +167,8 @@ def test_rank_behind_is_the_hang_culprit_with_its_frames():
     verdict = only(diag(*records))
     assert (verdict.kind, verdict.ranks, verdict.domain, verdict.group) == ("hang", (2,), "rank", "world")
     assert verdict.evidence["max_issued_seq"] == 5
-    assert verdict.evidence["last_issued_seq"] == {"0": 5, "1": 5, "2": 4, "3": 5}
+    assert verdict.evidence["last_issued_seq"] == {"2": 4}  # the members below the front, not the group
+    assert verdict.evidence["ranks_at_max_issued_seq"] == 3
     assert verdict.evidence["culprits"]["2"]["frames"] == "next < _fetch < train_step"
     assert "rank 2 never issued it" in verdict.summary
     assert "rank 2 is in data at next" in verdict.summary

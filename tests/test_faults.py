@@ -114,6 +114,43 @@ def test_cli_with_prometheus_that_never_answers(capsys):
 
 
 @pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"<html>proxy error</html>", "answered with something that is not JSON"),
+        (b"[1, 2]", "failed the values of run on flare_rank_info: not an API answer"),
+        (
+            b'{"status": "error", "error": "overloaded"}',
+            "failed the values of run on flare_rank_info: overloaded",
+        ),
+        (
+            b'{"status": "success", "data": {"run": "r"}}',
+            "answered the values of run on flare_rank_info without a list",
+        ),
+        (b'{"status": "success", "data": ["a", "b"]}', "without a result list"),  # so the query is asked
+    ],
+)
+def test_cli_with_prometheus_answering_nonsense(body, says, capsys):
+    class Nonsense(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            answer = body if "/label/" in self.path else b'{"status": "success", "data": {"result": 7}}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Nonsense) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert cli.main(["diagnose", "--prometheus", url, "--timeout", "5"]) == cli.EXIT_USAGE
+        server.shutdown()
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"flare: Prometheus at {url} ") and says in error and "\n" not in error
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["diagnose", "--targets", "x", "--timeout", "nan"],

@@ -18,7 +18,7 @@ import time
 import pytest
 from conftest import await_page, flare_json
 
-from flare_exporter import alertmanager_process
+from flare_exporter import alertmanager_process, promql
 from flare_exporter.alertmanager_process import AlertingStack
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.rules import CULPRIT_ALERTS
@@ -46,7 +46,7 @@ def count(stack: AlertingStack, expr: str) -> int:
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
-def test_ranks_scraped_before_a_hang_are_not_judged_on_it_by_the_alerts_nor_the_engine(tmp_path):
+def test_ranks_scraped_before_a_hang_are_not_judged_on_it_by_the_alerts_nor_the_engine(tmp_path, monkeypatch):
     if not alertmanager_process.can_alert():
         pytest.skip("alertmanager is not installed")
     healthy, later, hung_pages = vc.render_phases(RANKS, RUN, None, HUNG, LATER_STEPS)
@@ -98,5 +98,21 @@ def test_ranks_scraped_before_a_hang_are_not_judged_on_it_by_the_alerts_nor_the_
             (verdict,) = report["verdicts"]
             assert (verdict["kind"], verdict["ranks"], verdict["group"]) == ("hang", [HUNG], "world")
             assert verdict["evidence"]["seen_before_stall"] == list(LATE)
+
+            # without --run: the only run Prometheus's index names is the one, asked of no query
+            sent: list[str] = []
+            query = promql.query
+
+            def recorded(base_url: str, expr: str, *args: object) -> list:
+                sent.append(expr)
+                return query(base_url, expr, *args)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(promql, "query", recorded)
+            found_code, found = flare_json(
+                "diagnose", "--prometheus", stack.prometheus.url, "--hang-seconds", str(HANG_SECONDS)
+            )
+            monkeypatch.setattr(promql, "query", query)
+            assert (found_code, found["run"], found["verdicts"][0]["ranks"]) == (code, RUN, [HUNG])
+            assert sent and not [expr for expr in sent if "count by (run)" in expr]
     finally:
         stack.stop()

@@ -224,8 +224,16 @@ def test_selector_scopes_every_series(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "text, seconds", [("0s", 0), ("15s", 15), ("5m", 300), ("1h30m", 5400), ("1m500ms", 60.5), ("2d", 172800)]
+)
+def test_prometheus_durations_are_read_as_prometheus_reads_them(text, seconds):
+    assert rules.duration_seconds(text, "flag --window") == seconds
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
+        (["--for", "1h 30m"], "flag --for: '1h 30m' is not a Prometheus duration"),
         (["--for", "5 minutes"], "flag --for: '5 minutes' is not a Prometheus duration"),
         (["--scrape-interval", "fast"], "flag --scrape-interval: 'fast' is not a Prometheus duration"),
         (["--slow-interval", "1 min"], "flag --slow-interval: '1 min' is not a Prometheus duration"),

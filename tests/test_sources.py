@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json
 
-from flare_exporter import diagnosis, promql, rules, sources, spec
+from flare_exporter import cli, diagnosis, promql, rules, sources, spec
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.testing import virtual_cluster as vc
 
@@ -112,6 +112,18 @@ def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[diag
     snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
     monkeypatch.setattr(promql, "query", query)
     return snapshot, sent
+
+
+def test_without_a_run_named_several_runs_are_an_error_that_names_them(clusters, capsys):
+    url = clusters.prometheus.url
+    runs = [clusters.huge.run, clusters.large.run, clusters.small.run]
+    assert promql.label_values(url, "run", "flare_rank_info", time.time() - 300, time.time()) == runs
+    assert cli.main(["diagnose", "--prometheus", url]) == cli.EXIT_UNDECIDED
+    error = capsys.readouterr().err.strip()
+    several = f"several runs ({', '.join(runs)}); choose one with --run"
+    assert error == f"flare: cannot decide: Prometheus at {url}: {several}"
+    assert cli.main(["diagnose", "--prometheus", url, "--window", "5 minutes"]) == cli.EXIT_USAGE
+    assert "flag --window: '5 minutes' is not a Prometheus duration" in capsys.readouterr().err
 
 
 def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(clusters, monkeypatch):
