@@ -15,7 +15,8 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import urllib.parse
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -211,14 +212,59 @@ def metrics_body(
     registry: CollectorRegistry, accept_encoding: str = "", prefixes: SamplePrefixes | None = None
 ) -> tuple[bytes, list[tuple[str, str]]]:
     """The /metrics response body and headers: the text format, gzip-compressed if the client accepts it."""
-    body = render_text(registry, prefixes)
+    return _encoded(render_text(registry, prefixes), accept_encoding)
+
+
+def _encoded(text: bytes, accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
+    """The response body of `text` and its headers: gzip-compressed if the client accepts it."""
     headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)]
     if "gzip" in accept_encoding:
         # a sixth of the bytes, at a tenth of level 9's CPU; no modification time (as Go's writer), which
         # lets zlib write the header and checksum in the same call
-        body = gzip.compress(body, compresslevel=1, mtime=0)
-        headers.append(("Content-Encoding", "gzip"))
-    return body, headers
+        return gzip.compress(text, compresslevel=1, mtime=0), [*headers, ("Content-Encoding", "gzip")]
+    return text, headers
+
+
+# The most sample names one request may ask for (name[]); beyond, the request is answered 400. flare's
+# pages have a few hundred.
+MAX_NAMES = 1024
+
+
+def requested_names(query: str) -> frozenset[str] | None:
+    """The sample names a /metrics request asks for alone (`name[]=...`, repeated, as Prometheus's client
+    libraries read it), or None: every sample. ValueError beyond MAX_NAMES."""
+    names = urllib.parse.parse_qs(query).get("name[]")
+    if names is None:
+        return None
+    if len(names) > MAX_NAMES:
+        raise ValueError(f"more than {MAX_NAMES} name[] parameters")
+    return frozenset(names)
+
+
+def only_samples(text: bytes, names: Collection[str]) -> bytes:
+    """The text format `text` with only the samples named in `names` (sample names: a histogram's _count is
+    asked for as such), each family's HELP and TYPE lines before its first sample kept, and no family
+    that keeps none: what prometheus_client serves for `name[]`."""
+    wanted = {name.encode("utf-8") for name in names}
+    kept: list[bytes] = []
+    header: list[bytes] = []
+    family = b""
+    header_kept = False
+    for line in text.split(b"\n"):
+        if line.startswith(b"# "):
+            parts = line.split(b" ", 3)
+            if len(parts) > 2 and parts[1] in (b"HELP", b"TYPE"):
+                if parts[2] != family:
+                    family, header, header_kept = parts[2], [], False
+                header.append(line)
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        if name and name in wanted:
+            if not header_kept:
+                kept.extend(header)
+                header_kept = True
+            kept.append(line)
+    return b"".join(line + b"\n" for line in kept)
 
 
 # Scrapes that arrive within this long of a render get the same body: a scraper hammering a rank (a dozen
@@ -254,6 +300,11 @@ class RenderCache:
             self.renders += 1
             return body
 
+    def only(self, names: Collection[str], accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
+        """The body of only the samples `names` names (only_samples), of the last text body (body)."""
+        text, _ = self.body("")
+        return _encoded(only_samples(text, names), accept_encoding)
+
 
 def make_app(
     registry: CollectorRegistry, auth: BasicAuth | None = None, headers: Mapping[str, str] | None = None
@@ -281,7 +332,13 @@ def make_app(
             respond("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
             return [b"flare-exporter answers GET only\n"]
         if path == "/metrics":
-            body, metric_headers = bodies.body(environ.get("HTTP_ACCEPT_ENCODING", ""))
+            try:
+                names = requested_names(environ.get("QUERY_STRING", ""))
+            except ValueError as error:
+                respond("400 Bad Request", [("Content-Type", "text/plain")])
+                return [f"{error}\n".encode()]
+            encoding = environ.get("HTTP_ACCEPT_ENCODING", "")
+            body, metric_headers = bodies.body(encoding) if names is None else bodies.only(names, encoding)
             respond("200 OK", metric_headers)
             return [body]
         respond("200 OK", [("Content-Type", "text/plain")])

@@ -13,10 +13,12 @@ import http.client
 import re
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 
@@ -48,7 +50,7 @@ _ESCAPED = re.compile(r'\\[\\n"]')
 _UNESCAPE = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 
 
-def _parse_plain(text: str, wanted: Callable[[str], bool] | None = None) -> list[Sample] | None:
+def _parse_plain(text: str, wanted: Collection[str] | None = None) -> list[Sample] | None:
     """The samples of a well-formed text exposition, line by line; None at the first line that is not
     exactly one (prometheus_client's parser then decides). Several times faster: a direct scrape parses
     every rank of the job. With `wanted`, lines of other sample names are skipped unread."""
@@ -62,7 +64,7 @@ def _parse_plain(text: str, wanted: Callable[[str], bool] | None = None) -> list
             return None
         if wanted is not None:
             name = line[: line.find("{")] if "{" in line else line.split(" ", 1)[0]
-            if _METRIC_NAME.fullmatch(name) and not wanted(name):
+            if name not in wanted and _METRIC_NAME.fullmatch(name):
                 continue
         match = _SAMPLE_LINE.fullmatch(line)
         if match is None:
@@ -79,10 +81,10 @@ def _parse_plain(text: str, wanted: Callable[[str], bool] | None = None) -> list
     return samples
 
 
-def parse(text: str, target: str = "", wanted: Callable[[str], bool] | None = None) -> list[Sample]:
+def parse(text: str, target: str = "", wanted: Collection[str] | None = None) -> list[Sample]:
     """Samples of a Prometheus text exposition; ScrapeError (and nothing else) if it is malformed.
 
-    `wanted(sample name)` says which samples the caller reads (None: all); the others may be left out."""
+    `wanted`: the sample names the caller reads (None: all); the others may be left out."""
     if text.endswith("\n"):  # a complete exposition; a cut one goes to the careful parser
         fast = _parse_plain(text, wanted)
         if fast is not None:
@@ -95,7 +97,7 @@ def parse(text: str, target: str = "", wanted: Callable[[str], bool] | None = No
             Sample(sample.name, dict(sample.labels), float(sample.value))
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if wanted is None or wanted(sample.name)
+            if wanted is None or sample.name in wanted
         ]
     except Exception as error:  # the parser's errors are not all ValueError; no input may crash the CLI
         reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
@@ -143,10 +145,14 @@ def client(
     return Client(scheme, context, username, password)
 
 
-def fetch(target: str, timeout: float = 5.0, via: Client | None = None) -> str:
-    """The text at <scheme>://target/metrics (target is host:port)."""
+def fetch(target: str, timeout: float = 5.0, via: Client | None = None, names: Collection[str] = ()) -> str:
+    """The text at <scheme>://target/metrics (target is host:port), of only the samples `names` names where
+    the rank serves them alone (`name[]`, as Prometheus's client libraries do; flare's endpoint does) and
+    of every sample where it does not."""
     via = via or Client()
     url = target if "://" in target else f"{via.scheme}://{target}/metrics"
+    if names:
+        url += ("&" if "?" in url else "?") + _names_query(frozenset(names))
     request = urllib.request.Request(url, headers=via.headers())
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=via.ssl_context) as response:
@@ -166,10 +172,17 @@ def fetch(target: str, timeout: float = 5.0, via: Client | None = None) -> str:
         raise ScrapeError(f"{target}: exposition is not UTF-8") from None
 
 
+@lru_cache(maxsize=8)
+def _names_query(names: frozenset[str]) -> str:
+    """`name[]=a&name[]=b...`, once per set of names: quoting them cost more than the rest of a request."""
+    return urllib.parse.urlencode([("name[]", name) for name in sorted(names)])
+
+
 def scrape(
-    target: str, timeout: float = 5.0, via: Client | None = None, wanted: Callable[[str], bool] | None = None
+    target: str, timeout: float = 5.0, via: Client | None = None, wanted: Collection[str] | None = None
 ) -> list[Sample]:
-    return parse(fetch(target, timeout, via), target, wanted)
+    """The samples at `target`; with `wanted`, only those named in it, asked of the rank alone (see fetch)."""
+    return parse(fetch(target, timeout, via, wanted or ()), target, wanted)
 
 
 def scrape_all(
@@ -177,10 +190,10 @@ def scrape_all(
     timeout: float = 5.0,
     workers: int = 64,
     via: Client | None = None,
-    wanted: Callable[[str], bool] | None = None,
+    wanted: Collection[str] | None = None,
 ) -> dict[str, list[Sample] | ScrapeError]:
     """Scrape every target concurrently, at most `workers` at once; each maps to its samples (those
-    `wanted`, see parse) or to the ScrapeError it raised."""
+    `wanted`, see scrape) or to the ScrapeError it raised."""
 
     def one(target: str) -> list[Sample] | ScrapeError:
         try:

@@ -294,13 +294,31 @@ def from_targets(
     """
     now = time.time()
     results = scrape.scrape_all(
-        [target.address for target in targets], timeout=timeout, via=via, wanted=read_by_snapshot
+        [target.address for target in targets], timeout=timeout, via=via, wanted=SNAPSHOT_METRICS
     )
     for address, result in list(results.items()):
         if isinstance(result, list):
-            problem = _unusable(result, now)
+            problem = _bad_identity(result)
             if problem:
                 results[address] = scrape.ScrapeError(f"{address}: malformed exposition ({problem})")
+    try:  # every target's records at once; only where that fails, each target's alone, to leave out the bad
+        return _targets_snapshot(targets, results, run, now)
+    except BUILD_ERRORS:
+        for address, result in list(results.items()):
+            if isinstance(result, list):
+                problem = _unusable(result, now)
+                if problem:
+                    results[address] = scrape.ScrapeError(f"{address}: malformed exposition ({problem})")
+        return _targets_snapshot(targets, results, run, now)
+
+
+def _targets_snapshot(
+    targets: list[Target],
+    results: Mapping[str, list[scrape.Sample] | scrape.ScrapeError],
+    run: str,
+    now: float,
+) -> Snapshot:
+    """build_snapshot over the direct scrape's results: a rank is up if its target answered."""
     answered = {address: samples for address, samples in results.items() if isinstance(samples, list)}
     runs = [scrape.labels_of(samples, "flare_rank_info").get("run", "") for samples in answered.values()]
     run = _one_run([r for r in runs if r], run, f"{len(targets)} targets")
@@ -328,9 +346,19 @@ def from_targets(
 MAX_RANKS = 1 << 22  # beyond any job's world size; a larger one in an exposition is garbage
 
 
-def read_by_snapshot(name: str) -> bool:
-    """Whether build_snapshot reads samples named `name` (a direct scrape parses only those: no buckets)."""
-    return name in SNAPSHOT_METRICS
+BUILD_ERRORS = (ValueError, KeyError, TypeError, OverflowError)  # what build_snapshot raises on bad samples
+
+
+def _bad_identity(samples: list[scrape.Sample]) -> str:
+    """Why one target's flare_rank_info cannot name its rank and job ('' if it can): build_snapshot makes a
+    record for every rank below world_size."""
+    for sample in samples:
+        if sample.name == "flare_rank_info":
+            for name in ("rank", "world_size"):
+                text = sample.labels.get(name, "0") or "0"
+                if not (text.isascii() and text.isdigit() and int(text) <= MAX_RANKS):
+                    return f"flare_rank_info {name}={text[:40]!r} is not a rank count up to {MAX_RANKS}"
+    return ""
 
 
 def _unusable(samples: list[scrape.Sample], now: float) -> str:
@@ -338,20 +366,14 @@ def _unusable(samples: list[scrape.Sample], now: float) -> str:
     series: dict[str, Series] = defaultdict(list)
     for sample in samples:
         series[sample.name].append((sample.labels, sample.value))
-    for labels, _ in series.get("flare_rank_info", []):
-        for name in ("rank", "world_size"):
-            text = labels.get(name, "0") or "0"
-            # build_snapshot makes a record for every rank below world_size
-            if not (text.isascii() and text.isdigit() and int(text) <= MAX_RANKS):
-                return f"flare_rank_info {name}={text[:40]!r} is not a rank count up to {MAX_RANKS}"
-    # Only this target's own records: with its world_size (checked above), build_snapshot would also make one
-    # for every other rank of the job, for every target: O(ranks²) over a direct scrape of the job.
+    # Only this target's own records: with its world_size (_bad_identity checked it), build_snapshot would
+    # also make one for every other rank of the job, for every target: O(ranks²) over a direct scrape.
     series["flare_rank_info"] = [
         ({**labels, "world_size": "0"}, value) for labels, value in series.get("flare_rank_info", [])
     ]
     try:
         build_snapshot(series, {}, now, "")
-    except (ValueError, KeyError, TypeError, OverflowError) as error:
+    except BUILD_ERRORS as error:
         return f"{type(error).__name__}: {str(error)[:200]}"
     return ""
 
@@ -538,7 +560,8 @@ PROMETHEUS_QUERIES = {
     **VIEW_QUERIES,
 }
 
-# Every metric build_snapshot reads (a direct scrape parses only these); the queries above ask for each.
+# Every metric build_snapshot reads (a direct scrape asks the ranks for these alone, and parses only these);
+# the queries above ask for each.
 SNAPSHOT_METRICS = frozenset(
     [
         "flare_rank_info",

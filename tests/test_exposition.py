@@ -15,7 +15,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flare_exporter.collectors import Families
-from flare_exporter.exposition import FlareCollector, RenderCache, make_app, python_text_format, serve
+from flare_exporter.exposition import (
+    MAX_NAMES,
+    FlareCollector,
+    RenderCache,
+    make_app,
+    only_samples,
+    python_text_format,
+    serve,
+)
 from flare_exporter.health import ExporterHealth
 from flare_exporter.prometheus_process import wait_for
 
@@ -119,8 +127,8 @@ def test_registry_rejects_a_second_flare_collector():
         registry.register(FlareCollector([StepsCollector()], lambda: ("0", "r"), ExporterHealth()))
 
 
-def call_app(app, path: str) -> tuple[str, dict[str, str], bytes]:
-    environ: dict = {"PATH_INFO": path}
+def call_app(app, path: str, query: str = "", encoding: str = "") -> tuple[str, dict[str, str], bytes]:
+    environ: dict = {"PATH_INFO": path, "QUERY_STRING": query, "HTTP_ACCEPT_ENCODING": encoding}
     setup_testing_defaults(environ)
     environ["wsgi.input"] = io.BytesIO()
     response: dict = {}
@@ -138,6 +146,19 @@ def test_app_serves_metrics():
     assert status.startswith("200")
     assert headers["Content-Type"].startswith("text/plain")
     assert b'flare_steps_total{rank="3",run="run-1"} 12\n' in body
+
+
+def test_app_serves_only_the_samples_asked_for_and_refuses_an_endless_list():
+    app = make_app(make_registry(StepsCollector()))
+    status, _, everything = call_app(app, "/metrics")
+    status, _, asked = call_app(app, "/metrics", "name[]=flare_steps_total&name[]=flare_nothing")
+    assert status.startswith("200") and asked == only_samples(everything, {"flare_steps_total"})
+    assert asked.count(b"\n") == 3 and b'flare_steps_total{rank="3",run="run-1"} 12\n' in asked
+    status, headers, body = call_app(app, "/metrics", "name[]=flare_exporter_collector_success", "gzip")
+    assert headers["Content-Encoding"] == "gzip" and b"collector_success{" in gzip.decompress(body)
+    assert b"flare_steps_total" not in gzip.decompress(body)
+    status, _, body = call_app(app, "/metrics", "&".join(f"name[]=m{i}" for i in range(MAX_NAMES + 1)))
+    assert status.startswith("400") and f"more than {MAX_NAMES}".encode() in body
 
 
 class CountingCollector(StepsCollector):
@@ -312,6 +333,41 @@ def hostile_families() -> list:
     histogram = HistogramMetricFamily("flare_wait_seconds", "Waits.", labels=["op"])
     histogram.add_metric(["allreduce"], [("0.001", 2), ("1.0", 5), ("+Inf", 6)], sum_value=1.25)
     return [gauge, plain, counter, info, histogram]
+
+
+class Fixed:
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> list:
+        return self.families
+
+
+@pytest.mark.parametrize(
+    "names, lines",
+    [
+        (
+            {
+                "flare_wait_seconds_count",
+                "flare_wait_seconds_sum",
+                "flare_things_total",
+                "flare_build_info",
+                "x",
+            },
+            10,
+        ),
+        ({"flare_odd"}, 2 + 30),
+        ({"flare_plain", "flare_wait_seconds_bucket"}, 3 + 5),
+        ({"flare_wait_seconds", "flare_things"}, 0),  # family names: no sample is named so
+        (set(), 0),
+    ],
+)
+def test_the_samples_asked_for_are_what_prometheus_client_serves_for_them(names, lines):
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(Fixed(hostile_families()))
+    expected = generate_latest(registry.restricted_registry(names))
+    assert only_samples(generate_latest(registry), names) == expected
+    assert len(expected.splitlines()) == lines
 
 
 def test_the_native_text_format_writes_what_the_python_one_writes():

@@ -189,7 +189,9 @@ def test_exposition_parser(text):
 def test_snapshot_from_scraped_ranks(texts, run):
     targets = [Target(f"127.0.0.1:{9000 + i}", {"rank": str(i), "run": "r"}) for i in range(len(texts))]
     by_address = dict(zip([t.address for t in targets], texts, strict=True))
-    with mock.patch.object(scrape, "fetch", lambda target, timeout=5.0, via=None: by_address[target]):
+    with mock.patch.object(
+        scrape, "fetch", lambda target, timeout=5.0, via=None, names=(): by_address[target]
+    ):
         try:
             snapshot = sources.from_targets(targets, run=run)
         except sources.SourceError:

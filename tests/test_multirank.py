@@ -8,9 +8,10 @@ import subprocess
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter import scrape
+from flare_exporter import scrape, sources
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
+from flare_exporter.targets import read_targets
 from flare_exporter.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
@@ -100,6 +101,41 @@ def test_promtool_accepts_every_ranks_exposition(ddp_job):
         text = scrape.fetch(target)
         result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+STABLE_ONCE_TRAINED = {
+    "flare_rank_info",
+    "flare_collective_last_issued_seq",
+    "flare_collective_last_completed_seq",
+    "flare_steps_total",
+    "flare_step_duration_seconds_count",
+    "flare_collective_duration_seconds_sum",
+}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_what_it_reads(
+    ddp_job, monkeypatch
+):
+    for target in ddp_job.targets:
+        everything = scrape.fetch(target)
+        asked = scrape.parse(scrape.fetch(target, names=STABLE_ONCE_TRAINED))
+        assert asked == [s for s in scrape.parse(everything) if s.name in STABLE_ONCE_TRAINED]
+        text = scrape.fetch(target, names=sources.SNAPSHOT_METRICS)
+        result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert {s.name for s in scrape.parse(text)} <= sources.SNAPSHOT_METRICS
+        assert len(text) * 3 < len(everything)  # no histogram buckets, no series the rules never read
+    fetched = scrape.fetch
+    asked_for = []
+
+    def recorded(target: str, timeout: float, via: object, names: object) -> str:
+        asked_for.append(names)
+        return fetched(target, timeout, via, names)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scrape, "fetch", recorded)
+    snapshot = sources.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
+    assert asked_for == [sources.SNAPSHOT_METRICS] * RANKS and snapshot.ranks_seen == RANKS
 
 
 @pytest.mark.prometheus

@@ -39,7 +39,7 @@ from prometheus_client.utils import floatToGoString
 from .. import file_sd, progress
 from ..agent import build_registry
 from ..config import Config
-from ..exposition import render_text
+from ..exposition import only_samples, render_text, requested_names
 from ..files import write_json_atomically
 from ..gpu_health import GpuHealthMonitor
 from ..groups import WORLD, GroupTracker, group_name
@@ -325,12 +325,16 @@ class ClusterServer:
             while True:
                 request = await reader.readuntil(b"\r\n\r\n")
                 line = request.split(b"\r\n", 1)[0].split()
-                if len(line) < 2 or line[1].split(b"?")[0] != b"/metrics":
+                path, _, query = line[1].partition(b"?") if len(line) > 1 else (b"", b"", b"")
+                if path != b"/metrics":
                     body, status = b"serves /metrics only\n", b"404 Not Found"
                     content_type = b"text/plain"
                 else:
+                    # as a rank's endpoint answers name[] (exposition.make_app): of its page, those samples
+                    names = requested_names(query.decode("latin-1"))
+                    page = self.pages[rank]
                     body, status, content_type = (
-                        self.pages[rank],
+                        page if names is None else only_samples(page, names),
                         b"200 OK",
                         CONTENT_TYPE_PLAIN_0_0_4.encode(),
                     )
