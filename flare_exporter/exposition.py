@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
@@ -230,9 +230,13 @@ def _encoded(text: bytes, accept_encoding: str) -> tuple[bytes, list[tuple[str, 
 MAX_NAMES = 1024
 
 
+@lru_cache(maxsize=16)
 def requested_names(query: str) -> frozenset[str] | None:
     """The sample names a /metrics request asks for alone (`name[]=...`, repeated, as Prometheus's client
-    libraries read it), or None: every sample. ValueError beyond MAX_NAMES."""
+    libraries read it), or None: every sample. ValueError beyond MAX_NAMES. Kept for the next request with
+    the same query (`flare diagnose` asks every rank the same); Prometheus's scrapes have none."""
+    if not query:
+        return None
     names = urllib.parse.parse_qs(query).get("name[]")
     if names is None:
         return None

@@ -252,6 +252,39 @@ def test_malformed_or_truncated_rank_is_reported_and_the_rest_is_diagnosed(
     assert report["verdicts"][0]["kind"] == "rank_down" and report["verdicts"][0]["ranks"] == [1]
 
 
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (b"HTTP/1.0 404 Not Found\r\n\r\nnope", "cannot scrape (HTTP 404 Not Found)"),
+        (b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + GOOD.encode(), 2),  # to the end
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", "chunked"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not an HTTP response"),
+        (b"", "connection closed before a response"),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "exposition larger than"),
+    ],
+)
+def test_a_rank_answering_other_than_an_exposition_is_one_scrape_error(answer, outcome):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def answer_once() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)  # the request
+                connection.sendall(answer)
+
+        threading.Thread(target=answer_once, daemon=True).start()
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+        if isinstance(outcome, int):
+            assert len(scrape.scrape(target, timeout=5)) == outcome
+            return
+        with pytest.raises(scrape.ScrapeError) as raised:
+            scrape.scrape(target, timeout=5)
+    message = str(raised.value)
+    assert message.startswith(f"{target}: ") and outcome in message and "\n" not in message
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a rank restarted under the same rank id: the snapshot
 
@@ -404,7 +437,8 @@ def test_incident_files_and_stack_samples_carry_no_environment_or_tensors(tmp_pa
         except RuntimeError as error:
             path = incident.IncidentWriter(state).write("exception RuntimeError", error)
         assert path is not None
-        text = open(path).read()
+        with open(path) as written:
+            text = written.read()
         assert "training_like" in text  # the stacks are there ...
         assert secret not in text and "FLARE_TEST_SECRET_TOKEN" not in text  # ... the environment is not
         assert str(marker) not in text and "tensor(" not in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Collection
 
 import pytest
 from conftest import RANKS, STEPS
@@ -126,14 +127,14 @@ def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_w
         assert result.returncode == 0, result.stdout + result.stderr
         assert {s.name for s in scrape.parse(text)} <= sources.SNAPSHOT_METRICS
         assert len(text) * 3 < len(everything)  # no histogram buckets, no series the rules never read
-    fetched = scrape.fetch
+    fetched = scrape._fetch_text
     asked_for = []
 
-    def recorded(target: str, timeout: float, via: object, names: object) -> str:
+    async def recorded(target: str, timeout: float, via: scrape.Client, names: Collection[str]) -> str:
         asked_for.append(names)
-        return fetched(target, timeout, via, names)  # type: ignore[arg-type]
+        return await fetched(target, timeout, via, names)
 
-    monkeypatch.setattr(scrape, "fetch", recorded)
+    monkeypatch.setattr(scrape, "_fetch_text", recorded)
     snapshot = sources.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
     assert asked_for == [sources.SNAPSHOT_METRICS] * RANKS and snapshot.ranks_seen == RANKS
 
