@@ -146,19 +146,25 @@ def _seconds(value: float) -> str:
 
 
 def count_queries(call: Callable[[], Any]) -> tuple[int, Any]:
-    """How many Prometheus queries `call` sends (promql.query wrapped while it runs)."""
-    original = promql.query
+    """How many requests `call` sends to Prometheus's API: queries, and label values (the run discovery;
+    promql.query and promql.label_values wrapped while it runs)."""
+    originals = {name: getattr(promql, name) for name in ("query", "label_values")}
     sent = itertools.count()
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        next(sent)
-        return original(*args, **kwargs)
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            next(sent)
+            return original(*args, **kwargs)
 
-    promql.query = counting  # type: ignore[assignment]
+        return counted
+
+    for name, original in originals.items():
+        setattr(promql, name, counting(original))
     try:
         result = call()
     finally:
-        promql.query = original  # type: ignore[assignment]
+        for name, original in originals.items():
+            setattr(promql, name, original)
     return next(sent), result
 
 
@@ -200,7 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pass-run",
         action="store_true",
-        help=f"pass --run {RUN} to flare, which skips run discovery (one query fewer)",
+        help=f"pass --run {RUN} to flare, which skips run discovery (one request fewer)",
     )
     parser.add_argument("--json", default="", metavar="OUT", help="also write every number as JSON to OUT")
     parser.add_argument(
@@ -363,8 +369,10 @@ def measure(
     queries, snapshot = count_queries(lambda: sources.from_prometheus(url, run, "5m", 5.0))
     if queries != expected_queries:
         raise BenchError(f"from_prometheus sent {queries} queries, expected {expected_queries}")
-    discovery = "--run given: no run discovery" if args.pass_run else "1 of them run discovery"
-    print(f"flare {' '.join(cli_args).replace(url, 'URL')}  ({queries} Prometheus queries, {discovery})")
+    discovery = (
+        "--run given: no run discovery" if args.pass_run else "1 of them the run's discovery, an index read"
+    )
+    print(f"flare {' '.join(cli_args).replace(url, 'URL')}  ({queries} Prometheus requests, {discovery})")
 
     in_process_times = []
     for index in range(args.repeats):

@@ -159,7 +159,7 @@ async def _fetch_text(target: str, timeout: float, via: Client, names: Collectio
         path += ("&" if "?" in path else "?") + _names_query(frozenset(names))
     context = (via.ssl_context or ssl.create_default_context()) if scheme == "https" else None
     try:
-        head, body = await asyncio.wait_for(_exchange(host, port, path, via, context), timeout)
+        body = await asyncio.wait_for(_exchange(host, port, path, via, context), timeout)
     except ScrapeError as error:
         raise ScrapeError(f"{target}: {error}") from None
     except asyncio.TimeoutError:
@@ -188,9 +188,9 @@ def _address(target: str, scheme: str) -> tuple[str, str, int, str]:
 
 async def _exchange(
     host: str, port: int, path: str, via: Client, context: ssl.SSLContext | None
-) -> tuple[bytes, bytes]:
-    """The response head and body of GET `path`; ScrapeError (without the target) for an answer that is
-    not a whole exposition."""
+) -> bytes:
+    """The response body of GET `path`; ScrapeError (without the target) for an answer that is not a whole
+    exposition."""
     reader, writer = await asyncio.open_connection(
         host, port, ssl=context, server_hostname=host if context else None
     )
@@ -217,8 +217,7 @@ async def _exchange(
         header = {name.strip().lower(): value.strip() for name, _, value in lines}
         if "chunked" in header.get("transfer-encoding", "").lower():
             raise ScrapeError("cannot scrape (a chunked answer to an HTTP/1.0 request)")
-        body = await _read_body(reader, header.get("content-length"))
-        return head, body
+        return await _read_body(reader, header.get("content-length"))
     finally:
         writer.close()
 
