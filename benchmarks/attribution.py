@@ -368,7 +368,7 @@ def measure(
     expected_queries = len(sources.PROMETHEUS_QUERIES) + (0 if args.pass_run else 1)
     queries, snapshot = count_queries(lambda: sources.from_prometheus(url, run, "5m", 5.0))
     if queries != expected_queries:
-        raise BenchError(f"from_prometheus sent {queries} queries, expected {expected_queries}")
+        raise BenchError(f"from_prometheus sent {queries} requests, expected {expected_queries}")
     discovery = (
         "--run given: no run discovery" if args.pass_run else "1 of them the run's discovery, an index read"
     )
