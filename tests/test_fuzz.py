@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flare_exporter import config, scrape, sources, spec, web_config
+from flare_exporter import config, rank_client, scrape, sources, spec, web_config
 from flare_exporter.config import Config, ConfigError
 from flare_exporter.targets import Target
 from flare_exporter.web_config import WebConfigError
@@ -189,13 +189,20 @@ def test_exposition_parser(text):
 def test_snapshot_from_scraped_ranks(texts, run):
     targets = [Target(f"127.0.0.1:{9000 + i}", {"rank": str(i), "run": "r"}) for i in range(len(texts))]
     by_address = dict(zip([t.address for t in targets], texts, strict=True))
-    with mock.patch.object(
-        scrape, "fetch", lambda target, timeout=5.0, via=None, names=(): by_address[target]
-    ):
+
+    asked = []
+
+    async def served(target: str, *args: object) -> str:
+        asked.append(target)
+        return by_address[target]
+
+    with mock.patch.object(rank_client, "fetch_text", served):
         try:
             snapshot = sources.from_targets(targets, run=run)
         except sources.SourceError:
             return
+        finally:
+            assert sorted(asked) == sorted(by_address)  # every text reached the parser, none the network
     for record in snapshot.ranks.values():
         assert isinstance(record.rank, int)
     from flare_exporter import diagnosis

@@ -9,7 +9,7 @@ from collections.abc import Collection
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter import scrape, sources
+from flare_exporter import rank_client, scrape, sources
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
 from flare_exporter.targets import read_targets
@@ -127,14 +127,14 @@ def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_w
         assert result.returncode == 0, result.stdout + result.stderr
         assert {s.name for s in scrape.parse(text)} <= sources.SNAPSHOT_METRICS
         assert len(text) * 3 < len(everything)  # no histogram buckets, no series the rules never read
-    fetched = scrape._fetch_text
+    fetched = rank_client.fetch_text
     asked_for = []
 
     async def recorded(target: str, timeout: float, via: scrape.Client, names: Collection[str]) -> str:
         asked_for.append(names)
         return await fetched(target, timeout, via, names)
 
-    monkeypatch.setattr(scrape, "_fetch_text", recorded)
+    monkeypatch.setattr(rank_client, "fetch_text", recorded)
     snapshot = sources.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
     assert asked_for == [sources.SNAPSHOT_METRICS] * RANKS and snapshot.ranks_seen == RANKS
 
