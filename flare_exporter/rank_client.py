@@ -12,6 +12,7 @@ import os
 import ssl
 import urllib.parse
 from collections.abc import Collection, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -23,8 +24,14 @@ T = TypeVar("T")
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """`coroutine`'s result, on an event loop of its own."""
-    return asyncio.run(coroutine)
+    """`coroutine`'s result, on an event loop of its own: on this thread, or, where this thread already runs
+    one (a notebook, an asyncio program calling flare), on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def scrape_all(

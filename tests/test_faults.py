@@ -8,6 +8,7 @@ tested in test_launch.py and test_exposition.py.)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -283,6 +284,15 @@ def test_a_rank_answering_other_than_an_exposition_is_one_scrape_error(answer, o
             scrape.scrape(target, timeout=5)
     message = str(raised.value)
     assert message.startswith(f"{target}: ") and outcome in message and "\n" not in message
+
+
+def test_a_scrape_from_code_that_runs_an_event_loop_gets_its_answer(good_rank):
+    async def notebook() -> tuple[dict, str]:  # a caller inside asyncio (a notebook) scrapes synchronously
+        return scrape.scrape_all([good_rank, "127.0.0.1:1"], timeout=5), scrape.fetch(good_rank)
+
+    results, text = asyncio.run(notebook())
+    assert scrape.labels_of(results[good_rank], "flare_rank_info")["run"] == "faulty"  # type: ignore[arg-type]
+    assert isinstance(results["127.0.0.1:1"], scrape.ScrapeError) and "flare_rank_info{" in text
 
 
 # ---------------------------------------------------------------------------------------------------------
