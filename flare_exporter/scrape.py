@@ -67,8 +67,9 @@ def _parse_plain(text: str, wanted: Collection[str] | None = None) -> list[Sampl
         labels = {}
         if label_text:
             pairs = _LABEL_PAIR.findall(label_text)
-            for key, raw in pairs:
-                labels[key] = _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw) if "\\" in raw else raw
+            if "\\" in label_text:
+                pairs = [(key, _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw)) for key, raw in pairs]
+            labels = dict(pairs)
             if len(labels) != len(pairs):
                 return None  # a label given twice
         samples.append(Sample(name, labels, float(value)))
