@@ -26,6 +26,7 @@ from flare_exporter.alertmanager_process import AlertingStack
 from flare_exporter.diagnosis import IldPolicy
 from flare_exporter.local_job import ObservedJob
 from flare_exporter.prometheus_process import wait_for
+from flare_exporter.targets import read_targets
 from flare_exporter.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
@@ -142,10 +143,15 @@ def test_healthy_run_has_no_ild_verdict_from_start_to_end(tmp_path, alerting):
     with start(tmp_path, targets, "healthy", "--steps", str(steps)) as job:
 
         def every_rank_answers() -> bool:
+            # and is listed: a rank writes its target file once its endpoint serves, and a diagnosis from
+            # the directory in between would rightly find that rank gone
+            listed = [
+                target for target in read_targets(str(targets)) if target.labels.get("run") == "healthy"
+            ]
             results = scrape.scrape_all(job.targets, timeout=2)
-            return all(isinstance(samples, list) for samples in results.values())
+            return len(listed) == RANKS and all(isinstance(samples, list) for samples in results.values())
 
-        wait_for(every_rank_answers, 120, "every rank's endpoint")
+        wait_for(every_rank_answers, 120, "every rank's endpoint and target file")
         reports = []
 
         def finished() -> bool:
