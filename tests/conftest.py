@@ -7,12 +7,13 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from flare_exporter import cli, scrape
+from flare_exporter import cli, promql, scrape
 from flare_exporter.local_job import ObservedJob
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
 from flare_exporter.workloads import train_ddp
@@ -28,6 +29,23 @@ class RunningJob:
     samples: dict[str, list[scrape.Sample]]  # per target, once training finished and all completed
     prometheus: PrometheusProcess | None
     file_sd_dir: str
+
+
+@contextlib.contextmanager
+def queries_sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every PromQL expression sent to Prometheus (promql.query) while the block runs, in order."""
+    sent: list[str] = []
+    query = promql.query
+
+    def recorded(base_url: str, expr: str, *args: Any) -> list:
+        sent.append(expr)
+        return query(base_url, expr, *args)
+
+    monkeypatch.setattr(promql, "query", recorded)
+    try:
+        yield sent
+    finally:
+        monkeypatch.setattr(promql, "query", query)
 
 
 def flare_json(*args: str) -> tuple[int, dict]:

@@ -16,9 +16,9 @@ import shutil
 import time
 
 import pytest
-from conftest import await_page, flare_json
+from conftest import await_page, flare_json, queries_sent
 
-from flare_exporter import alertmanager_process, promql
+from flare_exporter import alertmanager_process
 from flare_exporter.alertmanager_process import AlertingStack
 from flare_exporter.prometheus_process import wait_for
 from flare_exporter.rules import CULPRIT_ALERTS
@@ -100,18 +100,10 @@ def test_ranks_scraped_before_a_hang_are_not_judged_on_it_by_the_alerts_nor_the_
             assert verdict["evidence"]["seen_before_stall"] == list(LATE)
 
             # without --run: the only run Prometheus's index names is the one, asked of no query
-            sent: list[str] = []
-            query = promql.query
-
-            def recorded(base_url: str, expr: str, *args: object) -> list:
-                sent.append(expr)
-                return query(base_url, expr, *args)  # type: ignore[arg-type]
-
-            monkeypatch.setattr(promql, "query", recorded)
-            found_code, found = flare_json(
-                "diagnose", "--prometheus", stack.prometheus.url, "--hang-seconds", str(HANG_SECONDS)
-            )
-            monkeypatch.setattr(promql, "query", query)
+            with queries_sent(monkeypatch) as sent:
+                found_code, found = flare_json(
+                    "diagnose", "--prometheus", stack.prometheus.url, "--hang-seconds", str(HANG_SECONDS)
+                )
             assert (found_code, found["run"], found["verdicts"][0]["ranks"]) == (code, RUN, [HUNG])
             assert sent and not [expr for expr in sent if "count by (run)" in expr]
     finally:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
-from conftest import flare_json
+from conftest import flare_json, queries_sent
 
 from flare_exporter import cli, diagnosis, promql, rules, sources, spec
 from flare_exporter.prometheus_process import PrometheusProcess, wait_for
@@ -101,16 +101,8 @@ def culprits(snapshot: diagnosis.Snapshot) -> set[int]:
 
 def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[diagnosis.Snapshot, list[str]]:
     """from_prometheus with the rules naming the detailed ranks, and every query it sent (to Prometheus)."""
-    sent: list[str] = []
-    query = promql.query
-
-    def recorded(base_url: str, expr: str, *args: object) -> list:
-        sent.append(expr)
-        return query(base_url, expr, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(promql, "query", recorded)
-    snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
-    monkeypatch.setattr(promql, "query", query)
+    with queries_sent(monkeypatch) as sent:
+        snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
     return snapshot, sent
 
 
