@@ -296,20 +296,23 @@ def from_targets(
     results = scrape.scrape_all(
         [target.address for target in targets], timeout=timeout, via=via, wanted=SNAPSHOT_METRICS
     )
-    for address, result in list(results.items()):
-        if isinstance(result, list):
-            problem = _bad_identity(result)
-            if problem:
-                results[address] = scrape.ScrapeError(f"{address}: malformed exposition ({problem})")
+    _leave_out(results, _bad_identity)
     try:  # every target's records at once; only where that fails, each target's alone, to leave out the bad
         return _targets_snapshot(targets, results, run, now)
     except BUILD_ERRORS:
-        for address, result in list(results.items()):
-            if isinstance(result, list):
-                problem = _unusable(result, now)
-                if problem:
-                    results[address] = scrape.ScrapeError(f"{address}: malformed exposition ({problem})")
+        _leave_out(results, lambda samples: _unusable(samples, now))
         return _targets_snapshot(targets, results, run, now)
+
+
+def _leave_out(
+    results: dict[str, list[scrape.Sample] | scrape.ScrapeError],
+    problem_of: Callable[[list[scrape.Sample]], str],
+) -> None:
+    """Each target whose samples `problem_of` finds a problem with ('' for none) counts as one that answered
+    with a malformed exposition."""
+    for address, result in list(results.items()):
+        if isinstance(result, list) and (problem := problem_of(result)):
+            results[address] = scrape.ScrapeError(f"{address}: malformed exposition ({problem})")
 
 
 def _targets_snapshot(
