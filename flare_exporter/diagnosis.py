@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from .gpu_health import SLOWDOWN_REASONS
+from .spec import GPU_SLOWDOWN_REASONS
 
 # Verdict kinds, most severe first.
 KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regression")
@@ -168,6 +168,21 @@ class Snapshot:
     @property
     def ranks_seen(self) -> int:
         return sum(1 for record in self.ranks.values() if record.up)
+
+    def replaced(self, groups_kept: bool, **changes: Any) -> Snapshot:
+        """dataclasses.replace(self, **changes); where `groups_kept` (no record's groups, up or exception
+        changed: GROUP_INDEX_FIELDS), with this snapshot's indexes of its groups (members, live_states,
+        oldest_in_flight) as they are built, not built again: a source that reads its fields in rounds adds
+        each round's to the same ranks in the same groups, and at thousands of ranks each index is a pass."""
+        snapshot = dataclasses.replace(self, **changes)
+        if groups_kept:
+            snapshot.__dict__.update((name, vars(self)[name]) for name in GROUP_INDEXES if name in vars(self))
+        return snapshot
+
+
+# The Snapshot indexes built from its records' groups, up and exception, and those RankRecord fields.
+GROUP_INDEXES = ("members", "live_states", "oldest_in_flight")
+GROUP_INDEX_FIELDS = frozenset({"groups", "up", "exception"})
 
 
 @dataclass(frozen=True)
@@ -819,7 +834,7 @@ def hardware_reasons(gpu: GpuState | None, policy: StragglerPolicy = StragglerPo
     """What in a rank's GPU health explains it being slow: throttling, a low clock, a degraded link."""
     if gpu is None or not gpu.up:
         return []
-    reasons = [reason for reason in SLOWDOWN_REASONS if reason in gpu.clock_events]
+    reasons = [reason for reason in GPU_SLOWDOWN_REASONS if reason in gpu.clock_events]
     clock, clock_max = gpu.sm_clock_hertz, gpu.sm_clock_max_hertz
     if clock is not None and clock_max and clock < policy.clock_below_max * clock_max:
         reasons.append(f"SM clock {clock / 1e6:.0f} MHz of {clock_max / 1e6:.0f} MHz max")

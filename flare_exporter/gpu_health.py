@@ -39,14 +39,6 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
     ("hw_power_brake_slowdown", 0x80),
     ("display_clock_setting", 0x100),
 )
-# The reasons that slow a busy GPU against the user's wishes: what a straggler verdict reports.
-SLOWDOWN_REASONS = (
-    "sw_power_cap",
-    "hw_slowdown",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-)
 NVLINK_ERROR_COUNTERS: tuple[tuple[str, int], ...] = (
     ("replay", 0),
     ("recovery", 1),

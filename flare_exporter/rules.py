@@ -31,7 +31,6 @@ from typing import Any
 from . import config as config_module
 from . import spec
 from .diagnosis import IldPolicy, StragglerPolicy
-from .gpu_health import SLOWDOWN_REASONS
 
 RUNBOOK_URL = "https://github.com/flare-exporter/flare-exporter/blob/main/docs/runbook.md"
 # The alerts that name a culprit rank (the group-level hang and the warnings name none).
@@ -590,7 +589,7 @@ def issue_latency_alerts(t: Thresholds) -> list[Alert]:
     ]
 
 
-_GPU_SLOWDOWN = "|".join(sorted(SLOWDOWN_REASONS))
+_GPU_SLOWDOWN = "|".join(sorted(spec.GPU_SLOWDOWN_REASONS))
 _GPU_REASONS = (
     '{{ with printf "flare_gpu_clock_event_active{run=%q, rank=%q, reason=~\\"'
     + _GPU_SLOWDOWN

@@ -8,7 +8,6 @@ exposition in parallel, each with a timeout.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import time
@@ -82,36 +81,38 @@ def build_snapshot(
 
 
 def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str, Any]]:
-    """Per rank, its process groups: sequence numbers issued and completed, the collective in flight."""
+    """Per rank, its process groups: sequence numbers issued and completed, the collective in flight.
+
+    At a hang of thousands of ranks this runs on the way to the verdict, once per round that reads groups,
+    over a series per member: each (rank, group) is looked up only in the series a round read."""
 
     def per_group(name: str) -> dict[tuple[int, str], float]:
         return {(int(labels["rank"]), labels["group"]): value for labels, value in series.get(name, [])}
 
     issued = per_group("flare_collective_last_issued_seq")
     completed = per_group("flare_collective_last_completed_seq")
-    flight_seq = per_group("flare_collective_in_flight_seq")
-    flight_bytes = per_group("flare_collective_in_flight_bytes")
     flight_started = per_group(FLIGHT_STARTED)
-    flight_info = {
-        (int(labels["rank"]), labels["group"]): labels for labels, _ in series.get(FLIGHT_INFO, [])
-    }
-    flights = {  # which collective and its state where read (FLIGHT_QUERIES); in flight since when, always
-        key: InFlight(
-            (info := flight_info.get(key, {})).get("op", ""),
-            int(flight_seq.get(key, 0)),
-            int(flight_bytes.get(key, 0)),
-            info.get("state", "issued"),
-            flight_started.get(key, now),
-        )
-        for key in flight_started.keys() | flight_info.keys()
-    }
-    group_keys = set(issued) | set(completed) | set(flights)
+    # in flight since when, always; which collective (op and state, number and bytes) where read
+    flights = {key: InFlight("", 0, 0, "issued", started) for key, started in flight_started.items()}
+    if FLIGHT_INFO in series or any(name in series for name in FLIGHT_NUMBERS):
+        flight_seq, flight_bytes = (per_group(name) for name in FLIGHT_NUMBERS)
+        for labels, _ in series.get(FLIGHT_INFO, []):
+            key = (int(labels["rank"]), labels["group"])
+            flights[key] = InFlight(
+                labels.get("op", ""), 0, 0, labels.get("state", "issued"), flight_started.get(key, now)
+            )
+        for key, flight in flights.items():
+            flights[key] = flight._replace(
+                seq=int(flight_seq.get(key, 0)), nbytes=int(flight_bytes.get(key, 0))
+            )
+    group_keys = issued.keys() | completed.keys() | flights.keys()
     group_keys |= {
         (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
     }
     newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
     for (_, group), started in flight_started.items():
-        newest_issue[group] = max(started, newest_issue.get(group, started))
+        if started > newest_issue.get(group, -math.inf):
+            newest_issue[group] = started
     seen_before_stall = {
         key
         for key, at in per_group(ISSUED_AT).items()
@@ -256,7 +257,8 @@ def _with_fields(snapshot: Snapshot, found: Mapping[int, Mapping[str, Any]]) -> 
         rank: _replaced(record, found[rank]) if rank in found else record
         for rank, record in snapshot.ranks.items()
     }
-    return dataclasses.replace(snapshot, ranks=ranks)
+    groups_kept = not any(diagnosis.GROUP_INDEX_FIELDS.intersection(fields) for fields in found.values())
+    return snapshot.replaced(groups_kept, ranks=ranks)
 
 
 def _replaced(record: RankRecord, fields: Mapping[str, Any]) -> RankRecord:
@@ -539,13 +541,21 @@ CUMULATIVE_QUERIES = {
         "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
     ),
 }
-# What explains a verdict without deciding it, of the ranks it names (every rank for the views).
+# What explains a verdict without deciding it, of every rank (the views).
 DETAIL_QUERIES = {
     **PROGRESS_QUERIES,
     "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
     **_current(GPU_HEALTH_METRICS, ""),
     # only the clock events that are active: the others would be most of the answer
     "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
+}
+# The same of the few ranks a verdict names, in three queries instead of fifteen: the one-value metrics in
+# one query (each row named by its __name__). Of a few ranks Prometheus finds them at once; the per-metric
+# queries of every rank are faster apart (_current).
+DETAIL_VALUES = (*PROGRESS_METRICS, *GPU_HEALTH_METRICS)
+NAMED_DETAIL_QUERIES = {
+    "detail_values": f'max by (__name__, rank) ({{sel, __name__=~"{"|".join(DETAIL_VALUES)}"}})',
+    **{name: query for name, query in DETAIL_QUERIES.items() if name not in DETAIL_VALUES},
 }
 # What only a view shows (`flare hang`): every rank.
 VIEW_QUERIES = {
@@ -685,7 +695,7 @@ def from_prometheus(
                 pace |= fetch(ILD_QUERIES)  # every rank's drift: its peers' medians decide
         snapshot = with_pace(faults, pace)
         if summary is not None:
-            snapshot = dataclasses.replace(snapshot, window_summary=summary)
+            snapshot = snapshot.replaced(True, window_summary=summary)
         elif not diagnosis.decided_by_last_windows(snapshot, stragglers):
             _extend(pace, fetch(older))
             snapshot = with_pace(faults, pace)
@@ -695,7 +705,9 @@ def from_prometheus(
         named = sorted(set(detail_for(snapshot)))
     if not named:
         return snapshot
-    return with_detail(snapshot, fetch(DETAIL_QUERIES, named if len(named) <= MAX_NAMED_RANKS else []))
+    if len(named) > MAX_NAMED_RANKS:
+        return with_detail(snapshot, fetch(DETAIL_QUERIES))
+    return with_detail(snapshot, fetch(NAMED_DETAIL_QUERIES, named))
 
 
 def _the_run(base_url: str, window: str, timeout: float, now: float) -> str:

@@ -442,6 +442,16 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+# The reasons of flare_gpu_clock_event_active that slow a busy GPU against the user's wishes: what a
+# straggler verdict and the rules report (the others: idle, an application's clock setting, sync boost).
+GPU_SLOWDOWN_REASONS = (
+    "sw_power_cap",
+    "hw_slowdown",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+)
+
 BY_NAME: dict[str, MetricSpec] = {}
 for _metric in METRICS:
     if _metric.name in BY_NAME:

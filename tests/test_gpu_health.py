@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 
 from flare_exporter import gpu_health, spec
 from flare_exporter.agent import build_registry, start_gpu_health
+from flare_exporter.collectors import Families
 from flare_exporter.collectors.gpu_health import GpuHealthCollector
 from flare_exporter.config import Config
 from flare_exporter.identity import RankIdentity
@@ -258,10 +259,37 @@ def test_the_collector_never_calls_nvml():
     state, _ = monitored(nvml)
     calls = len(nvml.calls)
     collector = GpuHealthCollector(state)
-    from flare_exporter.collectors import Families
-
     list(collector.collect(Families(("1", "gpu"))))
     assert len(nvml.calls) == calls
+
+
+def test_the_slowdown_reasons_the_rules_report_are_clock_event_reasons():
+    assert set(spec.GPU_SLOWDOWN_REASONS) < {name for name, _ in gpu_health.CLOCK_EVENT_REASONS}
+
+
+def test_one_endpoint_shows_each_new_reading_and_event_and_builds_nothing_in_between():
+    nvml = FakeNvml([make_device(0)])
+    state, monitor = monitored(nvml)
+    collector = GpuHealthCollector(state)
+    families = Families(("1", "gpu"))
+
+    def values() -> dict[tuple[str, tuple[str, ...]], float]:
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in collector.collect(families)
+            for sample in family.samples
+        }
+
+    first = collector.collect(families)
+    assert collector.collect(families) is first  # the same reading: the same families, nothing built
+    nvml.devices[0].temperature = 88
+    monitor.poll()
+    assert values()[("flare_gpu_temperature_celsius", (("rank", "1"), ("run", "gpu")))] == 88
+    monitor.xid_events, monitor.last_xid = 1, 79  # as the event thread counts one
+    assert values()[("flare_gpu_last_xid", (("rank", "1"), ("run", "gpu")))] == 79
+    assert collector.collect(Families(("2", "gpu"))) is not collector.collect(families)  # a new identity
+    monitor.up = False
+    assert values() == {("flare_gpu_health_up", (("rank", "1"), ("run", "gpu"))): 0}
 
 
 def test_a_preferred_uuid_switches_the_device():

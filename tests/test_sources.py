@@ -129,7 +129,7 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
         # faults and pace of every rank (no rank's ILD drift reaches IldPolicy's floors: not read), then the
         # detail of the straggler alone
         state = len(sources.FAULT_QUERIES) + len(sources.PACE_QUERIES) + 1
-        assert len(sent) == state + len(sources.DETAIL_QUERIES)
+        assert len(sent) == state + len(sources.NAMED_DETAIL_QUERIES)
         assert not any("rank=~" in expr for expr in sent[:state])
         assert all(f'rank=~"{cluster.straggler}"' in expr for expr in sent[state:])
         assert snapshot.ranks[cluster.straggler].gpu is not None
@@ -158,7 +158,7 @@ def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_w
     # faults; the figures' time; the figures and the ranks they name; those ranks' windows; the ILD
     # candidates; the straggler's detail
     figures = 1 + 2 + len(sources.PACE_QUERIES) + 1
-    assert len(sent) == len(sources.FAULT_QUERIES) + figures + len(sources.DETAIL_QUERIES)
+    assert len(sent) == len(sources.FAULT_QUERIES) + figures + len(sources.NAMED_DETAIL_QUERIES)
     windows = [expr for expr in sent if "flare_straggler_window_wait_seconds" in expr]
     assert len(windows) == 1 and f'rank=~"{cluster.straggler}"' in windows[0]
     # and the windows are those of the figures' time, not of now
@@ -186,7 +186,9 @@ def test_a_hang_names_the_culprit_with_its_frames_and_the_views_read_every_rank(
     await_count(clusters.prometheus, stack, 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
     # no pace round: a hang is found from the faults (and the groups, asked for because of the hang) alone
-    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.GROUP_QUERIES) + len(sources.DETAIL_QUERIES)
+    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.GROUP_QUERIES) + len(
+        sources.NAMED_DETAIL_QUERIES
+    )
     (verdict,) = diagnosis.diagnose(snapshot, HANG_SECONDS)
     assert (verdict.kind, verdict.ranks, verdict.group) == ("hang", (cluster.hung,), "world")
     assert "model.py:212 forward" in verdict.summary  # the stack sample, read in the detail round
@@ -216,7 +218,7 @@ def test_a_dead_rank_is_the_same_verdict_in_rounds_as_all_at_once(clusters, monk
     cluster.server.kill(dead)
     await_count(clusters.prometheus, f'count(up{{run="{cluster.run}", rank="{dead}"}} == 0)', 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
-    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.DETAIL_QUERIES)
+    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.NAMED_DETAIL_QUERIES)
     in_rounds_verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
     assert in_rounds_verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
@@ -523,7 +525,7 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         assert but(asked, [started, OTHER_FAULTS_ROUND, world]) == [
             progress,
             gone,
-            (set(sources.DETAIL_QUERIES), {"1"}, None),
+            (set(sources.NAMED_DETAIL_QUERIES), {"1"}, None),
         ]
         # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
         assert [(v["kind"], v["ranks"], v["evidence"]["hung_groups"]) for v in verdicts] == [
@@ -535,7 +537,7 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
     else:  # faults, progress of 3, (nothing in flight: no groups), pace, (drifts,) detail of 5
         pace, detail = (
             (set(sources.PACE_QUERIES) | {"ild_candidates"}, None, None),
-            (set(sources.DETAIL_QUERIES), {"5"}, None),
+            (set(sources.NAMED_DETAIL_QUERIES), {"5"}, None),
         )
         # only where one could count: the screen of the candidates (rank 5), then every rank's drift
         screen = [({"ild_screen"}, {"5"}, None), (set(sources.ILD_QUERIES), None, None)]
@@ -785,6 +787,28 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
         if state.seen_before_stall
     }
     assert late == {(0, "a"), (1, "a")}
+
+
+def test_a_rounds_fields_keep_the_group_indexes_built_unless_they_change_the_groups():
+    """sources._with_fields: a round that adds fields other than a record's groups, up and exception
+    (detail, pace) keeps the snapshot's group indexes as built; one that changes them builds them anew."""
+    started = sources.FLIGHT_STARTED
+    job = series_of(
+        *[("flare_rank_info", {"rank": rank, "host": "h", "world_size": "3"}, 1.0) for rank in range(3)],
+        *[("up", {"rank": rank}, 1.0) for rank in range(3)],
+        *[(started, {"rank": rank, "group": "world"}, NOW - 100 + rank) for rank in range(3)],
+    )
+    faults = sources._snapshot(job, NOW, "r")
+    indexes = [faults.members, faults.live_states, faults.oldest_in_flight]
+    assert faults.oldest_in_flight == {"world": 100.0}
+    detailed = sources._with_fields(faults, {1: {"steps": 7.0, "activity": "compute"}})
+    assert detailed.ranks[1].steps == 7.0
+    assert [vars(detailed).get(name) for name in diagnosis.GROUP_INDEXES] == indexes  # not built again
+    for fields in ({"up": False}, {"exception": "RuntimeError"}, {"groups": {}}):
+        changed = sources._with_fields(detailed, {0: fields})
+        assert not any(name in vars(changed) for name in diagnosis.GROUP_INDEXES)
+        assert changed.oldest_in_flight == ({"world": 100.0} if "exception" in fields else {"world": 99.0})
+        assert changed.ranks[0].gone == ("groups" not in fields)
 
 
 def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung(fake_prometheus):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 
-from ..gpu_health import GpuReading
+from ..gpu_health import GpuHealthMonitor, GpuReading
 from ..state import FlareState
 from . import Families
 
@@ -46,11 +47,25 @@ class GpuHealthCollector:
 
     def __init__(self, state: FlareState) -> None:
         self.state = state
+        self._last: tuple[tuple[Any, ...], list[Metric]] = ((), [])
 
     def collect(self, families: Families) -> Iterable[Metric]:
+        """The reader's last reading as families; the same families again while nothing they show changed
+        (the reader reads every few seconds, a scrape may come every second)."""
         monitor = self.state.gpu
         up = monitor is not None and monitor.up
         reading: GpuReading | None = monitor.reading if monitor is not None else None
+        events = (
+            (monitor.xid_events, monitor.listens_for_xid, monitor.last_xid) if monitor is not None else ()
+        )
+        shown = (families.common_values, up, reading, events)
+        if shown != self._last[0]:
+            self._last = (shown, self._families(families, monitor, up, reading))
+        return self._last[1]
+
+    def _families(
+        self, families: Families, monitor: GpuHealthMonitor | None, up: bool, reading: GpuReading | None
+    ) -> list[Metric]:
         health_up = families.new("flare_gpu_health_up")
         health_up.add_metric(families.labels(), 1 if up else 0)
         output = [health_up]
