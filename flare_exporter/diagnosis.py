@@ -357,7 +357,9 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
         },
         "ranks_at_max_issued_seq": len(ahead),
     }
-    unjudged = [rank for rank, state in live if state.seen_before_stall]
+    unjudged = [
+        rank for rank, state in live if state.seen_before_stall and state.last_issued < hang.max_issued
+    ]
     if unjudged:
         evidence["seen_before_stall"] = unjudged
     if behind and len(behind) * 2 > len(live):
@@ -476,6 +478,14 @@ def behind_in(live: Iterable[tuple[int, GroupState]], top: int) -> list[int]:
     scraped before it (a late scrape) cannot tell whether it issued the collective the group waits in, and
     is not judged."""
     return [rank for rank, state in live if state.last_issued < top and not state.seen_before_stall]
+
+
+def below_top(snapshot: Snapshot, group: str) -> list[int]:
+    """The live members of `group` whose last issued number is below the group's top (the highest of its live
+    members): behind it, or, where their number was scraped before the group's newest issue, unjudged."""
+    live = snapshot.live_states.get(group, ())
+    top = max((state.last_issued for _, state in live), default=0)
+    return [rank for rank, state in live if state.last_issued < top]
 
 
 def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[list[int], list[dict[str, Any]]]:

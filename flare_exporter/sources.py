@@ -442,6 +442,9 @@ GROUP_QUERIES = {
     # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
     ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
 }
+# The issued numbers alone: a hang's rounds ask the scrape times after them, of the few ranks they could
+# leave unjudged (_late_scrapes).
+NUMBER_QUERIES = {name: query for name, query in GROUP_QUERIES.items() if name != ISSUED_AT}
 # Which collective each rank of the hung groups whose verdicts weigh it has in flight, and how large. At a
 # hang of thousands of ranks, half of what the faults round would read.
 FLIGHT_QUERIES = {
@@ -805,29 +808,26 @@ def _faults_round(
                 if now - started >= hang_seconds
             }
             if groups:
-                ahead = ReadAhead(groups, pool.submit(fetch, group_queries(series, groups), groups=groups))
+                ahead = ReadAhead(groups, pool.submit(fetch, NUMBER_QUERIES, groups=groups))
         series |= rest.result()
     finally:
         pool.shutdown(wait=False)  # a read-ahead no hung group needs after all goes on alone
     return series, ahead
 
 
-def group_queries(series: Mapping[str, Series], groups: Iterable[str]) -> dict[str, str]:
-    """GROUP_QUERIES for `groups`, with the scrape times of only the numbers that could be late: those
-    scraped at or before the newest start in `groups` that `series` hold (none where nothing is in flight
-    in them). Each group's own newest start decides (_group_fields); the late scrapes are few, every
-    member's scrape time a row each."""
+def late_scrape_queries(series: Mapping[str, Series], groups: Iterable[str]) -> dict[str, str]:
+    """The query of the scrape times of the issued numbers in `groups` that could be late: those scraped at
+    or before the newest start in `groups` that `series` hold; none where nothing is in flight in them.
+    Each group's own newest start decides (_group_fields); the late scrapes are few, a row each."""
     groups = set(groups)
     newest = max(
         (started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups),
         default=None,
     )
-    queries = dict(GROUP_QUERIES)
     if newest is None:
-        del queries[ISSUED_AT]
-    elif math.isfinite(newest):
-        queries[ISSUED_AT] += f" <= {newest!r}"
-    return queries
+        return {}
+    query = GROUP_QUERIES[ISSUED_AT]
+    return {ISSUED_AT: f"{query} <= {newest!r}" if math.isfinite(newest) else query}
 
 
 def _with_hang_groups(
@@ -842,19 +842,24 @@ def _with_hang_groups(
     """`faults` with the groups the hang rules read: the hung groups' issued numbers first (those `ahead`
     asked, and any other), then those of the groups their chains lead to, as the rules name them, until
     they name none unread (at thousands of ranks in tensor-, pipeline- and data-parallel groups, most
-    groups have nothing to do with a hang); and the groups of which the rules weigh what each member has in
-    flight (diagnosis.what_hang_rules_read)."""
+    groups have nothing to do with a hang), each group's late scrapes asked once its numbers are in
+    (_late_scrapes); and the groups of which the rules weigh what each member has in flight
+    (diagnosis.what_hang_rules_read)."""
     read: set[str] = set()
     if ahead is not None:
         _extend(series, ahead.answers.result())
         read = set(ahead.groups)
+    timed: set[str] = set()  # the groups whose late scrapes were asked
     needed = hung
     for _ in range(MAX_CHAIN_ROUNDS):
         unread = needed - read
         if unread:
-            _extend(series, fetch(group_queries(series, unread), groups=unread))
+            _extend(series, fetch(NUMBER_QUERIES, groups=unread))
         read |= needed
         snapshot = _with_fields(faults, _group_fields(series, now))
+        if _late_scrapes(snapshot, series, read - timed, fetch):
+            snapshot = _with_fields(faults, _group_fields(series, now))
+        timed = set(read)
         reads = diagnosis.what_hang_rules_read(snapshot, hang_seconds)
         if reads.numbers <= read:
             return snapshot, reads.flights
@@ -862,6 +867,22 @@ def _with_hang_groups(
     series |= fetch(GROUP_QUERIES)  # a chain longer than any job's: every group
     snapshot = _with_fields(faults, _group_fields(series, now))
     return snapshot, diagnosis.what_hang_rules_read(snapshot, hang_seconds).flights
+
+
+def _late_scrapes(
+    snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Callable[..., dict[str, Series]]
+) -> bool:
+    """Asks the scrape times that could be late (late_scrape_queries) in `groups` of their members below
+    the group's top, the only ranks a late scrape leaves unjudged (diagnosis.below_top): at a hang, the few
+    behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
+    numbers). True where some were late: `series` holds them."""
+    below = sorted({rank for group in groups for rank in diagnosis.below_top(snapshot, group)})
+    queries = late_scrape_queries(series, groups)
+    if not below or not queries:
+        return False
+    found = fetch(queries, below if len(below) <= MAX_NAMED_RANKS else [], groups=groups)
+    _extend(series, found)
+    return bool(found.get(ISSUED_AT))
 
 
 def _extend(series: dict[str, Series], more: Mapping[str, Series]) -> None:

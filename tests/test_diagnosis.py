@@ -197,7 +197,8 @@ def seen_before_stall(state: GroupState) -> GroupState:
 
 def test_a_rank_scraped_before_the_stall_is_not_judged_behind():
     # rank 1's scrape came before the others issued 5: its 4 says nothing of whether it issued 5
-    records = [rank(r, world=waiting(5)) for r in (0, 3)]
+    # (rank 3's, scraped before it too, shows it issued 5: it is judged, and not listed)
+    records = [rank(0, world=waiting(5)), rank(3, world=seen_before_stall(waiting(5)))]
     records += [rank(1, world=seen_before_stall(done(4))), rank(2, world=done(4))]
     verdict = only(diag(*records))
     assert (verdict.kind, verdict.ranks) == ("hang", (2,))

@@ -520,11 +520,12 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         # faults, and the hung group's numbers once the starts say it waited for the threshold; progress of
         # 2 and 3, rank 1's groups, detail
         gone = (set(sources.GONE_GROUP_QUERIES), {"1"}, None)
-        world = (set(sources.GROUP_QUERIES), None, {"world"})  # rank 4, behind, waits in no other group
+        world = (set(sources.NUMBER_QUERIES), None, {"world"})  # rank 4, behind, waits in no other group
         assert asked.index(started) < asked.index(world)
         assert but(asked, [started, OTHER_FAULTS_ROUND, world]) == [
             progress,
             gone,
+            ({sources.ISSUED_AT}, {"4"}, {"world"}),  # could rank 4's number be from before the hang?
             (set(sources.NAMED_DETAIL_QUERIES), {"1"}, None),
         ]
         # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
@@ -683,7 +684,7 @@ def test_a_hang_reads_the_groups_its_chain_leads_to_and_no_other(fake_prometheus
     # rank 2 is behind and waits in the world: a deadlock, both ranks suspects
     kinds = [(v["kind"], v["ranks"], v["group"], v["evidence"].get("deadlock")) for v in verdicts]
     assert kinds == [("hang", [2, 3], "pair-a", True), ("hang", [2, 3], "world", True)]
-    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.GROUP_QUERIES)]
+    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.NUMBER_QUERIES)]
     assert groups == [{"pair-a", "world"}]  # both hung: one round; pair-b's numbers never asked
     assert all("pair-b" not in record.groups for record in snapshot.ranks.values())
 
@@ -705,7 +706,7 @@ def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake
         ("world", 3, ["pair-a"]),
         ("pair-a", 2, ["world"]),
     ]
-    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.GROUP_QUERIES)]
+    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.NUMBER_QUERIES)]
     assert groups == [{"world"}, {"pair-a"}]  # the hung group, then the group its chain leads to
 
 
@@ -753,7 +754,7 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [verdict]
     asked = fake_prometheus["asked"]
-    world = (set(sources.GROUP_QUERIES), None, {"world"})  # asked in the faults round: the starts say hung
+    world = (set(sources.NUMBER_QUERIES), None, {"world"})  # asked in the faults round: the starts say hung
     later = but(asked, [STARTED_ROUND, OTHER_FAULTS_ROUND, world])
     flights = [names for names, _, _ in asked if set(sources.FLIGHT_QUERIES) & names]
     assert flights == ([set(sources.FLIGHT_QUERIES)] if weighed else [])  # in a round of its own
@@ -832,9 +833,9 @@ def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung
 
 
 def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be_late():
-    """sources.group_queries: the scrape times of the issued numbers scraped at or before the newest start
-    in the groups asked (a bound for each group's own, which _group_fields applies); none where nothing is
-    in flight in them."""
+    """sources.late_scrape_queries: the scrape times of the issued numbers scraped at or before the newest
+    start in the groups asked (a bound for each group's own, which _group_fields applies); none where
+    nothing is in flight in them."""
     started = sources.FLIGHT_STARTED
     series = series_of(
         (started, {"rank": 0, "group": "a"}, NOW - 50),
@@ -842,9 +843,38 @@ def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be
         (started, {"rank": 0, "group": "b"}, NOW - 10),
     )
     unfiltered = sources.GROUP_QUERIES[sources.ISSUED_AT]
-    assert sources.group_queries(series, {"a"})[sources.ISSUED_AT] == f"{unfiltered} <= {NOW - 40.25!r}"
-    assert sources.group_queries(series, {"a", "b"})[sources.ISSUED_AT] == f"{unfiltered} <= {NOW - 10!r}"
-    assert set(sources.group_queries(series, {"c"})) == set(sources.GROUP_QUERIES) - {sources.ISSUED_AT}
+    assert sources.late_scrape_queries(series, {"a"}) == {
+        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 40.25!r}"
+    }
+    assert sources.late_scrape_queries(series, {"a", "b"}) == {
+        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 10!r}"
+    }
+    assert sources.late_scrape_queries(series, {"c"}) == {}
+
+
+def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
+    """sources._late_scrapes: a rank at its group's top issued the collective the group waits in, however
+    late its scrape; only the ranks below it may be unjudged, and only they are asked, by name."""
+    series = front_job({2: 7, 3: 6}, {}, {})  # ranks 2 and 3 below the top, 8
+    snapshot = sources._snapshot(series, NOW, "r")
+    # ranks 0 and 2 were last scraped before the hang; rank 0 is at the top all the same
+    scraped = {0: NOW - 500, 1: NOW - 1, 2: NOW - 500, 3: NOW - 1}
+    asked = []
+
+    def fetch(queries: dict[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()) -> dict:
+        asked.append((set(queries), list(ranks), set(groups)))
+        bound = float(queries[sources.ISSUED_AT].rsplit(" <= ", 1)[1])
+        rows = [({"rank": str(r), "group": "world"}, scraped[r]) for r in ranks if scraped[r] <= bound]
+        return {sources.ISSUED_AT: rows}
+
+    assert sources._late_scrapes(snapshot, series, {"world"}, fetch)
+    assert asked == [({sources.ISSUED_AT}, [2, 3], {"world"})]
+    late = sources._with_fields(snapshot, sources._group_fields(series, NOW))
+    assert [r for r, record in late.ranks.items() if record.groups["world"].seen_before_stall] == [2]
+    (verdict,) = diagnosis.diagnose(late, HANG_SECONDS)
+    assert (verdict.kind, verdict.ranks, verdict.evidence["seen_before_stall"]) == ("hang", (3,), [2])
+    scraped[2] = NOW - 1  # none late: nothing to build again
+    assert not sources._late_scrapes(snapshot, series, {"world"}, fetch)
 
 
 def test_groups_are_named_to_prometheus_exactly(clusters):
