@@ -339,7 +339,7 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
     for name in sorted(oldest):
         if oldest[name] < hang_seconds:
             continue
-        max_issued = max(state.last_issued for _, state in snapshot.live_states[name])
+        max_issued = top_issued(snapshot.live_states[name])
         hangs.append(GroupHang(name, members_of(snapshot, name), oldest[name], max_issued))
     return hangs
 
@@ -484,8 +484,13 @@ def below_top(snapshot: Snapshot, group: str) -> list[int]:
     """The live members of `group` whose last issued number is below the group's top (the highest of its live
     members): behind it, or, where their number was scraped before the group's newest issue, unjudged."""
     live = snapshot.live_states.get(group, ())
-    top = max((state.last_issued for _, state in live), default=0)
+    top = top_issued(live)
     return [rank for rank, state in live if state.last_issued < top]
+
+
+def top_issued(live: Iterable[tuple[int, GroupState]]) -> int:
+    """The highest last issued number of a group's live members (Snapshot.live_states); 0 for none."""
+    return max((state.last_issued for _, state in live), default=0)
 
 
 def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
@@ -513,8 +518,7 @@ def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[lis
         laggards = []
         for name in waits_in:
             live = snapshot.live_states.get(name, ())
-            top = max((state.last_issued for _, state in live), default=0)
-            laggards += [(name, behind) for behind in behind_in(live, top)]
+            laggards += [(name, behind) for behind in behind_in(live, top_issued(live))]
             laggards += [(name, r) for r in members_of(snapshot, name) if snapshot.ranks[r].gone]
         if not laggards:
             if rank not in culprits:

@@ -96,23 +96,26 @@ def _group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[st
     flights = {key: InFlight("", 0, 0, "issued", started) for key, started in flight_started.items()}
     if FLIGHT_INFO in series or any(name in series for name in FLIGHT_NUMBERS):
         flight_seq, flight_bytes = (per_group(name) for name in FLIGHT_NUMBERS)
-        for labels, _ in series.get(FLIGHT_INFO, []):
-            key = (int(labels["rank"]), labels["group"])
-            flights[key] = InFlight(
-                labels.get("op", ""), 0, 0, labels.get("state", "issued"), flight_started.get(key, now)
+        flight_info = {
+            (int(labels["rank"]), labels["group"]): labels for labels, _ in series.get(FLIGHT_INFO, [])
+        }
+        flights = {
+            key: InFlight(
+                (info := flight_info.get(key, {})).get("op", ""),
+                int(flight_seq.get(key, 0)),
+                int(flight_bytes.get(key, 0)),
+                info.get("state", "issued"),
+                flight_started.get(key, now),
             )
-        for key, flight in flights.items():
-            flights[key] = flight._replace(
-                seq=int(flight_seq.get(key, 0)), nbytes=int(flight_bytes.get(key, 0))
-            )
+            for key in flight_started.keys() | flight_info.keys()
+        }
     group_keys = issued.keys() | completed.keys() | flights.keys()
     group_keys |= {
         (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
     }
     newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
     for (_, group), started in flight_started.items():
-        if started > newest_issue.get(group, -math.inf):
-            newest_issue[group] = started
+        newest_issue[group] = max(started, newest_issue.get(group, started))
     seen_before_stall = {
         key
         for key, at in per_group(ISSUED_AT).items()
