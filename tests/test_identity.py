@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 
 import pytest
 
 from flare_exporter import identity, spec
-from flare_exporter.collectors import Families
-from flare_exporter.collectors.identity import IdentityCollector
-from flare_exporter.config import Config
-from flare_exporter.groups import GroupTracker
 from flare_exporter.identity import gpu_identity
-from flare_exporter.state import FlareState
-from flare_exporter.timing import FutureTiming
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job-42"}
 SLURM = {"SLURM_PROCID": "17", "SLURM_LOCALID": "3", "SLURM_NTASKS": "32", "SLURM_JOB_ID": "123456"}
@@ -143,24 +136,3 @@ def test_gpu_identity_without_gpu_or_pci_fields_is_empty_not_an_error():
             raise RuntimeError("CUDA driver version is insufficient")
 
     assert gpu_identity(Broken()) == ("", "")
-
-
-def test_the_info_families_are_built_again_only_when_the_identity_or_the_groups_change():
-    state = FlareState.create(Config(), identity.from_environment({"RANK": "3", "WORLD_SIZE": "8"}, run="r"))
-    collector = IdentityCollector(state)
-    families = Families(("3", "r"))
-
-    def samples() -> dict[str, list[dict[str, str]]]:
-        shown: dict[str, list[dict[str, str]]] = {}
-        for family in collector.collect(families):
-            shown.setdefault(family.name, []).extend(sample.labels for sample in family.samples)
-        return shown
-
-    first = collector.collect(families)
-    assert collector.collect(families) is first  # nothing changed: nothing built
-    assert samples()["flare_process_group_info"] == []
-    state.groups["world"] = GroupTracker("world", 8, "gloo", FutureTiming(state.manager), state.health)
-    assert [labels["group"] for labels in samples()["flare_process_group_info"]] == ["world"]
-    state.identity = dataclasses.replace(state.identity, gpu_uuid="GPU-1")
-    assert samples()["flare_rank_info"][0]["gpu_uuid"] == "GPU-1"
-    assert collector.collect(Families(("4", "r"))) is not collector.collect(families)  # a new rank label

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import cache, lru_cache
 from typing import Any, Protocol
 
@@ -54,23 +54,6 @@ class Families:
         )
         family.samples.append(Sample(count, labels, counts[-1]))
         family.samples.append(Sample(total_name, labels, total))
-
-
-class KeptFamilies:
-    """A collector's families, built again only when what they show changed: a scrape may come every second,
-    and most of what a rank shows (who it is, its closed straggler windows, its GPU's last reading) changes
-    far less often. `shown` is compared with ==; a tuple of the values the families are built from, which
-    each change replaces whole."""
-
-    def __init__(self) -> None:
-        self._shown: Any = object()  # equal to nothing: the first scrape builds
-        self._families: list[Metric] = []
-
-    def get(self, shown: Any, build: Callable[[], list[Metric]]) -> list[Metric]:
-        if shown != self._shown:
-            self._families = build()
-            self._shown = shown
-        return self._families
 
 
 class _CounterFamily(CounterMetricFamily):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from ..gpu_health import GpuHealthMonitor, GpuReading
 from ..state import FlareState
-from . import Families, KeptFamilies
+from . import Families
 
 # (metric, GpuReading attribute) of the single-value series
 SCALARS = (
@@ -46,7 +47,7 @@ class GpuHealthCollector:
 
     def __init__(self, state: FlareState) -> None:
         self.state = state
-        self._kept = KeptFamilies()
+        self._last: tuple[tuple[Any, ...], list[Metric]] = ((), [])
 
     def collect(self, families: Families) -> Iterable[Metric]:
         """The reader's last reading as families; the same families again while nothing they show changed
@@ -58,7 +59,9 @@ class GpuHealthCollector:
             (monitor.xid_events, monitor.listens_for_xid, monitor.last_xid) if monitor is not None else ()
         )
         shown = (families.common_values, up, reading, events)
-        return self._kept.get(shown, lambda: self._families(families, monitor, up, reading))
+        if shown != self._last[0]:
+            self._last = (shown, self._families(families, monitor, up, reading))
+        return self._last[1]
 
     def _families(
         self, families: Families, monitor: GpuHealthMonitor | None, up: bool, reading: GpuReading | None

@@ -9,7 +9,7 @@ from prometheus_client.core import Metric
 
 from ..identity import RankIdentity
 from ..state import FlareState
-from . import Families, KeptFamilies, number_label
+from . import Families, number_label
 
 
 class IdentityCollector:
@@ -18,15 +18,8 @@ class IdentityCollector:
 
     def __init__(self, state: FlareState) -> None:
         self.state = state
-        self._kept = KeptFamilies()
 
     def collect(self, families: Families) -> Iterable[Metric]:
-        """The same families while the identity and the groups are the same (groups are only ever added,
-        each under a name of its own, and a tracker's size, role and recorder never change)."""
-        shown = (families.common_values, self.state.identity, len(self.state.groups))
-        return self._kept.get(shown, lambda: self._families(families))
-
-    def _families(self, families: Families) -> list[Metric]:
         rank_info = families.new("flare_rank_info")
         rank_info.add_metric(families.labels(*_info_values(self.state.identity)), 1)
         group_info = families.new("flare_process_group_info")
