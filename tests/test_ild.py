@@ -75,8 +75,13 @@ def test_counts_of_a_step_are_added_at_once():
         tracker.add_counts(step, buckets)
     assert tracker.baseline == [3, 2, 1]  # steps 1 and 2
     assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
+    assert tracker.window() == [1, 5, 7]  # the window's steps summed
     tracker.add_counts(3, [(0, 50)])  # a late step that left the window: ignored
-    assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]}
+    assert tracker.windows == {4: [1, 5, 0], 5: [0, 0, 7]} and tracker.window() == [1, 5, 7]
+    tracker.add_counts(6, [(1, 2)])  # step 4 leaves the window, and its counts the sum
+    tracker.add_counts(5, [(0, 1)])
+    summed = [sum(counts) for counts in zip(*tracker.windows.values(), strict=True)]
+    assert tracker.window() == [1, 2, 7] == summed
 
 
 def op_shift_tracker(baseline: dict[str, list[float]], window_steps: int = 2) -> Any:
