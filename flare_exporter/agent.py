@@ -85,13 +85,15 @@ def build_registry(state: FlareState) -> CollectorRegistry:
     ]
     # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
     # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
-    # close. The collectors read what the drain left.
+    # close. The collectors read what the drain left. Before it, the scrape waits for the rank's next
+    # collective (up to scrape_wait_seconds), so that it renders while training waits for that collective.
+    wait_seconds = state.config.scrape_wait_seconds
     registry.register(
         FlareCollector(
             collectors,
             lambda: rank_labels(state.identity.rank, state.identity.run),
             state.health,
-            prepare=state.manager.drain,
+            prepare=lambda: state.manager.scrape_drain(wait_seconds),
             prepare_component="timing_manager",
         )
     )

@@ -72,6 +72,13 @@ class Config:
         "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
         *_between(0.001, 10),
     )
+    scrape_wait_seconds: float = _setting(
+        0.1,
+        "Longest a scrape waits for the rank's next collective before it renders, so that the render runs "
+        "while training waits for that collective instead of delaying it (gloo groups recorded in C++, on a "
+        "rank that issued a collective in the last second); 0: render at once.",
+        *_between(0, 10),
+    )
     native_collectives: bool = _setting(
         True,
         "Record gloo groups' collectives in C++, in flare's torch extension (built by `python -m "

@@ -22,7 +22,10 @@ device), each drawing its events from a bounded EventPool. The manager resolves 
 
 The TimingManager drains completions into per-(group, op) statistics: on its own thread every
 `interval_seconds`, and on every scrape so that what a scrape shows is current. The two never drain at
-once (a lock that only they take; the training thread never touches it).
+once (a lock that only they take; the training thread never touches it). A scrape's render holds the GIL
+for about a millisecond, which a training thread taking the GIL back after every op would wait for (and, in
+a synchronous job, every rank with it): so before it drains, a scrape first waits for the next collective of
+a recording backend (`scrape_drain`), and renders while the training thread waits for that collective.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class CollectiveStats:
 # Once a backend that is polled (NCCL) is in use, the manager wakes this often, so that it holds a completed
 # collective's work, and so its tensors, only briefly; otherwise it wakes every `interval_seconds`.
 POLL_INTERVAL_SECONDS = 0.02
+# A scrape waits for the next collective only on a rank that issued one this recently: one that issued none
+# (its training done, hung, or between phases) is rendered at once.
+RECENT_COLLECTIVE_SECONDS = 1.0
 
 
 class TimingManager:
@@ -165,6 +171,27 @@ class TimingManager:
             self._drain()
         finally:
             self._draining.release()
+
+    def scrape_drain(self, wait_seconds: float) -> None:
+        """A scrape's drain: first await_collective(wait_seconds), then drain."""
+        self.await_collective(wait_seconds)
+        self.drain()
+
+    def await_collective(self, timeout: float) -> str:
+        """Wait up to `timeout` seconds, without the GIL, for a recording backend's next collective, so that
+        what follows runs while the training thread waits for that collective instead of delaying it.
+
+        Returns "issued", "timeout", or "at once": no wait without a recording backend (NCCL groups, the
+        Python hooks: nothing to wake us), with `timeout` 0, or when no collective was issued in the last
+        RECENT_COLLECTIVE_SECONDS.
+        """
+        logs = list(self.logs)
+        if timeout <= 0 or not logs:
+            return "at once"
+        newest = max(timing.log.last_issued_at for timing, _ in logs)
+        if time.perf_counter() - newest > RECENT_COLLECTIVE_SECONDS:
+            return "at once"
+        return "issued" if logs[0][0].extension.wait_for_collective(timeout) else "timeout"
 
     def _drain(self) -> None:
         for timing, group in list(self.logs):  # what the recording backend recorded since the last drain

@@ -7,6 +7,7 @@ meet through a HashStore), so the tests see every record as the training thread 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,10 +18,14 @@ import torch
 import torch.distributed as dist
 from conftest import torch_extension
 
+from flare_exporter.agent import build_registry
+from flare_exporter.config import Config
 from flare_exporter.groups import GroupTracker, payload_bytes
 from flare_exporter.health import ExporterHealth
+from flare_exporter.identity import RankIdentity
 from flare_exporter.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.prometheus_process import wait_for
+from flare_exporter.state import FlareState
 from flare_exporter.timing import FutureTiming, NativeTiming, TimingManager
 
 
@@ -252,3 +257,94 @@ def test_the_python_hooks_complete_a_reduce_scatter_once_it_is_waited_for():
     assert tracker.in_flight is None and tracker.last_completed_seq == 1
     assert sum(manager.stats[("world", "reduce_scatter")].durations.counts) == 1
     assert arguments[0][0][0].tolist() == [2.0] * 4  # the real collective ran: the sum of both ranks' ones
+
+
+class Waiting(threading.Thread):
+    """`call()` on its own thread, started at once: `result` once it returns, `returned_at` (perf_counter)."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.call = call
+        self.result: Any = None
+        self.returned_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        self.result = self.call()
+        self.returned_at = time.perf_counter()
+
+
+def waiting_for_a_collective(extension: Any, call: Callable[[], Any]) -> Waiting:
+    """`call` started on its own thread, once it waits in wait_for_collective."""
+    waiting = Waiting(call)
+    wait_for(lambda: extension.collective_waiters() == 1 or not waiting.is_alive(), 10, "the wait to begin")
+    assert waiting.is_alive() and extension.collective_waiters() == 1
+    return waiting
+
+
+def test_a_scrape_waits_for_the_next_collective_issued():
+    extension = torch_extension()
+    backends, _ = recorded_pair()
+    waiting = waiting_for_a_collective(extension, lambda: extension.wait_for_collective(60))
+    issued_at = time.perf_counter()
+    work = backends[0].allreduce([ones()])  # in flight: its peer has not joined
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and waiting.result is True
+    assert waiting.returned_at >= issued_at  # woken by the collective, not before
+    assert extension.collective_waiters() == 0
+    backends[1].allreduce([ones()]).wait()
+    work.wait()
+
+
+def test_a_scrape_waits_for_a_collective_no_longer_than_its_timeout():
+    extension = torch_extension()
+    started = time.perf_counter()
+    assert extension.wait_for_collective(0.05) is False
+    assert time.perf_counter() - started >= 0.05 and extension.collective_waiters() == 0
+
+
+def test_the_timing_manager_waits_only_on_a_rank_that_issued_a_collective_recently():
+    extension = torch_extension()
+    manager = TimingManager(ExporterHealth(), queue_size=1024, interval_seconds=60)
+    assert manager.await_collective(60) == "at once"  # no recording backend: nothing would wake it
+    timing = NativeTiming(manager, extension)
+    glooes = gloo_pair()
+    backend, peer = timing.wrap(glooes[0]), glooes[1]
+    manager.add_log(timing, GroupTracker("world", 2, "gloo", timing, ExporterHealth()))
+    assert manager.await_collective(60) == "at once"  # none issued yet: a rank not (yet) training
+    first = backend.allreduce([ones()])
+    assert manager.await_collective(0) == "at once"  # waiting turned off
+    assert manager.await_collective(0.01) == "timeout"
+
+    waiting = waiting_for_a_collective(extension, lambda: manager.await_collective(60))
+    second = backend.allreduce([ones()])
+    waiting.join(timeout=10)
+    assert waiting.result == "issued"
+    peer.allreduce([ones()]).wait()
+    peer.allreduce([ones()]).wait()
+    first.wait()
+    second.wait()
+
+
+def test_a_scrape_renders_once_the_rank_issues_its_next_collective():
+    """A registry's scrape waits (scrape_wait_seconds) for the next collective, then drains and renders."""
+    extension = torch_extension()
+    identity = RankIdentity(rank=0, local_rank=0, world_size=2, run="r", host="h", pid=os.getpid())
+    state = FlareState.create(Config(scrape_wait_seconds=60), identity)
+    timing = NativeTiming(state.manager, extension)
+    glooes = gloo_pair()
+    backend, peer = timing.wrap(glooes[0]), glooes[1]
+    tracker = GroupTracker("world", 2, "gloo", timing, state.health)
+    state.manager.add_group(tracker)
+    state.manager.add_log(timing, tracker)
+    registry = build_registry(state)
+    on_both(lambda rank: (backend if rank == 0 else peer).allreduce([ones()]).wait())
+
+    scrape = waiting_for_a_collective(extension, lambda: list(registry.collect()))
+    assert tracker.last_issued_seq == 0  # not drained yet: the scrape waits before it drains
+    work = backend.allreduce([ones()])
+    scrape.join(timeout=10)
+    assert not scrape.is_alive() and tracker.last_issued_seq == 2  # it drained after the second was issued
+    assert any(family.name == "flare_collective_duration_seconds" for family in scrape.result)
+    peer.allreduce([ones()]).wait()
+    work.wait()

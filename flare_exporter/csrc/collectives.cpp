@@ -13,16 +13,31 @@
 // allocation); a record is free again once it was taken completed and every record before it too, so a
 // collective that never completes (failed, or hung) stays in flight, and once the ring is full further
 // collectives are counted as dropped, not recorded: the same bound as the Python hooks' pending queue.
+//
+// A scrape's render holds the GIL for a millisecond or more, and the training thread, which takes the GIL back
+// after every op, would wait for it: in a synchronous job, every rank with it. While the training thread waits
+// for a collective it needs no GIL, so a scrape first waits (wait_for_collective, the GIL released) until the
+// next collective is issued, and renders while training waits for it (TimingManager.await_collective).
 
 #include "collectives.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
 
 #include "clock.h"
 
@@ -68,6 +83,54 @@ enum State : uint32_t {
   kFailed,     // completed with an error: it stays in flight, as a hung collective would
   kTaken,      // handed over (or abandoned: the real backend raised); free once every record before it is
 };
+
+// Scrapes waiting for the next collective issued by any recording backend. The issuing thread takes no lock:
+// one load when nobody waits, else a bump of `issues` and a futex wake.
+class IssueSignal {
+ public:
+  // The issuing thread, once its collective is under way.
+  void issued() {
+    if (waiters_.load(std::memory_order_seq_cst) == 0) return;
+    issues_.fetch_add(1, std::memory_order_seq_cst);
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&issues_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+  }
+
+  // Any thread, without the GIL: true once a collective is issued after the call, false after `timeout`. A
+  // collective issued while the waiter was arriving may be missed; the next one wakes it.
+  bool wait(double timeout_seconds) {
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seen = issues_.load(std::memory_order_seq_cst);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+    bool issued = false;
+    while (!(issued = issues_.load(std::memory_order_seq_cst) != seen)) {
+      auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= std::chrono::steady_clock::duration::zero()) break;
+#ifdef __linux__
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      struct timespec relative = {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&issues_), FUTEX_WAIT_PRIVATE, seen, &relative, nullptr, 0);
+#else
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(left, std::chrono::milliseconds(1)));
+#endif
+    }
+    waiters_.fetch_sub(1, std::memory_order_seq_cst);
+    return issued;
+  }
+
+  uint32_t waiters() const { return waiters_.load(std::memory_order_seq_cst); }
+
+ private:
+  std::atomic<uint32_t> waiters_{0};
+  std::atomic<uint32_t> issues_{0};  // the futex word
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
+};
+
+IssueSignal& issue_signal() {
+  static IssueSignal* signal = new IssueSignal();  // never destroyed: backends may issue during exit
+  return *signal;
+}
 
 struct Record {
   std::atomic<uint32_t> state{kFree};
@@ -443,6 +506,7 @@ class RecordingBackend : public c10d::Backend {
       if (record != nullptr) log_->abandon(record);
       throw;
     }
+    issue_signal().issued();
     if (record == nullptr) return work;
     try {
       return log_->track(record, work);
@@ -473,6 +537,18 @@ void add_collectives(pybind11::module_& module) {
       },
       pybind11::arg("inner"), pybind11::arg("log"),
       "a c10d Backend that records every collective of `inner` in `log`, then delegates it");
+  module.def(
+      "wait_for_collective",
+      [](double timeout_seconds) {
+        pybind11::gil_scoped_release released;
+        return issue_signal().wait(timeout_seconds);
+      },
+      pybind11::arg("timeout_seconds"),
+      "wait, without the GIL, until a recording backend issues its next collective (true) or `timeout_seconds` "
+      "pass (false)");
+  module.def(
+      "collective_waiters", [] { return issue_signal().waiters(); },
+      "how many threads wait_for_collective is holding now");
   std::vector<std::string> ops(kOpNames, kOpNames + kOpCount);
   module.attr("COLLECTIVE_OPS") = ops;
 }
