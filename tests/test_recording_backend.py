@@ -84,6 +84,17 @@ def taken_until(log: Any, condition: Callable[[tuple], bool], what: str) -> tupl
     return wait_for(taken, 10, what)
 
 
+def recorded_into(manager: TimingManager, health: ExporterHealth) -> tuple[Any, Any, GroupTracker]:
+    """Rank 0 of a gloo pair wrapped in a recording backend whose log `manager` takes into the group `world`
+    at every drain: (that backend, rank 1's plain gloo backend, the group's tracker)."""
+    timing = NativeTiming(manager, torch_extension())
+    glooes = gloo_pair()
+    tracker = GroupTracker("world", 2, "gloo", timing, health)
+    manager.add_group(tracker)
+    manager.add_log(timing, tracker)
+    return timing.wrap(glooes[0]), glooes[1], tracker
+
+
 def ones(n: int = 4) -> torch.Tensor:
     return torch.ones(n)
 
@@ -204,16 +215,9 @@ def test_a_work_without_a_future_that_is_let_go_is_no_longer_in_flight():
 
 
 def test_the_timing_manager_takes_the_log_into_the_group():
-    extension = torch_extension()
     health = ExporterHealth()
     manager = TimingManager(health, queue_size=1024, interval_seconds=60)
-    timing = NativeTiming(manager, extension)
-    glooes = gloo_pair()
-    backend = timing.wrap(glooes[0])
-    peer = glooes[1]
-    tracker = GroupTracker("world", 2, "gloo", timing, health)
-    manager.add_group(tracker)
-    manager.add_log(timing, tracker)
+    backend, peer, tracker = recorded_into(manager, health)
 
     work = backend.allreduce([ones()])
     manager.drain()
@@ -307,10 +311,7 @@ def test_the_timing_manager_waits_only_on_a_rank_that_issued_a_collective_recent
     extension = torch_extension()
     manager = TimingManager(ExporterHealth(), queue_size=1024, interval_seconds=60)
     assert manager.await_collective(60) == "at once"  # no recording backend: nothing would wake it
-    timing = NativeTiming(manager, extension)
-    glooes = gloo_pair()
-    backend, peer = timing.wrap(glooes[0]), glooes[1]
-    manager.add_log(timing, GroupTracker("world", 2, "gloo", timing, ExporterHealth()))
+    backend, peer, _ = recorded_into(manager, ExporterHealth())
     assert manager.await_collective(60) == "at once"  # none issued yet: a rank not (yet) training
     first = backend.allreduce([ones()])
     assert manager.await_collective(0) == "at once"  # waiting turned off
@@ -331,12 +332,7 @@ def test_a_scrape_renders_once_the_rank_issues_its_next_collective():
     extension = torch_extension()
     identity = RankIdentity(rank=0, local_rank=0, world_size=2, run="r", host="h", pid=os.getpid())
     state = FlareState.create(Config(scrape_wait_seconds=60), identity)
-    timing = NativeTiming(state.manager, extension)
-    glooes = gloo_pair()
-    backend, peer = timing.wrap(glooes[0]), glooes[1]
-    tracker = GroupTracker("world", 2, "gloo", timing, state.health)
-    state.manager.add_group(tracker)
-    state.manager.add_log(timing, tracker)
+    backend, peer, tracker = recorded_into(state.manager, state.health)
     registry = build_registry(state)
     on_both(lambda rank: (backend if rank == 0 else peer).allreduce([ones()]).wait())
 
