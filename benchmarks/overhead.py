@@ -469,15 +469,11 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         job.kill()
 
     reports = job.reports(args.warmup)
-    rank_medians, thread_cpu, process_cpu, costs = [], [], [], []
-    threads_cpu: dict[str, list[float]] = {}
+    rank_medians, thread_cpu, costs = [], [], []
     for reported in reports:
         times = reported["step_times"]
         rank_medians.append(statistics.median(times[args.warmup :]))
         thread_cpu.append(statistics.median(reported["step_cpu"][args.warmup :]))
-        process_cpu.append(statistics.fmean(reported["process_cpu"][args.warmup :]))
-        for name, seconds in reported.get("threads_cpu", {}).items():
-            threads_cpu.setdefault(name, []).append(seconds / len(times))
         if scraper is not None:
             cost = scrape_cost(reported["step_ends"], scraper.rounds, args.warmup)
             if cost is not None:
@@ -490,18 +486,32 @@ def run_job(args: argparse.Namespace, with_exporter: bool, workdir: Path, label:
         wall,
         statistics.median(cpu for cpu in job.cpu_s if cpu is not None),
         statistics.median(thread_cpu),
-        statistics.median(process_cpu),
+        process_cpu_per_step(reports, args.warmup),
         scrapes,
-        {name: statistics.median(values) for name, values in threads_cpu.items()},
+        threads_cpu_per_step(reports),
         statistics.median(costs) if costs else None,
     )
 
 
-def thread_breakdown(pairs: list[dict]) -> dict[str, float]:
+def process_cpu_per_step(reports: list[dict], warmup: int) -> float:
+    """Median over ranks of the whole process's mean CPU per step after the warm-up (every thread)."""
+    return statistics.median(statistics.fmean(reported["process_cpu"][warmup:]) for reported in reports)
+
+
+def threads_cpu_per_step(reports: list[dict]) -> dict[str, float]:
+    """Median over ranks of each Python thread's CPU over the training steps, per step."""
+    per_thread: dict[str, list[float]] = {}
+    for reported in reports:
+        for name, seconds in reported.get("threads_cpu", {}).items():
+            per_thread.setdefault(name, []).append(seconds / len(reported["step_times"]))
+    return {name: statistics.median(values) for name, values in per_thread.items()}
+
+
+def thread_breakdown(threads_of_runs: list[dict[str, float]]) -> dict[str, float]:
     """Median over the runs with the exporter of each Python thread's CPU per step, busiest first."""
     per_thread: dict[str, list[float]] = {}
-    for pair in pairs:
-        for name, seconds in pair["with"]["threads_cpu"].items():
+    for threads in threads_of_runs:
+        for name, seconds in threads.items():
             per_thread.setdefault(name, []).append(seconds)
     medians = {name: statistics.median(values) for name, values in per_thread.items()}
     return dict(sorted(medians.items(), key=lambda item: -item[1]))
@@ -1068,7 +1078,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             f"{found['median_with'] * 1e6:.1f} us with; "
             f"ratio median {found['median_ratio']:.4f}{interval_text}"
         )
-    threads = thread_breakdown(pairs)
+    threads = thread_breakdown([pair["with"]["threads_cpu"] for pair in pairs])
     print(
         "  CPU per step of each Python thread, with the exporter (median over runs; all steps): "
         + ", ".join(f"{name} {seconds * 1e6:.1f} us" for name, seconds in threads.items())
@@ -1260,8 +1270,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="flare-overhead-") as tmp:
         for pair in range(1, args.pairs + 1):
             slices, without, with_, scraper = run_interleaved(args, Path(tmp) / f"pair{pair}")
-            reports_with = with_.reports(args.warmup)
-            measured = slice_pairs(slices, without.reports(args.warmup), reports_with, args.warmup)
+            reports_with, reports_without = with_.reports(args.warmup), without.reports(args.warmup)
+            measured = slice_pairs(slices, reports_without, reports_with, args.warmup)
             if not measured:
                 raise RunError(
                     f"pair {pair}: no slice with the exporter lay between two without it with "
@@ -1274,6 +1284,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 "step_time_with": statistics.median(m["step_time_with"] for m in measured),
                 "ratio": statistics.median(m["ratio"] for m in measured),
                 "thread_cpu_ratio": statistics.median(m["thread_cpu_ratio"] for m in measured),
+                "process_cpu_without": process_cpu_per_step(reports_without, args.warmup),
+                "exporter_threads_cpu": exporter_threads(threads_cpu_per_step(reports_with)),
             }
             scrape_text = ""
             if scraper is not None:
@@ -1281,6 +1293,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 scrapes.add(run_scrapes)
                 scraped_s = sum(ended - began for with_exporter, (began, ended) in slices if with_exporter)
                 rate = result["scrape_rounds_per_second"] = len(scraper.rounds) / scraped_s
+                result["scrape_cpu"] = scrape_cpu(reports_with, len(scraper.rounds))
                 scrape_text = f"{run_scrapes.done:>6}/{run_scrapes.failed:<10}  {rate:.2f}"
             print(
                 f"{pair:>4}  {len(measured):>6}  {result['step_time_without'] * 1e3:10.3f}  "
@@ -1308,6 +1321,9 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         print(f"  scrapes: {scrapes.done} done, {scrapes.failed} failed")
     for failure in scrapes.failures:
         print(f"  scrape failure: {failure}")
+    accounting = exporter_cpu_accounting(pairs)
+    if accounting is not None:
+        print(f"  {accounting['text']}")
     print(f"  goal: median ratio <= {GOAL_RATIO}: {_verdict(median_ratio, ci)}")
     return {
         "interleaved": {
@@ -1318,11 +1334,56 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 "thread_cpu_median_ratio": statistics.median(cpu_ratios),
                 "thread_cpu_ratio_ci95": list(cpu_ci) if cpu_ci else None,
                 "scrapes": asdict(scrapes),
+                "exporter_cpu": accounting,
                 "goal_ratio": GOAL_RATIO,
                 "goal_met": median_ratio <= GOAL_RATIO,
                 "placebo": args.placebo,
             },
         }
+    }
+
+
+def exporter_threads(threads: dict[str, float]) -> dict[str, float]:
+    """The exporter's own threads (flare-*) of a thread breakdown."""
+    return {name: seconds for name, seconds in threads.items() if name.startswith("flare-")}
+
+
+def scrape_cpu(reports: list[dict], rounds: int) -> float | None:
+    """Median over ranks of the endpoint thread's CPU per scrape (each round scrapes every rank once)."""
+    if not rounds:
+        return None
+    return statistics.median(r.get("threads_cpu", {}).get("flare-http", 0.0) / rounds for r in reports)
+
+
+def exporter_cpu_accounting(pairs: list[dict]) -> dict[str, Any] | None:
+    """What the exporter's own threads cost per step, against a rank's CPU per step without the exporter:
+    on a machine whose cores the ranks fill, about that share of the step time is theirs alone (the
+    training thread's own extra CPU comes on top). None without the exporter (placebo)."""
+    threads = thread_breakdown([pair["exporter_threads_cpu"] for pair in pairs])
+    if not threads:
+        return None
+    total = sum(threads.values())
+    process_without = statistics.median(pair["process_cpu_without"] for pair in pairs)
+    scrapes = [pair["scrape_cpu"] for pair in pairs if pair.get("scrape_cpu") is not None]
+    scrape = statistics.median(scrapes) if scrapes else None
+    per_scrape = f" ({scrape * 1e3:.2f} ms a scrape)" if scrape else ""
+    parts = [
+        f"{name} {seconds * 1e6:.1f} us" + (per_scrape if name == "flare-http" else "")
+        for name, seconds in threads.items()
+    ]
+    share = total / process_without
+    return {
+        "threads_per_step": threads,
+        "total_per_step": total,
+        "process_cpu_without": process_without,
+        "share": share,
+        "scrape_cpu": scrape,
+        "text": (
+            f"the exporter's own threads, CPU per step (median over pairs): {', '.join(parts)}: "
+            f"{total * 1e6:.1f} us, {share:.2%} of a rank process's CPU per step without the exporter "
+            f"({process_without * 1e3:.2f} ms); where the ranks fill the cores, that share of the step time "
+            "is theirs, before the training thread's own"
+        ),
     }
 
 

@@ -93,6 +93,15 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     # the exporter's job answered while it ran, and no scrape waited on it while it was paused
     assert scrapes["done"] > 0 and scrapes["failed"] == 0, scrapes["failures"]
     assert "each pair's two jobs at once, taking turns of 0.4 s" in done.stdout
+    # the exporter's own threads' CPU, from the ranks' reports: the endpoint's among them, per scrape too
+    accounting = results["interleaved"]["summary"]["exporter_cpu"]
+    threads = accounting["threads_per_step"]
+    assert threads["flare-http"] > 0 and all(name.startswith("flare-") for name in threads)
+    assert accounting["total_per_step"] == pytest.approx(sum(threads.values()))
+    share = accounting["total_per_step"] / accounting["process_cpu_without"]
+    assert 0 < accounting["share"] == pytest.approx(share)
+    assert 0 < accounting["scrape_cpu"] < pair["exporter_threads_cpu"]["flare-http"] * 400
+    assert "the exporter's own threads, CPU per step" in done.stdout
 
 
 def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
