@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -168,6 +169,24 @@ def test_xid_events_arrive_through_the_event_set_on_the_background_thread():
     series = gpu_series(scrape(state))
     assert series[("flare_gpu_xid_events_total", ())] == 2
     assert series[("flare_gpu_last_xid", ())] == 48
+
+
+def test_an_idle_reader_waits_for_events_until_its_next_read_and_stop_does_not_wait_for_it():
+    nvml = FakeNvml([make_device(0)])
+    monitor = gpu_health.GpuHealthMonitor(nvml, 0, FlareState.create(Config(), IDENTITY).health, 60)
+    assert monitor.open()
+    monitor.start()
+    wait_for(lambda: nvml.event_waits, 10, "the reader's first wait for events")
+    reads = nvml.calls.count("nvmlDeviceGetCurrentClocksEventReasons")
+    assert reads == 1 and len(nvml.event_waits) == 1
+    assert nvml.event_waits[0] > 50_000  # one wait until the next read, a minute away: not slices of it
+    stopping = time.monotonic()
+    monitor.stop()
+    assert time.monotonic() - stopping < 30  # it did not wait for the minute's event wait
+    nvml.raise_xid(nvml.devices[0], 79)  # the wait returns: the reader ends, without another read
+    monitor._thread.join(10)
+    assert not monitor._thread.is_alive()
+    assert nvml.calls.count("nvmlDeviceGetCurrentClocksEventReasons") == reads and len(nvml.event_waits) == 1
 
 
 def test_background_reads_follow_the_device():

@@ -118,6 +118,7 @@ class FakeNvml:
         self.events: queue.Queue[EventData] = queue.Queue()
         self.registered: list[tuple[int, int]] = []  # (device index, event types)
         self.calls: list[str] = []
+        self.event_waits: list[int] = []  # each nvmlEventSetWait's timeout, in ms
 
     # -- what tests use to drive it
 
@@ -250,6 +251,7 @@ class FakeNvml:
         self.registered.append((device.index, event_types))
 
     def nvmlEventSetWait(self, event_set: list[int], timeout_ms: int) -> EventData:  # noqa: N802
+        self.event_waits.append(timeout_ms)
         try:
             event = self.events.get(timeout=timeout_ms / 1000.0)
         except queue.Empty:
