@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import pytest
 from prometheus_client import generate_latest
 from test_golden import fixed_state
 
@@ -66,6 +67,19 @@ def test_hang_is_reported_once_per_stall_and_not_during_start_up(tmp_path):
     state.steps.last_step_at += 5  # progress, then a second stall
     watcher.check(state.steps.last_step_at + 2.5)
     assert len(hangs) == 2
+
+
+def test_a_training_rank_is_checked_when_a_stall_could_begin_and_every_interval_while_stalled(tmp_path):
+    state = make_state(tmp_path, stall_seconds=30.0, hang_seconds=300.0)
+    watcher = StallWatcher(state, threading.get_ident(), [].append)
+    assert watcher.interval == 1.0
+    assert watcher.seconds_to_next_check(watcher.started_at + 5) == pytest.approx(25)  # start-up counts too
+    state.steps.last_step_at = time.perf_counter()
+    assert watcher.seconds_to_next_check(state.steps.last_step_at + 0.01) == pytest.approx(29.99)
+    assert watcher.seconds_to_next_check(state.steps.last_step_at + 29.5) == 1.0  # never sooner than that
+    assert watcher.seconds_to_next_check(state.steps.last_step_at + 31) == 1.0  # stalled: every interval
+    early_hang = StallWatcher(make_state(tmp_path, stall_seconds=30.0, hang_seconds=10.0), 0, [].append)
+    assert early_hang.seconds_to_next_check(early_hang.started_at + 4) == pytest.approx(6)
 
 
 def test_waiting_in_a_collective_and_in_the_data_loader_are_told_apart():
