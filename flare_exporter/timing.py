@@ -20,8 +20,9 @@ it (manager thread). Implementations: TorchCudaEvents (`torch.cuda.Event`), Cupy
 the `cupy` extra, imported lazily) and FakeDeviceEvents (fake_device.py: a CPU thread standing in for the
 device), each drawing its events from a bounded EventPool. The manager resolves them like collectives.
 
-The TimingManager drains completions into per-(group, op) statistics: on its own thread every
-`interval_seconds`, and on every scrape so that what a scrape shows is current. The two never drain at
+The TimingManager drains completions into per-(group, op) statistics: on every scrape so that what a scrape
+shows is current, and on its own thread once `interval_seconds` passed without a drain (a rank scraped
+more often than that costs its thread one wake an interval, no drain). The two never drain at
 once (a lock that only they take; the training thread never touches it). A scrape's render holds the GIL
 for about a millisecond, which a training thread taking the GIL back after every op would wait for (and, in
 a synchronous job, every rank with it): so before it drains, a scrape first waits for the next collective of
@@ -72,7 +73,7 @@ class CollectiveStats:
 
 
 # Once a backend that is polled (NCCL) is in use, the manager wakes this often, so that it holds a completed
-# collective's work, and so its tensors, only briefly; otherwise it wakes every `interval_seconds`.
+# collective's work, and so its tensors, only briefly; otherwise `interval_seconds` after the last drain.
 POLL_INTERVAL_SECONDS = 0.02
 # A scrape waits for the next collective only on a rank that issued one this recently: one that issued none
 # (its training done, hung, or between phases) is rendered at once.
@@ -99,6 +100,7 @@ class TimingManager:
         # recording backends'): the straggler windows take them in the same drain, which then clears them
         self.finished: list[tuple[float, float]] = []
         self.polls_often = False
+        self.drained_at = time.monotonic()  # when the last drain ended, by any thread
         self._stop = threading.Event()
         self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
         self._thread = threading.Thread(target=self._run, name="flare-timing", daemon=True)
@@ -154,11 +156,19 @@ class TimingManager:
         self.tasks.append(task)
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_INTERVAL_SECONDS if self.polls_often else self.interval_seconds):
+        while not self._stop.wait(max(0.0, self.drain_due_in())):
+            if self.drain_due_in() > 0:
+                continue  # another drain (a scrape's) came in between: the next is due later
             try:
                 self.drain()
             except Exception as error:  # the manager must outlive any bad record
                 self.health.error("timing_manager", error)
+
+    def drain_due_in(self) -> float:
+        """Seconds until the manager's own drain is due: `interval_seconds` (POLL_INTERVAL_SECONDS once a
+        polled backend is in use) after the last drain by any thread."""
+        interval = POLL_INTERVAL_SECONDS if self.polls_often else self.interval_seconds
+        return self.drained_at + interval - time.monotonic()
 
     def drain(self, timeout: float = -1) -> None:
         """Resolve what has completed so far (manager thread, scrapes, and once at stop).
@@ -170,6 +180,7 @@ class TimingManager:
         try:
             self._drain()
         finally:
+            self.drained_at = time.monotonic()
             self._draining.release()
 
     def scrape_drain(self, wait_seconds: float) -> None:

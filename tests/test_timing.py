@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import torch_extension
 
 from flare_exporter import spec
 from flare_exporter.health import ExporterHealth
+from flare_exporter.prometheus_process import wait_for
 from flare_exporter.timing import (
     CollectiveRecord,
     CudaEventTiming,
@@ -334,6 +336,30 @@ def test_completion_stamps_are_filled_in_by_the_extension_without_python():
     future.set_result(None)
     assert before <= stamp.completed_at <= time.perf_counter()  # on perf_counter's clock
     assert not stamp.failed
+
+
+def test_manager_drains_only_once_its_interval_passed_without_a_scrapes_drain():
+    manager = TimingManager(ExporterHealth(), queue_size=16, interval_seconds=2.0)
+    drains_by: list[str] = []
+    drain = manager._drain
+
+    def counted_drain() -> None:
+        drains_by.append(threading.current_thread().name)
+        drain()
+
+    manager._drain = counted_drain  # type: ignore[method-assign]
+    manager.start()
+    try:
+        scraping_until = time.monotonic() + 3.0  # more than its interval, drained 20 times a second
+        while time.monotonic() < scraping_until:
+            manager.drain()
+            time.sleep(0.05)
+        assert "flare-timing" not in drains_by and len(drains_by) > 20
+        assert 1.0 < manager.drain_due_in() <= 2.0  # an interval after the last of them
+        wait_for(lambda: "flare-timing" in drains_by, 10, "the manager's own drain once scrapes stopped")
+        assert manager.drain_due_in() > 1.0  # its drain counts as one: the next is an interval away
+    finally:
+        manager.stop()
 
 
 def test_manager_polls_often_once_a_polled_backend_exists():
