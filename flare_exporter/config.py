@@ -69,7 +69,8 @@ class Config:
     )
     timing_interval_seconds: float = _setting(
         5.0,
-        "How often the timing manager resolves completed collectives (scrapes also do, so they are current).",
+        "Longest time between two resolutions of completed collectives: every scrape resolves them, so it is "
+        "current, and the timing manager's thread does once this long passed without one.",
         *_between(0.001, 10),
     )
     scrape_wait_seconds: float = _setting(

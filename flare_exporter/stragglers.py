@@ -18,11 +18,11 @@ Where the numbers come from, without touching the training thread beyond the ste
   before its end has finished.
 
 StepWindows registers with the timing manager like a group, so `forget_finished()` runs at the end of
-every drain (the manager's thread every timing_interval_seconds, and every scrape), under the drain lock:
-it never runs on the training thread and never concurrently with itself. A collective is in its group's
-pending queue from its issue until a drain after it finished, so every drain that looks at the queue sees
-it at least once; StepWindows keeps a reference to each unfinished one it has seen and accounts it once
-it has a duration.
+every drain (every scrape, and the manager's thread once timing_interval_seconds passed without one), under
+the drain lock: it never runs on the training thread and never concurrently with itself. A collective is in
+its group's pending queue from its issue until a drain after it finished, so every drain that looks at the
+queue sees it at least once; StepWindows keeps a reference to each unfinished one it has seen and accounts
+it once it has a duration.
 """
 
 from __future__ import annotations
