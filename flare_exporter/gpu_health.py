@@ -9,9 +9,9 @@ A GpuHealthMonitor thread reads the device every `interval` seconds into an immu
 scrapes only read, so a slow or wedged NVML call never holds a scrape, and never runs on the training
 thread. Between reads the same thread waits on an NVML event set for critical XID events (as they happen,
 not by polling the last one), until its next read: an idle reader wakes once a read (each wake of a thread
-costs a rank about 0.1 ms of CPU on a virtual machine). stop() does not wait for a reader blocked in NVML's
-event wait, which cannot be interrupted: the reader is a daemon thread that holds nothing and ends when the
-wait returns.
+cost about 0.1 ms of CPU on the virtual machine it was measured on). stop() does not wait for a reader
+blocked in NVML's event wait, which cannot be interrupted: the reader is a daemon thread that holds nothing
+and ends when the wait returns.
 
 The rank's device: entry LOCAL_RANK of CUDA_VISIBLE_DEVICES when it has that many entries (all GPUs
 visible, torch.cuda.set_device(local_rank)), else its only/first entry (one GPU per process); an entry is

@@ -3,8 +3,8 @@
 A StallWatcher thread compares the time of the rank's last progress (an optimizer step or a collective
 issued) with `stall_seconds` and `hang_seconds`. It wakes when the first of them could have passed since
 the last progress it saw (a training rank: once every `stall_seconds`, not every second; each wake of a
-thread costs a rank about 0.1 ms of CPU on a virtual machine), and every second or so while the rank is
-stalled:
+thread cost about 0.1 ms of CPU on the virtual machine it was measured on), and every second or so while
+the rank is stalled:
 
 - stalled for `stall_seconds`: it samples the training thread's innermost Python frames and says what the
   thread is doing (`collective`: a collective of its own is unfinished, or it sits in torch.distributed;
