@@ -81,6 +81,19 @@ def test_a_training_rank_is_checked_when_a_stall_could_begin_and_every_interval_
     early_hang = StallWatcher(make_state(tmp_path, stall_seconds=30.0, hang_seconds=10.0), 0, [].append)
     assert early_hang.seconds_to_next_check(early_hang.started_at + 4) == pytest.approx(6)
 
+    class TwoWaits:  # the watcher's stop event: records each wait, and stops it at the second
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+
+        def wait(self, timeout: float) -> bool:
+            self.waits.append(timeout)
+            return len(self.waits) > 1
+
+    stop = watcher._stop = TwoWaits()  # type: ignore[assignment]
+    state.steps.last_step_at = time.perf_counter()
+    watcher._run()  # checks once after its first wait, then sleeps until a stall could begin
+    assert stop.waits[0] == 1.0 and 28 < stop.waits[1] <= 30
+
 
 def test_waiting_in_a_collective_and_in_the_data_loader_are_told_apart():
     frame = sys._getframe()
