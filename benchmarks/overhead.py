@@ -1323,7 +1323,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         print(f"  scrape failure: {failure}")
     accounting = exporter_cpu_accounting(pairs)
     if accounting is not None:
-        print(f"  {accounting['text']}")
+        print(f"  {accounting_text(accounting)}")
     print(f"  goal: median ratio <= {GOAL_RATIO}: {_verdict(median_ratio, ci)}")
     return {
         "interleaved": {
@@ -1365,26 +1365,29 @@ def exporter_cpu_accounting(pairs: list[dict]) -> dict[str, Any] | None:
     total = sum(threads.values())
     process_without = statistics.median(pair["process_cpu_without"] for pair in pairs)
     scrapes = [pair["scrape_cpu"] for pair in pairs if pair.get("scrape_cpu") is not None]
-    scrape = statistics.median(scrapes) if scrapes else None
-    per_scrape = f" ({scrape * 1e3:.2f} ms a scrape)" if scrape else ""
-    parts = [
-        f"{name} {seconds * 1e6:.1f} us" + (per_scrape if name == "flare-http" else "")
-        for name, seconds in threads.items()
-    ]
-    share = total / process_without
     return {
         "threads_per_step": threads,
         "total_per_step": total,
         "process_cpu_without": process_without,
-        "share": share,
-        "scrape_cpu": scrape,
-        "text": (
-            f"the exporter's own threads, CPU per step (median over pairs): {', '.join(parts)}: "
-            f"{total * 1e6:.1f} us, {share:.2%} of a rank process's CPU per step without the exporter "
-            f"({process_without * 1e3:.2f} ms); where the ranks fill the cores, that share of the step time "
-            "is theirs, before the training thread's own"
-        ),
+        "share": total / process_without,
+        "scrape_cpu": statistics.median(scrapes) if scrapes else None,
     }
+
+
+def accounting_text(accounting: dict[str, Any]) -> str:
+    """exporter_cpu_accounting's summary line."""
+    scrape = accounting["scrape_cpu"]
+    per_scrape = f" ({scrape * 1e3:.2f} ms a scrape)" if scrape else ""
+    parts = [
+        f"{name} {seconds * 1e6:.1f} us" + (per_scrape if name == "flare-http" else "")
+        for name, seconds in accounting["threads_per_step"].items()
+    ]
+    return (
+        f"the exporter's own threads, CPU per step (median over pairs): {', '.join(parts)}: "
+        f"{accounting['total_per_step'] * 1e6:.1f} us, {accounting['share']:.2%} of a rank process's CPU per "
+        f"step without the exporter ({accounting['process_cpu_without'] * 1e3:.2f} ms); where the ranks fill "
+        "the cores, that share of the step time is theirs, before the training thread's own"
+    )
 
 
 def _verdict(median_ratio: float, ci: tuple[float, float] | None) -> str:
