@@ -80,7 +80,7 @@ class FlareCollector:
             started = time.perf_counter()
             try:
                 # all of it, or nothing; a family without samples is left out, as Go exporters do
-                output.extend([family for family in collector.collect(families) if family.samples])
+                output.extend([family for family in collector.collect(families) if _has_samples(family)])
                 ok = 1
             except Exception as error:
                 self.health.error(f"collector_{collector.name}", error)
@@ -91,7 +91,12 @@ class FlareCollector:
         return output + [success, duration]
 
 
-class _NotPlain(Exception):
+def _has_samples(family: Metric) -> bool:
+    series = getattr(family, "series", None)  # a HistogramFamily's, whose samples are built when read
+    return bool(series) if series is not None else bool(family.samples)
+
+
+class NotPlain(Exception):
     """A family render_text does not write itself (generate_latest does)."""
 
 
@@ -113,14 +118,14 @@ MAX_PREFIXES = 4096
 SamplePrefixes = dict[tuple[Any, ...], str]
 
 
-def _sample_prefix(name: str, labels: dict[str, str]) -> str:
+def sample_prefix(name: str, labels: dict[str, str]) -> str:
     """`name{label="value",...} `: the line up to its value, label names checked, values escaped."""
     if not labels:
         return name + " "
     if not _LABEL_NAMES.issuperset(labels):
         for key in labels:
             if not _LEGACY_NAME(key) or key.startswith("__"):
-                raise _NotPlain(key)
+                raise NotPlain(key)
             _LABEL_NAMES.add(key)
     text = ",".join(f'{key}="{_escape_value(value)}"' for key, value in sorted(labels.items()))
     return f"{name}{{{text}}} "
@@ -130,30 +135,41 @@ def _family_text(metric: Metric, output: list[str], prefixes: SamplePrefixes | N
     kind = metric.type
     suffix, shown = _PLAIN_TYPES.get(kind, ("", kind))
     if kind not in _PLAIN_TYPES and kind != "histogram":
-        raise _NotPlain(kind)
+        raise NotPlain(kind)
     name = metric.name + suffix
     if not _LEGACY_NAME(name):
-        raise _NotPlain(name)
+        raise NotPlain(name)
     documentation = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
     output.append(f"# HELP {name} {documentation}\n# TYPE {name} {shown}\n")
+    series = getattr(metric, "series", None) if kind == "histogram" else None
+    if series is not None:  # a HistogramFamily's: each line's prefix is kept by its HistogramLines
+        for lines, values in series:
+            if lines.prefixes is None:
+                raise NotPlain(name)
+            output.extend(map(_line, lines.prefixes, values))
+        return
     for sample in metric.samples:
         if (
             sample.timestamp is not None
             or sample.exemplar is not None
             or sample.name.endswith(("_created", "_gsum", "_gcount"))
         ):
-            raise _NotPlain(sample.name)
+            raise NotPlain(sample.name)
         if prefixes is None:
-            prefix = _sample_prefix(sample.name, sample.labels)
+            prefix = sample_prefix(sample.name, sample.labels)
         else:
             key = (sample.name, *sample.labels.items())
             kept = prefixes.get(key)
             if kept is None:
                 if len(prefixes) >= MAX_PREFIXES:
                     prefixes.clear()
-                kept = prefixes[key] = _sample_prefix(sample.name, sample.labels)
+                kept = prefixes[key] = sample_prefix(sample.name, sample.labels)
             prefix = kept
-        output.append(prefix + _value_text(sample.value) + "\n")
+        output.append(_line(prefix, sample.value))
+
+
+def _line(prefix: str, value: float) -> str:
+    return prefix + _value_text(value) + "\n"
 
 
 SHORT_INT = 1_000_000  # from here on floatToGoString writes an int with an exponent, as Go does
@@ -191,7 +207,7 @@ def python_text_format(metrics: Iterable[Metric], prefixes: SamplePrefixes | Non
     try:
         for metric in metrics:
             _family_text(metric, output, prefixes)
-    except _NotPlain:
+    except NotPlain:
         return None
     return "".join(output).encode("utf-8")
 

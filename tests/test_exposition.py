@@ -437,6 +437,50 @@ def test_a_scrape_builds_sample_names_and_label_values_anew_only_where_they_chan
     assert renewed == {("flare_rank_stack_info", "frames")}
 
 
+def test_a_histogram_family_is_written_from_its_series_as_prometheus_client_writes_its_samples(monkeypatch):
+    """Families.add_histogram keeps a series' numbers and its lines' prefixes (HistogramLines), and builds no
+    sample; the text both writers make of it is prometheus_client's, and its samples, read, are the ones
+    HistogramMetricFamily.add_metric makes. A line that only prometheus_client can write sends the family to
+    it, which reads the samples."""
+    from conftest import torch_extension
+    from prometheus_client.core import HistogramMetricFamily
+
+    from flare_exporter.collectors import HistogramFamily, HistogramLines
+    from flare_exporter.exposition import render_text
+    from flare_exporter.histogram import Histogram, bucket_labels
+
+    native = torch_extension().render_text
+    families = Families(("3", 'run "one"\\two\nthree'))
+    family = families.new("flare_collective_duration_seconds")
+    bounds = (0.001, 0.01, 0.1)
+    for op, counts, total in (("allreduce", [2, 0, 3, 1], 4.25), ("broadcast", [0, 0, 0, 0], 0.0)):
+        families.add_histogram(family, ("world", op), Histogram(bounds, counts, total))
+    expected = HistogramMetricFamily(family.name, family.documentation, labels=["rank", "run", "group", "op"])
+    for op, cumulative, total in (("allreduce", [2, 2, 5, 6], 4.25), ("broadcast", [0, 0, 0, 0], 0.0)):
+        buckets = list(zip(bucket_labels(bounds), cumulative, strict=True))
+        expected.add_metric([*families.common_values, "world", op], buckets, total)
+    built = HistogramFamily.samples
+    reads = []  # neither writer builds the samples
+    counted = property(lambda family: reads.append(family) or built.fget(family), built.fset)
+    monkeypatch.setattr(HistogramFamily, "samples", counted)
+    text, python_text = native([family]), python_text_format([family])
+    assert reads == [] and text == python_text == python_text_format([expected])
+    assert family.samples == expected.samples and len(family.series) == 2
+    labels = b'rank="3",run="run \\"one\\"\\\\two\\nthree"'
+    assert b'_bucket{group="world",le="0.01",op="allreduce",' + labels + b"} 2\n" in text
+    assert b'_sum{group="world",op="allreduce",' + labels + b"} 4.25\n" in text
+    with pytest.raises(TypeError):
+        family.add_metric(["3", "run", "world", "gather"], [("+Inf", 1)], 1.0)
+
+    odd = families.new("flare_step_duration_seconds")
+    odd.series.append((HistogramLines(odd.name, {"__reserved": "x"}, bounds), [1, 1, 1, 1, 1, 0.5]))
+    assert odd.series[0][0].prefixes is None
+    assert native([family, odd]) is None and python_text_format([family, odd]) is None
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(Fixed([odd]))
+    assert b'flare_step_duration_seconds_sum{__reserved="x"} 0.5\n' in render_text(registry)
+
+
 def build_flare_families() -> list:
     import time
 

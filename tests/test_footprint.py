@@ -221,7 +221,8 @@ def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(mon
     registry = build_registry(state)
     prefixes: dict = {}
     first = rendered(registry, prefixes)
-    assert first == rendered(registry) and len(prefixes) > 200
+    # (a histogram's lines keep theirs in its HistogramLines)
+    assert first == rendered(registry) and len(prefixes) > 60
     vc.advance(state, 5, 64, 40, now + 4.0, busiest_faults(now))  # values move on, labels stay
     again = rendered(registry, prefixes)
     assert again == rendered(registry) and again != first

@@ -44,16 +44,55 @@ class Families:
         return [*self.common_values, *values]
 
     def add_histogram(self, family: Any, values: tuple[str, ...], histogram: Histogram) -> None:
-        """The samples HistogramMetricFamily.add_metric adds (each bucket, _count, _sum), built with less
-        work per bucket: a scrape adds hundreds of buckets, whose label dicts are built once per series."""
+        """One series of a histogram family (a HistogramFamily): its lines (each bucket, _count, _sum) kept
+        once per series, and this scrape's numbers."""
         counts, total = histogram.cumulative()
-        labels, le_labels = _histogram_labels(family.name, (*self.common_values, *values), histogram.bounds)
-        bucket, count, total_name = _histogram_sample_names(family.name)
-        family.samples.extend(
-            [Sample(bucket, le, number) for le, number in zip(le_labels, counts, strict=True)]
-        )
-        family.samples.append(Sample(count, labels, counts[-1]))
-        family.samples.append(Sample(total_name, labels, total))
+        lines = _histogram_lines(family.name, (*self.common_values, *values), histogram.bounds)
+        family.series.append((lines, [*counts, counts[-1], total]))  # _count: the +Inf bucket's
+
+
+class HistogramLines:
+    """The lines of one histogram series: each one's sample name and labels and, where the text format can
+    write them as they are, the text before its value (`prefixes`; None where a label needs
+    prometheus_client's writer)."""
+
+    __slots__ = ("names", "labels", "prefixes")
+
+    def __init__(self, name: str, labels: dict[str, str], bounds: tuple[float, ...]) -> None:
+        from ..exposition import NotPlain, sample_prefix  # the exposition module imports this one
+
+        bucket, count, total = _histogram_sample_names(name)
+        self.names = (bucket,) * (len(bounds) + 1) + (count, total)
+        self.labels = (*({**labels, "le": le} for le in bucket_labels(bounds)), labels, labels)
+        try:
+            self.prefixes: tuple[str, ...] | None = tuple(map(sample_prefix, self.names, self.labels))
+        except NotPlain:
+            self.prefixes = None
+
+
+class HistogramFamily(HistogramMetricFamily):
+    """A histogram family whose series are numbers (`series`: (HistogramLines, values) per series, added by
+    Families.add_histogram): the text format writes each line's kept prefix and value, with no sample
+    object built; `samples` builds prometheus_client's samples from them for any other reader."""
+
+    series: list[tuple[HistogramLines, list[float]]]
+
+    @property  # type: ignore[override]
+    def samples(self) -> list[Sample]:
+        return [
+            Sample(name, labels, value)
+            for lines, values in self.series
+            for name, labels, value in zip(lines.names, lines.labels, values, strict=True)
+        ]
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        if samples:
+            raise TypeError("a HistogramFamily's series are added by Families.add_histogram")
+        self.series = []
+
+    def add_metric(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a HistogramFamily's series are added by Families.add_histogram")
 
 
 class _CounterFamily(CounterMetricFamily):
@@ -82,19 +121,16 @@ def _prototype(name: str) -> Metric:
         spec.COUNTER: _CounterFamily,
         spec.GAUGE: GaugeMetricFamily,
         spec.INFO: GaugeMetricFamily,
-        spec.HISTOGRAM: HistogramMetricFamily,
+        spec.HISTOGRAM: HistogramFamily,
     }[metric.type]
     return family_class(metric.name, metric.help, labels=_label_names(name), unit=metric.unit)
 
 
-# Per histogram series: its labels, and each bucket's with its `le`. Shared by every scrape's samples, which
-# nothing modifies; bounded like the series themselves (label values are bounded by the spec).
+# Per histogram series, its lines. Shared by every scrape's families, which nothing modifies; bounded like
+# the series themselves (label values are bounded by the spec).
 @lru_cache(maxsize=1024)
-def _histogram_labels(
-    name: str, values: tuple[str, ...], bounds: tuple[float, ...]
-) -> tuple[dict[str, str], tuple[dict[str, str], ...]]:
-    labels = dict(zip(_label_names(name), values, strict=True))
-    return labels, tuple({**labels, "le": le} for le in bucket_labels(bounds))
+def _histogram_lines(name: str, values: tuple[str, ...], bounds: tuple[float, ...]) -> HistogramLines:
+    return HistogramLines(name, dict(zip(_label_names(name), values, strict=True)), bounds)
 
 
 # A scrape's sample names and label values are the same str objects from one scrape to the next wherever

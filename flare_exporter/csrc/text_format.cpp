@@ -44,6 +44,8 @@ PyObject* kType = nullptr;  // interned attribute names of a prometheus_client M
 PyObject* kName = nullptr;
 PyObject* kDocumentation = nullptr;
 PyObject* kSamples = nullptr;
+PyObject* kSeries = nullptr;  // a HistogramFamily's (collectors/__init__.py)
+PyObject* kPrefixes = nullptr;
 
 // [a-zA-Z_:][a-zA-Z0-9_:]*: exposition._LEGACY_NAME
 bool legacy_name(std::string_view name) {
@@ -242,16 +244,53 @@ Result append_sample(std::string& out, PyObject* sample, Labels& labels, PrefixK
   return Result::kOk;
 }
 
+// A HistogramFamily's series, each (HistogramLines, values): each line its kept prefix and its value, with no
+// sample object and no label read; kNotPlain where the lines have no prefixes (a label needs escaping that
+// only prometheus_client's writer does) or do not match the values.
+Result append_series(std::string& out, PyObject* series) {
+  Ref items(PySequence_Fast(series, "a histogram family's series must be a sequence"));
+  if (!items.object) return Result::kError;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(items.object);
+  PyObject** each = PySequence_Fast_ITEMS(items.object);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* entry = each[i];
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) return Result::kNotPlain;
+    Ref prefixes(PyObject_GetAttr(PyTuple_GET_ITEM(entry, 0), kPrefixes));
+    if (!prefixes.object) return Result::kError;
+    PyObject* values = PyTuple_GET_ITEM(entry, 1);
+    if (!PyTuple_Check(prefixes.object) || !PyList_Check(values) ||
+        PyTuple_GET_SIZE(prefixes.object) != PyList_GET_SIZE(values)) {
+      return Result::kNotPlain;
+    }
+    for (Py_ssize_t line = 0; line < PyList_GET_SIZE(values); ++line) {
+      std::string_view prefix;
+      Result result = utf8(PyTuple_GET_ITEM(prefixes.object, line), &prefix);
+      if (result != Result::kOk) return result;
+      out += prefix;
+      if ((result = append_value(out, PyList_GET_ITEM(values, line))) != Result::kOk) return result;
+      out += '\n';
+    }
+  }
+  return Result::kOk;
+}
+
 // One family: its HELP and TYPE lines, then its samples (exposition._family_text).
 Result append_family(std::string& out, PyObject* metric, Labels& labels, PrefixKey& key) {
   Ref type(PyObject_GetAttr(metric, kType));
   Ref name(PyObject_GetAttr(metric, kName));
   Ref documentation(PyObject_GetAttr(metric, kDocumentation));
-  Ref samples(PyObject_GetAttr(metric, kSamples));
-  if (!type.object || !name.object || !documentation.object || !samples.object) return Result::kError;
+  if (!type.object || !name.object || !documentation.object) return Result::kError;
   std::string_view kind, base, help;
   Result result;
   if ((result = utf8(type.object, &kind)) != Result::kOk) return result;
+  // a HistogramFamily's series, read instead of its samples (which it would build from them)
+  Ref series(kind == "histogram" ? PyObject_GetAttr(metric, kSeries) : nullptr);
+  if (series.object == nullptr && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return Result::kError;
+    PyErr_Clear();
+  }
+  Ref samples(series.object == nullptr ? PyObject_GetAttr(metric, kSamples) : nullptr);
+  if (series.object == nullptr && samples.object == nullptr) return Result::kError;
   if ((result = utf8(name.object, &base)) != Result::kOk) return result;
   if ((result = utf8(documentation.object, &help)) != Result::kOk) return result;
   std::string_view suffix, shown = kind;
@@ -275,6 +314,7 @@ Result append_family(std::string& out, PyObject* metric, Labels& labels, PrefixK
   out += ' ';
   out += shown;
   out += '\n';
+  if (series.object != nullptr) return append_series(out, series.object);
   Ref items(PySequence_Fast(samples.object, "a metric's samples must be a sequence"));
   if (!items.object) return Result::kError;
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(items.object);
@@ -310,7 +350,11 @@ void add_text_format(pybind11::module_& module) {
   kName = PyUnicode_InternFromString("name");
   kDocumentation = PyUnicode_InternFromString("documentation");
   kSamples = PyUnicode_InternFromString("samples");
-  if (!kType || !kName || !kDocumentation || !kSamples) throw pybind11::error_already_set();
+  kSeries = PyUnicode_InternFromString("series");
+  kPrefixes = PyUnicode_InternFromString("prefixes");
+  if (!kType || !kName || !kDocumentation || !kSamples || !kSeries || !kPrefixes) {
+    throw pybind11::error_already_set();
+  }
   module.def(
       "render_text",
       [](pybind11::handle metrics) {
