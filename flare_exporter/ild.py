@@ -99,6 +99,7 @@ class Drift:
         self.min_samples = min_samples
         self.baseline = [0] * self.size
         self.windows: dict[int, list[int]] = {}  # step -> bucket counts, at most window_steps steps
+        self.window_total = [0] * self.size  # their sum, kept as they change: a refresh adds no vectors
         self.current: tuple[float, float] | None = None
         # the per-op shift (seconds), where the native timer gives each op's fastest time per step: the
         # extension's OpShift over the same steps (op_shifts), read at every refresh
@@ -119,9 +120,14 @@ class Drift:
     def add_counts(self, step: int, buckets: Sequence[tuple[int, int]]) -> None:
         """Samples of `step` already counted into buckets: (bucket index, samples)."""
         counts = self._counts(step) if buckets else None
-        if counts is not None:
+        if counts is None:
+            return
+        for index, count in buckets:
+            counts[index] += count
+        if counts is not self.baseline:
+            total = self.window_total
             for index, count in buckets:
-                counts[index] += count
+                total[index] += count
 
     def _counts(self, step: int) -> list[int] | None:
         """The bucket counts a sample of `step` goes into: the baseline's, its window step's, or none."""
@@ -135,16 +141,14 @@ class Drift:
                 return None  # a late sample of a step that has left the window
             counts = self.windows[step] = [0] * self.size
             if len(self.windows) > self.window_steps:
-                del self.windows[min(self.windows)]
+                left = self.windows.pop(min(self.windows))
+                self.window_total = [total - count for total, count in zip(self.window_total, left, strict=True)]
         self._changed = True
         return counts
 
     def window(self) -> list[int]:
-        total = [0] * self.size
-        for counts in self.windows.values():
-            for index, count in enumerate(counts):
-                total[index] += count
-        return total
+        """The bucket counts of the window's steps, summed."""
+        return list(self.window_total)
 
     def refresh(self) -> None:
         """Recompute `current` if samples arrived since the last call."""
