@@ -115,16 +115,15 @@ def main(argv: list[str] | None = None) -> int:
 
     state = vc.rank_state(3, args.world, RUN, now, faults)
     registry = build_registry(state)
-    prefixes: dict = {}  # kept from one scrape to the next, as the endpoint does
-    text = render_text(registry, prefixes)
+    text = render_text(registry)
     timings = {
         "collectors": median_ms(lambda: list(registry.collect()), args.repeats),
-        "render_text": median_ms(lambda: render_text(registry, prefixes), args.repeats),
-        "python_text": median_ms(lambda: python_text_format(registry.collect(), prefixes), args.repeats),
+        "render_text": median_ms(lambda: render_text(registry), args.repeats),
+        "python_text": median_ms(lambda: python_text_format(registry.collect()), args.repeats),
         "generate_latest": median_ms(lambda: generate_latest(registry), args.repeats),
         "openmetrics": median_ms(lambda: openmetrics_latest(registry), args.repeats),
         "gzip_level_1": median_ms(lambda: gzip.compress(text, 1), args.repeats),
-        "response": median_ms(lambda: metrics_body(registry, "gzip", prefixes), args.repeats),
+        "response": median_ms(lambda: metrics_body(registry, "gzip"), args.repeats),
     }
     server = MetricsServer(registry, "127.0.0.1", 0)
     try:

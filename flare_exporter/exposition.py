@@ -92,7 +92,7 @@ class FlareCollector:
 
 
 def _has_samples(family: Metric) -> bool:
-    series = getattr(family, "series", None)  # a HistogramFamily's, whose samples are built when read
+    series = getattr(family, "series", None)  # a SeriesFamily's, whose samples are built when read
     return bool(series) if series is not None else bool(family.samples)
 
 
@@ -111,13 +111,6 @@ def _escape_value(value: str) -> str:
     return value
 
 
-# A rank's sample lines start with the same text from scrape to scrape: its name and labels. The endpoint
-# keeps them (SamplePrefixes), so that a scrape formats each sample's labels once per process, not once per
-# scrape. Bounded: label values are bounded by the spec, and a full dict starts over.
-MAX_PREFIXES = 4096
-SamplePrefixes = dict[tuple[Any, ...], str]
-
-
 def sample_prefix(name: str, labels: dict[str, str]) -> str:
     """`name{label="value",...} `: the line up to its value, label names checked, values escaped."""
     if not labels:
@@ -131,7 +124,7 @@ def sample_prefix(name: str, labels: dict[str, str]) -> str:
     return f"{name}{{{text}}} "
 
 
-def _family_text(metric: Metric, output: list[str], prefixes: SamplePrefixes | None = None) -> None:
+def _family_text(metric: Metric, output: list[str]) -> None:
     kind = metric.type
     suffix, shown = _PLAIN_TYPES.get(kind, ("", kind))
     if kind not in _PLAIN_TYPES and kind != "histogram":
@@ -141,8 +134,8 @@ def _family_text(metric: Metric, output: list[str], prefixes: SamplePrefixes | N
         raise NotPlain(name)
     documentation = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
     output.append(f"# HELP {name} {documentation}\n# TYPE {name} {shown}\n")
-    series = getattr(metric, "series", None) if kind == "histogram" else None
-    if series is not None:  # a HistogramFamily's: each line's prefix is kept by its HistogramLines
+    series = getattr(metric, "series", None)
+    if series is not None:  # a flare family's (SeriesFamily): each line's prefix is kept by its Lines
         for lines, values in series:
             if lines.prefixes is None:
                 raise NotPlain(name)
@@ -155,17 +148,7 @@ def _family_text(metric: Metric, output: list[str], prefixes: SamplePrefixes | N
             or sample.name.endswith(("_created", "_gsum", "_gcount"))
         ):
             raise NotPlain(sample.name)
-        if prefixes is None:
-            prefix = sample_prefix(sample.name, sample.labels)
-        else:
-            key = (sample.name, *sample.labels.items())
-            kept = prefixes.get(key)
-            if kept is None:
-                if len(prefixes) >= MAX_PREFIXES:
-                    prefixes.clear()
-                kept = prefixes[key] = sample_prefix(sample.name, sample.labels)
-            prefix = kept
-        output.append(_line(prefix, sample.value))
+        output.append(_line(sample_prefix(sample.name, sample.labels), sample.value))
 
 
 def _line(prefix: str, value: float) -> str:
@@ -183,30 +166,30 @@ def _value_text(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
-def render_text(registry: CollectorRegistry, prefixes: SamplePrefixes | None = None) -> bytes:
+def render_text(registry: CollectorRegistry) -> bytes:
     """The text format (0.0.4) of `registry`: what prometheus_client's generate_latest writes, but for
     integral values written as Go exporters write them (1, not 1.0).
 
     Several times faster for flare's families: the scrape path runs on the rank's host, beside training, and
-    holds the GIL the training thread needs after each op. Written in C++ where flare's extension is built
-    (csrc/text_format.cpp: the text of a page in 46 µs, each sample's labels kept from one render to the
-    next, against 237 µs in Python); else in Python, without
-    per-label name validation and, with `prefixes` kept from one scrape to the next, each sample's labels
-    formatted once. A family it does not write itself (another type, a _created sample, a timestamp, a
-    name that needs escaping) sends the whole registry through generate_latest.
+    holds the GIL the training thread needs after each op. flare's families (collectors.SeriesFamily) hand
+    over each series' numbers and the text of its lines up to their values, kept from one scrape to the next
+    (collectors.Lines), so a page is written without a sample object: in C++ where flare's extension is
+    built (csrc/text_format.cpp), else in Python. A family it does not write itself (another type, a
+    _created sample, a timestamp, a name that needs escaping) sends the whole registry through
+    generate_latest.
     """
     metrics = list(registry.collect())
     native = _native_text_format()
-    text = native(metrics) if native is not None else python_text_format(metrics, prefixes)
+    text = native(metrics) if native is not None else python_text_format(metrics)
     return text if text is not None else generate_latest(registry)
 
 
-def python_text_format(metrics: Iterable[Metric], prefixes: SamplePrefixes | None = None) -> bytes | None:
+def python_text_format(metrics: Iterable[Metric]) -> bytes | None:
     """The text of `metrics` written in Python, or None if one of them needs prometheus_client's writer."""
     output: list[str] = []
     try:
         for metric in metrics:
-            _family_text(metric, output, prefixes)
+            _family_text(metric, output)
     except NotPlain:
         return None
     return "".join(output).encode("utf-8")
@@ -225,10 +208,10 @@ def _native_text_format() -> Callable[[list[Metric]], bytes | None] | None:
 
 
 def metrics_body(
-    registry: CollectorRegistry, accept_encoding: str = "", prefixes: SamplePrefixes | None = None
+    registry: CollectorRegistry, accept_encoding: str = ""
 ) -> tuple[bytes, list[tuple[str, str]]]:
     """The /metrics response body and headers: the text format, gzip-compressed if the client accepts it."""
-    return _encoded(render_text(registry, prefixes), accept_encoding)
+    return _encoded(render_text(registry), accept_encoding)
 
 
 def _encoded(text: bytes, accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
@@ -305,7 +288,6 @@ class RenderCache:
         self.max_age = max_age
         self.renders = 0
         self._bodies: dict[bool, tuple[float, tuple[bytes, list[tuple[str, str]]]]] = {}
-        self._prefixes: SamplePrefixes = {}  # used under the lock
         self._lock = threading.Lock()
 
     def body(self, accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
@@ -315,7 +297,7 @@ class RenderCache:
             cached = self._bodies.get(gzipped)
             if cached is not None and now - cached[0] < self.max_age:
                 return cached[1]
-            body = metrics_body(self.registry, "gzip" if gzipped else "", self._prefixes)
+            body = metrics_body(self.registry, "gzip" if gzipped else "")
             self._bodies[gzipped] = (now, body)
             self.renders += 1
             return body

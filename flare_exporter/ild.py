@@ -142,7 +142,9 @@ class Drift:
             counts = self.windows[step] = [0] * self.size
             if len(self.windows) > self.window_steps:
                 left = self.windows.pop(min(self.windows))
-                self.window_total = [total - count for total, count in zip(self.window_total, left, strict=True)]
+                self.window_total = [
+                    total - count for total, count in zip(self.window_total, left, strict=True)
+                ]
         self._changed = True
         return counts
 

@@ -8,6 +8,7 @@ import logging
 import socket
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from wsgiref.util import setup_testing_defaults
 
 import pytest
@@ -383,101 +384,85 @@ def test_the_native_text_format_writes_what_the_python_one_writes():
     assert native(flare) == python_text_format(flare) and len(flare) > 40
 
 
-def test_the_native_text_format_keeps_each_samples_labels_and_writes_what_a_fresh_render_writes():
-    """Its prefixes are kept by the identity of each sample's name and label strs (csrc/text_format.cpp):
-    the same strs write the same labels; a dict given other values writes those; a full cache starts over."""
-    from conftest import torch_extension
-    from prometheus_client.core import GaugeMetricFamily
-
-    native = torch_extension().render_text
-    flare = build_flare_families()
-    assert native(flare) == native(flare) == python_text_format(flare)
-    gauge = GaugeMetricFamily("flare_kept", "Kept.", labels=["a", "b"])
-    gauge.add_metric(["x", 'y "quoted"'], 1)
-    labels = gauge.samples[0].labels
-    before = native([gauge])
-    labels["a"] = "".join(["ot", "her"])  # the same dict, another str
-    after = native([gauge])
-    assert before.endswith(b'\nflare_kept{a="x",b="y \\"quoted\\""} 1\n')
-    assert after == before.replace(b'a="x"', b'a="other"') == python_text_format([gauge])
-    many = GaugeMetricFamily("flare_many", "More series than the cache keeps.", labels=["n"])
-    for index in range(5000):  # over its 4,096 prefixes
-        many.add_metric([str(index)], index)
-    assert native([many]) == native([many]) == python_text_format([many])
-    kept = torch_extension().kept_prefixes()
-    few = GaugeMetricFamily("flare_few", "Series kept.", labels=["n"])
-    for index in range(100):
-        few.add_metric([f"few-{index}"], index)
-    native([few])
-    after = (kept + 100 - 1) % 4096 + 1  # 100 prefixes formatted and kept (a full cache starts over)
-    assert 0 < kept <= 4096 and torch_extension().kept_prefixes() == after
-    assert native([few]) == python_text_format([few]) and torch_extension().kept_prefixes() == after
-
-
-def test_a_scrape_builds_sample_names_and_label_values_anew_only_where_they_change():
-    """The C++ text format keeps each sample's formatted labels by the identity of its name and label strs:
-    a rank's next scrape gives them the same str objects but where they change (its stack sample)."""
+def test_a_scrape_keeps_each_series_lines_and_builds_them_anew_only_for_new_labels():
+    """A series' lines (collectors.Lines: its samples' names, labels and text up to the value) are kept from
+    one scrape to the next, by the series' label values: the next scrape hands over the same objects;
+    another rank's series (another `rank` label) get their own."""
     import time
 
     from flare_exporter.agent import build_registry
     from flare_exporter.testing import virtual_cluster as vc
 
-    now = time.perf_counter()
-    state = vc.rank_state(37, 64, "run-1", now, vc.Faults(hung=5, hung_at=now - 600.0, straggler=3))
-    registry = build_registry(state)
-    first, second = ([s for family in registry.collect() for s in family.samples] for _ in range(2))
-    assert [sample.name for sample in first] == [sample.name for sample in second] and len(first) > 250
-    renewed = {(a.name, "") for a, b in zip(first, second, strict=True) if a.name is not b.name}
-    renewed |= {
-        (a.name, key)
-        for a, b in zip(first, second, strict=True)
-        for key, value in a.labels.items()
-        if value is not b.labels[key]
-    }
-    assert renewed == {("flare_rank_stack_info", "frames")}
+    def series_lines(rank: int) -> list:
+        now = time.perf_counter()
+        state = vc.rank_state(rank, 64, "run-1", now, vc.Faults(hung=5, hung_at=now - 600.0, straggler=3))
+        registry = build_registry(state)
+        return [(family.name, lines) for family in registry.collect() for lines, _ in family.series]
+
+    first, second, other = series_lines(37), series_lines(37), series_lines(38)
+    assert [name for name, _ in first] == [name for name, _ in second] and len(first) > 60
+    assert all(lines is again for (_, lines), (_, again) in zip(first, second, strict=True))
+    assert not {id(lines) for _, lines in first} & {id(lines) for _, lines in other}
+    assert all(lines.prefixes is not None for _, lines in first)
 
 
-def test_a_histogram_family_is_written_from_its_series_as_prometheus_client_writes_its_samples(monkeypatch):
-    """Families.add_histogram keeps a series' numbers and its lines' prefixes (HistogramLines), and builds no
-    sample; the text both writers make of it is prometheus_client's, and its samples, read, are the ones
-    HistogramMetricFamily.add_metric makes. A line that only prometheus_client can write sends the family to
-    it, which reads the samples."""
+def test_flare_families_are_written_from_their_series_as_prometheus_client_writes_their_samples(monkeypatch):
+    """A flare family (collectors.SeriesFamily) keeps each series' numbers and its lines' prefixes (Lines,
+    kept per series), and builds no sample; the text both writers make of it is prometheus_client's, and its
+    samples, read, are the ones prometheus_client's families make. A line that only prometheus_client can
+    write sends the page to it, which reads the samples."""
     from conftest import torch_extension
-    from prometheus_client.core import HistogramMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    from flare_exporter.collectors import HistogramFamily, HistogramLines
+    from flare_exporter.collectors import Lines, SeriesFamily
     from flare_exporter.exposition import render_text
     from flare_exporter.histogram import Histogram, bucket_labels
 
     native = torch_extension().render_text
     families = Families(("3", 'run "one"\\two\nthree'))
-    family = families.new("flare_collective_duration_seconds")
+    names = ("duration_seconds", "bytes_total", "last_issued_seq")
+    ours = [families.new(f"flare_collective_{name}") for name in names]
+    histogram, counter, gauge = ours
+    theirs = [
+        HistogramMetricFamily(histogram.name, histogram.documentation, labels=["rank", "run", "group", "op"]),
+        CounterMetricFamily(counter.name, counter.documentation, labels=["rank", "run", "group", "op"]),
+        GaugeMetricFamily(gauge.name, gauge.documentation, labels=["rank", "run", "group"]),
+    ]
     bounds = (0.001, 0.01, 0.1)
     for op, counts, total in (("allreduce", [2, 0, 3, 1], 4.25), ("broadcast", [0, 0, 0, 0], 0.0)):
-        families.add_histogram(family, ("world", op), Histogram(bounds, counts, total))
-    expected = HistogramMetricFamily(family.name, family.documentation, labels=["rank", "run", "group", "op"])
-    for op, cumulative, total in (("allreduce", [2, 2, 5, 6], 4.25), ("broadcast", [0, 0, 0, 0], 0.0)):
-        buckets = list(zip(bucket_labels(bounds), cumulative, strict=True))
-        expected.add_metric([*families.common_values, "world", op], buckets, total)
-    built = HistogramFamily.samples
+        families.add_histogram(histogram, ("world", op), Histogram(bounds, counts, total))
+        cumulative = list(zip(bucket_labels(bounds), accumulate(counts), strict=True))
+        theirs[0].add_metric([*families.common_values, "world", op], cumulative, total)
+        counter.add_metric(families.labels("world", op), 4096)
+        theirs[1].add_metric([*families.common_values, "world", op], 4096)
+    gauge.add_metric(families.labels("world"), 17)
+    theirs[2].add_metric([*families.common_values, "world"], 17)
+
+    built = SeriesFamily.samples
     reads = []  # neither writer builds the samples
     counted = property(lambda family: reads.append(family) or built.fget(family), built.fset)
-    monkeypatch.setattr(HistogramFamily, "samples", counted)
-    text, python_text = native([family]), python_text_format([family])
-    assert reads == [] and text == python_text == python_text_format([expected])
-    assert family.samples == expected.samples and len(family.series) == 2
+    monkeypatch.setattr(SeriesFamily, "samples", counted)
+    text, python_text = native(ours), python_text_format(ours)
+    assert reads == [] and text == python_text == python_text_format(theirs)
+    assert [family.samples for family in ours] == [family.samples for family in theirs]
+    assert [len(family.series) for family in ours] == [2, 2, 1]
     labels = b'rank="3",run="run \\"one\\"\\\\two\\nthree"'
     assert b'_bucket{group="world",le="0.01",op="allreduce",' + labels + b"} 2\n" in text
     assert b'_sum{group="world",op="allreduce",' + labels + b"} 4.25\n" in text
+    assert b'bytes_total{group="world",op="broadcast",' + labels + b"} 4096\n" in text
     with pytest.raises(TypeError):
-        family.add_metric(["3", "run", "world", "gather"], [("+Inf", 1)], 1.0)
+        histogram.add_metric(["3", "run", "world", "gather"], [("+Inf", 1)], 1.0)
+    with pytest.raises(TypeError):  # what the text format would have to hand to prometheus_client
+        gauge.add_metric(families.labels("world"), 1, timestamp=5.0)
+    with pytest.raises(TypeError):
+        counter.add_metric(families.labels("world", "gather"), 1, created=5.0)
 
     odd = families.new("flare_step_duration_seconds")
-    odd.series.append((HistogramLines(odd.name, {"__reserved": "x"}, bounds), [1, 1, 1, 1, 1, 0.5]))
+    odd.series.append((Lines(("flare_step_duration_seconds_sum",), ({"__reserved": "x"},)), [0.5]))
     assert odd.series[0][0].prefixes is None
-    assert native([family, odd]) is None and python_text_format([family, odd]) is None
+    assert native([*ours, odd]) is None and python_text_format([*ours, odd]) is None
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(Fixed([odd]))
+    registry.register(Fixed([*ours, odd]))
     assert b'flare_step_duration_seconds_sum{__reserved="x"} 0.5\n' in render_text(registry)
 
 

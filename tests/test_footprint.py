@@ -202,10 +202,12 @@ def test_a_value_is_written_as_prometheus_client_writes_it_but_integral_without_
     assert _value_text(value) == expected.removesuffix(".0")
 
 
-def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(monkeypatch):
-    from flare_exporter import exposition
+@pytest.mark.parametrize("writer", ["native", "python"])
+def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(monkeypatch, writer):
+    from flare_exporter import collectors, exposition
 
-    monkeypatch.setattr(exposition, "_native_text_format", lambda: None)  # the Python writer keeps them
+    if writer == "python":
+        monkeypatch.setattr(exposition, "_native_text_format", lambda: None)
 
     now = time.perf_counter()
     # what changes from one render to the next: collector times, and Unix times converted at each render
@@ -214,23 +216,22 @@ def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(mon
         re.MULTILINE,
     )
 
-    def rendered(registry, prefixes=None) -> bytes:  # type: ignore[no-untyped-def]
-        return unstable.sub(b"", exposition.render_text(registry, prefixes))
+    def rendered(registry, fresh=False) -> bytes:  # type: ignore[no-untyped-def]
+        if fresh:  # no line kept from an earlier render
+            collectors._sample_lines.cache_clear()
+            collectors._histogram_lines.cache_clear()
+        return unstable.sub(b"", exposition.render_text(registry))
 
     state = vc.rank_state(5, 64, "budget", now, busiest_faults(now))
     registry = build_registry(state)
-    prefixes: dict = {}
-    first = rendered(registry, prefixes)
-    # (a histogram's lines keep theirs in its HistogramLines)
-    assert first == rendered(registry) and len(prefixes) > 60
+    first = rendered(registry)
+    assert first == rendered(registry, fresh=True) and collectors._sample_lines.cache_info().currsize > 40
     vc.advance(state, 5, 64, 40, now + 4.0, busiest_faults(now))  # values move on, labels stay
-    again = rendered(registry, prefixes)
-    assert again == rendered(registry) and again != first
+    again = rendered(registry)
+    assert collectors._sample_lines.cache_info().hits > 0
+    assert again == rendered(registry, fresh=True) and again != first
     other = build_registry(vc.rank_state(6, 64, "budget", now, busiest_faults(now)))  # another rank's labels
-    assert rendered(other, prefixes) == rendered(other) and b'rank="6"' in rendered(other, prefixes)
-    monkeypatch.setattr(exposition, "MAX_PREFIXES", 50)  # bounded: a full dict starts over
-    bounded: dict = {}
-    assert rendered(registry, bounded) == rendered(registry) and 0 < len(bounded) <= 50
+    assert rendered(other) == rendered(other, fresh=True) and b'rank="6"' in rendered(other)
 
 
 def test_gpu_health_series_come_from_the_fake_nvml():

@@ -44,38 +44,37 @@ class Families:
         return [*self.common_values, *values]
 
     def add_histogram(self, family: Any, values: tuple[str, ...], histogram: Histogram) -> None:
-        """One series of a histogram family (a HistogramFamily): its lines (each bucket, _count, _sum) kept
-        once per series, and this scrape's numbers."""
+        """One series of a histogram family: its lines (each bucket, _count, _sum), kept once per series,
+        and this scrape's numbers."""
         counts, total = histogram.cumulative()
         lines = _histogram_lines(family.name, (*self.common_values, *values), histogram.bounds)
         family.series.append((lines, [*counts, counts[-1], total]))  # _count: the +Inf bucket's
 
 
-class HistogramLines:
-    """The lines of one histogram series: each one's sample name and labels and, where the text format can
-    write them as they are, the text before its value (`prefixes`; None where a label needs
-    prometheus_client's writer)."""
+class Lines:
+    """The lines of one series: each one's sample name and labels and, where the text format can write them
+    as they are, the text before its value (`prefixes`; None where a label needs prometheus_client's
+    writer). Kept from one scrape to the next (_sample_lines, _histogram_lines)."""
 
     __slots__ = ("names", "labels", "prefixes")
 
-    def __init__(self, name: str, labels: dict[str, str], bounds: tuple[float, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], labels: tuple[dict[str, str], ...]) -> None:
         from ..exposition import NotPlain, sample_prefix  # the exposition module imports this one
 
-        bucket, count, total = _histogram_sample_names(name)
-        self.names = (bucket,) * (len(bounds) + 1) + (count, total)
-        self.labels = (*({**labels, "le": le} for le in bucket_labels(bounds)), labels, labels)
+        self.names = names
+        self.labels = labels
         try:
-            self.prefixes: tuple[str, ...] | None = tuple(map(sample_prefix, self.names, self.labels))
+            self.prefixes: tuple[str, ...] | None = tuple(map(sample_prefix, names, labels))
         except NotPlain:
             self.prefixes = None
 
 
-class HistogramFamily(HistogramMetricFamily):
-    """A histogram family whose series are numbers (`series`: (HistogramLines, values) per series, added by
-    Families.add_histogram): the text format writes each line's kept prefix and value, with no sample
-    object built; `samples` builds prometheus_client's samples from them for any other reader."""
+class SeriesFamily(Metric):
+    """A family whose series are numbers (`series`: (Lines, values) per series): the text format writes
+    each line's kept prefix and its value, with no sample object built; `samples` builds
+    prometheus_client's samples from them for any other reader."""
 
-    series: list[tuple[HistogramLines, list[float]]]
+    series: list[tuple[Lines, list[float]]]
 
     @property  # type: ignore[override]
     def samples(self) -> list[Sample]:
@@ -88,16 +87,26 @@ class HistogramFamily(HistogramMetricFamily):
     @samples.setter
     def samples(self, samples: list[Sample]) -> None:
         if samples:
-            raise TypeError("a HistogramFamily's series are added by Families.add_histogram")
+            raise TypeError(f"{self.name}: a flare family's series are added by add_metric or add_histogram")
         self.series = []
 
-    def add_metric(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("a HistogramFamily's series are added by Families.add_histogram")
+    def _add_line(self, sample_name: str, labels: Sequence[str], value: float) -> None:
+        """One sample line of the series `labels` (values, in the family's label order)."""
+        lines = _sample_lines(sample_name, self._labelnames, tuple(labels))  # type: ignore[attr-defined]
+        self.series.append((lines, [value]))
 
 
-class _CounterFamily(CounterMetricFamily):
-    """prometheus_client's counter family, its samples named by the same str object at every scrape."""
+NO_TIMESTAMPS = "a flare family's samples carry no timestamp, created time or exemplar"
 
+
+class GaugeFamily(SeriesFamily, GaugeMetricFamily):
+    def add_metric(self, labels: Sequence[str], value: float, timestamp: Any = None) -> None:
+        if timestamp is not None:
+            raise TypeError(f"{self.name}: {NO_TIMESTAMPS}")
+        self._add_line(self.name, labels, value)
+
+
+class CounterFamily(SeriesFamily, CounterMetricFamily):
     def add_metric(
         self,
         labels: Sequence[str],
@@ -106,31 +115,41 @@ class _CounterFamily(CounterMetricFamily):
         timestamp: Any = None,
         exemplar: Any = None,
     ) -> None:
-        if created is not None:
-            super().add_metric(labels, value, created, timestamp, exemplar)
-            return
-        name = _counter_sample_name(self.name)
-        labels_dict = dict(zip(self._labelnames, labels, strict=True))
-        self.samples.append(Sample(name, labels_dict, value, timestamp, exemplar))
+        if created is not None or timestamp is not None or exemplar is not None:
+            raise TypeError(f"{self.name}: {NO_TIMESTAMPS}")
+        self._add_line(_counter_sample_name(self.name), labels, value)
+
+
+class HistogramFamily(SeriesFamily, HistogramMetricFamily):
+    def add_metric(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{self.name}: a histogram's series are added by Families.add_histogram")
 
 
 @cache  # one entry per metric of the spec
 def _prototype(name: str) -> Metric:
     metric = spec.BY_NAME[name]
     family_class = {
-        spec.COUNTER: _CounterFamily,
-        spec.GAUGE: GaugeMetricFamily,
-        spec.INFO: GaugeMetricFamily,
+        spec.COUNTER: CounterFamily,
+        spec.GAUGE: GaugeFamily,
+        spec.INFO: GaugeFamily,
         spec.HISTOGRAM: HistogramFamily,
     }[metric.type]
     return family_class(metric.name, metric.help, labels=_label_names(name), unit=metric.unit)
 
 
-# Per histogram series, its lines. Shared by every scrape's families, which nothing modifies; bounded like
-# the series themselves (label values are bounded by the spec).
+# Per series, its lines. Shared by every scrape's families, which nothing modifies; bounded like the series
+# themselves (label values are bounded by the spec; a changing one, a stack's frames, is one series).
 @lru_cache(maxsize=1024)
-def _histogram_lines(name: str, values: tuple[str, ...], bounds: tuple[float, ...]) -> HistogramLines:
-    return HistogramLines(name, dict(zip(_label_names(name), values, strict=True)), bounds)
+def _histogram_lines(name: str, values: tuple[str, ...], bounds: tuple[float, ...]) -> Lines:
+    labels = dict(zip(_label_names(name), values, strict=True))
+    bucket, count, total = _histogram_sample_names(name)
+    names = (bucket,) * (len(bounds) + 1) + (count, total)
+    return Lines(names, (*({**labels, "le": le} for le in bucket_labels(bounds)), labels, labels))
+
+
+@lru_cache(maxsize=4096)
+def _sample_lines(sample_name: str, label_names: tuple[str, ...], values: tuple[str, ...]) -> Lines:
+    return Lines((sample_name,), (dict(zip(label_names, values, strict=True)),))
 
 
 # A scrape's sample names and label values are the same str objects from one scrape to the next wherever
