@@ -117,7 +117,7 @@ class StepWindows:
         health: ExporterHealth,
         steps_per_window: int,
         kept: int,
-        finished: list[tuple[float, float]],  # TimingManager.finished: collectives without a pending record
+        finished: list[tuple],  # TimingManager.finished: (issued_at, duration, ...), not in a pending queue
     ) -> None:
         self.steps = steps
         self.groups = groups
@@ -126,7 +126,7 @@ class StepWindows:
         self.ring = WindowRing(steps_per_window, kept)
         self._unfinished: list[Any] = []  # CollectiveRecords seen in a pending queue without a duration
         self._newest: dict[str, Any] = {}  # per group, the newest record seen in its pending queue
-        self._waits: list[tuple[float, float]] = []  # (issued_at, duration) of steps not complete yet
+        self._waits: list[tuple] = []  # (issued_at, duration, ...) of collectives of steps not complete yet
         self._last_step = 0
         self._last_boundary: float | None = None
 
@@ -150,7 +150,7 @@ class StepWindows:
                 self._waits.append((record.issued_at, record.duration))
         self._unfinished = still
         if len(self._waits) > MAX_WAITING:  # a long stretch without steps (evaluation): one sum for it
-            self._waits = [(max(issued for issued, _ in self._waits), sum(d for _, d in self._waits))]
+            self._waits = [(max(wait[0] for wait in self._waits), sum(wait[1] for wait in self._waits))]
         oldest_unfinished = min((record.issued_at for record in still), default=math.inf)
         waits = sorted(self._waits)  # by issue time: each boundary takes the ones issued before it
         taken = 0

@@ -96,9 +96,9 @@ class TimingManager:
         self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
         self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
         self.logs: list[tuple[NativeTiming, Any]] = []  # recording backends' logs, with their GroupTrackers
-        # (issued_at, duration) of the collectives a drain accounted without a record in a pending queue (the
-        # recording backends'): the straggler windows take them in the same drain, which then clears them
-        self.finished: list[tuple[float, float]] = []
+        # (issued_at, duration, ...) of the collectives a drain accounted without a record in a pending queue
+        # (the recording backends'): the straggler windows take them in the same drain, which then clears them
+        self.finished: list[tuple] = []
         self.polls_often = False
         self.drained_at = time.monotonic()  # when the last drain ended, by any thread
         self._stop = threading.Event()
@@ -255,14 +255,31 @@ class TimingManager:
 
     def account(self, group: Any, op: str, nbytes: int, seq: int, duration: float) -> None:
         """Count a completed collective of `group` (a GroupTracker); under the drain lock."""
-        key = (group.name, op)
-        stats = self.stats.get(key)
-        if stats is None:
-            stats = self.stats[key] = CollectiveStats()
+        stats = self._stats(group, op)
         stats.durations.observe(duration)
         stats.bytes_total += nbytes
         if seq > group.last_completed_seq:
             group.last_completed_seq = seq
+
+    def account_counted(self, group: Any, counted: list[tuple]) -> None:
+        """Count `group`'s collectives that the recording backend counted per op (CollectiveLog.take's
+        `counted`); under the drain lock."""
+        for op, _, nbytes, seconds, buckets, last_seq in counted:
+            stats = self._stats(group, op)
+            durations = stats.durations
+            for index, collectives in buckets:
+                durations.counts[index] += collectives
+            durations.sum += seconds
+            stats.bytes_total += nbytes
+            if last_seq > group.last_completed_seq:
+                group.last_completed_seq = last_seq
+
+    def _stats(self, group: Any, op: str) -> CollectiveStats:
+        key = (group.name, op)
+        stats = self.stats.get(key)
+        if stats is None:
+            stats = self.stats[key] = CollectiveStats()
+        return stats
 
 
 class TimingBackend:
@@ -386,17 +403,24 @@ class NativeTiming(TimingBackend):
         raise TypeError("the recording backend records its collectives itself")
 
     def take(self, group: Any) -> None:
-        """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's)."""
-        completed, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take()
+        """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's).
+
+        The log counts the collectives per op itself, so a drain does the same work however many collectives
+        completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, ...) tuples.
+        """
+        completed, counted, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take(
+            spec.COLLECTIVE_DURATION_BUCKETS
+        )
         in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
         manager = self.manager
-        for op, nbytes, seq, issued_at, seconds in completed:
-            if (seq, issued_at) == seen:  # the straggler windows follow it: they see its duration
-                in_flight.duration = seconds
-            else:
-                manager.finished.append((issued_at, seconds))
-            manager.account(group, op, nbytes, seq, seconds)
+        # Every record older than the one in flight was taken: if it completed, it is the first completed.
+        if completed and seen == (completed[0][4], completed[0][0]):
+            in_flight.duration = completed[0][1]  # the straggler windows follow it: they see its duration
+            manager.finished.extend(completed[1:])
+        else:
+            manager.finished.extend(completed)
+        manager.account_counted(group, counted)
         if oldest is not None and oldest[2:] != seen:
             group.remember(CollectiveRecord(group, *oldest))
         group.last_issued_seq = last_issued_seq

@@ -22,9 +22,11 @@ from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
 from flare_exporter.groups import GroupTracker, payload_bytes
 from flare_exporter.health import ExporterHealth
+from flare_exporter.histogram import Histogram
 from flare_exporter.identity import RankIdentity
 from flare_exporter.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.prometheus_process import wait_for
+from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
 from flare_exporter.state import FlareState
 from flare_exporter.timing import FutureTiming, NativeTiming, TimingManager
 
@@ -74,7 +76,7 @@ def taken_until(log: Any, condition: Callable[[tuple], bool], what: str) -> tupl
     counts = [0, 0]
 
     def taken() -> tuple | None:
-        done, oldest, last_seq, last_issued_at, dropped, failed = log.take()
+        done, _, oldest, last_seq, last_issued_at, dropped, failed = log.take(COLLECTIVE_DURATION_BUCKETS)
         completed.extend(done)
         counts[0] += dropped
         counts[1] += failed
@@ -135,7 +137,7 @@ def test_each_collective_is_recorded_with_the_bytes_the_python_hooks_count(metho
             logs[rank], lambda taken: bool(taken[0]), f"rank {rank}'s {method} to complete"
         )
         assert len(completed) == 1 and oldest is None and (dropped, failed) == (0, 0)
-        op, nbytes, seq, issued_at, seconds = completed[0]
+        issued_at, seconds, op, nbytes, seq = completed[0]
         expected = 0 if payload_index is None else payload_bytes(arguments[rank][payload_index])
         assert (op, nbytes, seq, last_seq) == (method.lstrip("_"), expected, 1, 1)
         assert before <= issued_at == last_issued_at <= issued_at + seconds <= after + 1.0
@@ -144,14 +146,14 @@ def test_each_collective_is_recorded_with_the_bytes_the_python_hooks_count(metho
 def test_a_collective_is_in_flight_until_its_peer_joins():
     backends, logs = recorded_pair()
     work = backends[0].allreduce([ones()])
-    completed, oldest, last_seq, *_ = logs[0].take()
+    completed, _, oldest, last_seq, *_ = logs[0].take(COLLECTIVE_DURATION_BUCKETS)
     assert completed == [] and oldest[:3] == ("allreduce", 16, 1) and last_seq == 1
-    assert logs[0].take()[1] == oldest  # still the same collective: nothing else was issued
+    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[2] == oldest  # the same collective: nothing else issued
     joined_at = time.perf_counter()
     backends[1].allreduce([ones()]).wait()
     work.wait()
     completed, oldest, *_ = taken_until(logs[0], lambda taken: bool(taken[0]), "the all-reduce to complete")
-    (op, nbytes, seq, issued_at, seconds) = completed[0]
+    (issued_at, seconds, op, nbytes, seq) = completed[0]
     assert oldest is None and (op, seq) == ("allreduce", 1)
     assert issued_at + seconds >= joined_at  # it completed after the peer joined, not when it was issued
 
@@ -166,7 +168,7 @@ def test_point_to_point_ops_have_no_sequence_number_and_complete_when_polled():
     )
     for rank, op in ((0, "send"), (1, "recv")):
         completed, oldest, last_seq, *_ = taken_until(logs[rank], lambda taken: bool(taken[0]), op)
-        assert [(record[0], record[1], record[2]) for record in completed] == [(op, 12, 0)] and last_seq == 0
+        assert [record[2:] for record in completed] == [(op, 12, 0)] and last_seq == 0
     assert received.tolist() == [1.0, 1.0, 1.0]
 
 
@@ -174,10 +176,15 @@ def test_a_collective_the_real_backend_rejects_is_not_left_in_flight():
     backends, logs = recorded_pair()
     with pytest.raises(RuntimeError, match="invalid tensor size"):
         backends[0].allreduce([ones(4), ones(3)])
-    assert logs[0].take()[:3] == ([], None, 1)  # its number was taken, as every rank takes it
+    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[:4] == (
+        [],
+        [],
+        None,
+        1,
+    )  # its number taken, as every rank's
     on_both(lambda rank: backends[rank].allreduce([ones()]).wait())
     completed, *_ = taken_until(logs[0], lambda taken: bool(taken[0]), "the next all-reduce")
-    assert [record[2] for record in completed] == [2]
+    assert [record[4] for record in completed] == [2]
 
 
 def test_a_failed_collective_is_counted_once_and_stays_in_flight():
@@ -187,7 +194,13 @@ def test_a_failed_collective_is_counted_once_and_stays_in_flight():
         work.wait()
     completed, oldest, _, _, _, failed = taken_until(logs[0], lambda taken: taken[5] == 1, "the failure")
     assert completed == [] and oldest[:3] == ("allreduce", 16, 1)
-    assert logs[0].take()[1:] == (oldest, 1, oldest[3], 0, 0)  # still in flight, counted once
+    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[2:] == (
+        oldest,
+        1,
+        oldest[3],
+        0,
+        0,
+    )  # in flight, counted once
 
 
 def test_a_full_log_drops_and_counts_yet_numbers_every_collective():
@@ -197,10 +210,48 @@ def test_a_full_log_drops_and_counts_yet_numbers_every_collective():
     completed, oldest, last_seq, _, dropped, _ = taken_until(
         logs[0], lambda taken: len(taken[0]) == 16, "the recorded barriers"
     )
-    assert [record[2] for record in completed] == list(range(1, 17)) and (last_seq, dropped) == (20, 4)
+    assert [record[4] for record in completed] == list(range(1, 17)) and (last_seq, dropped) == (20, 4)
     on_both(lambda rank: backends[rank].barrier().wait())  # room again once taken
     completed, *_ = taken_until(logs[0], lambda taken: bool(taken[0]), "the next barrier")
-    assert [record[2] for record in completed] == [21]
+    assert [record[4] for record in completed] == [21]
+
+
+def test_the_log_counts_each_ops_collectives_as_the_histogram_would():
+    """take() counts what completed per op (buckets, bytes, seconds, last number) in C++, so that a drain's
+    Python work does not grow with the collectives: the same counts as each completed record observed."""
+    backends, logs = recorded_pair()
+    for _ in range(5):
+        on_both(lambda rank: backends[rank].allreduce([ones()]).wait())
+    for _ in range(3):
+        on_both(lambda rank: backends[rank].barrier().wait())
+    completed: list[tuple] = []
+    counted: list[tuple] = []
+
+    def all_taken() -> bool:
+        done, per_op, *_ = logs[0].take(COLLECTIVE_DURATION_BUCKETS)
+        completed.extend(done)
+        counted.extend(per_op)
+        return len(completed) == 8
+
+    wait_for(all_taken, 10, "the eight collectives to complete")
+    expected: dict[str, tuple[Histogram, int, int]] = {}
+    for _, seconds, op, nbytes, seq in completed:
+        histogram, total_bytes, last_seq = expected.get(op) or (Histogram(COLLECTIVE_DURATION_BUCKETS), 0, 0)
+        histogram.observe(seconds)
+        expected[op] = (histogram, total_bytes + nbytes, max(last_seq, seq))
+    got: dict[str, tuple[Histogram, int, int]] = {}
+    for op, collectives, nbytes, seconds, buckets, last_seq in counted:
+        histogram, total_bytes, seq = got.get(op) or (Histogram(COLLECTIVE_DURATION_BUCKETS), 0, 0)
+        for index, count in buckets:
+            histogram.counts[index] += count
+        histogram.sum += seconds
+        assert collectives == sum(count for _, count in buckets)
+        got[op] = (histogram, total_bytes + nbytes, max(seq, last_seq))
+    assert sorted(got) == ["allreduce", "barrier"]
+    for op, (histogram, total_bytes, last_seq) in expected.items():
+        assert got[op][0].counts == histogram.counts and got[op][0].sum == pytest.approx(histogram.sum)
+        assert got[op][1:] == (total_bytes, last_seq)
+    assert expected["allreduce"][1:] == (5 * 16, 5) and expected["barrier"][2] == 8
 
 
 def test_a_work_without_a_future_that_is_let_go_is_no_longer_in_flight():
@@ -208,10 +259,10 @@ def test_a_work_without_a_future_that_is_let_go_is_no_longer_in_flight():
     arguments = [COLLECTIVES["reduce_scatter"](rank) for rank in (0, 1)]
     works = on_both(lambda rank: backends[rank].reduce_scatter(*arguments[rank]))
     works[1].wait()
-    assert logs[0].take()[1] is not None  # gloo's reduce_scatter work never says it completed: not waited yet
+    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[2] is not None  # gloo's reduce_scatter: not waited yet
     del works[0]  # the caller let it go without waiting
-    completed, oldest, *_ = logs[0].take()
-    assert [record[0] for record in completed] == ["reduce_scatter"] and oldest is None
+    completed, _, oldest, *_ = logs[0].take(COLLECTIVE_DURATION_BUCKETS)
+    assert [record[2] for record in completed] == ["reduce_scatter"] and oldest is None
 
 
 def test_the_timing_manager_takes_the_log_into_the_group():

@@ -7,7 +7,9 @@
 // completion time on the thread that completes it (gloo's). Works without a future: gloo's send and recv
 // are kept in the record and polled by the consumer; the others' completion only their wait() shows
 // (WaitedWork). The timing manager's thread takes the log at every
-// drain (take()): the completed records, in issue order, and the oldest one not completed (in flight).
+// drain (take()): the completed records, in issue order, also counted per op into the duration histogram's
+// buckets (so that the drain's Python work does not grow with the collectives), and the oldest one not
+// completed (in flight).
 //
 // A log is a ring of records. The issuing thread claims the next record with a compare-and-swap (no lock, no
 // allocation); a record is free again once it was taken completed and every record before it too, so a
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -143,6 +146,35 @@ struct Record {
   std::atomic<c10d::Work*> polled{nullptr};  // a work without a future: one reference, owned until done
 };
 
+// One op's collectives completed since the last take, counted for the duration histogram: only the buckets
+// that count any, as (bucket index, collectives).
+struct OpCounts {
+  int64_t collectives = 0;
+  int64_t nbytes = 0;
+  double seconds = 0.0;
+  uint64_t last_seq = 0;
+  std::vector<std::pair<int64_t, int64_t>> buckets;
+
+  void add(const Record& record, double duration, const std::vector<double>& bounds) {
+    ++collectives;
+    nbytes += record.nbytes;
+    seconds += duration;
+    last_seq = std::max(last_seq, record.seq);
+    int64_t index = std::lower_bound(bounds.begin(), bounds.end(), duration) - bounds.begin();
+    for (auto& bucket : buckets) {
+      if (bucket.first == index) {
+        ++bucket.second;
+        return;
+      }
+    }
+    buckets.emplace_back(index, 1);
+  }
+
+  pybind11::tuple tuple(Op op) const {
+    return pybind11::make_tuple(kOpNames[op], collectives, nbytes, seconds, buckets, last_seq);
+  }
+};
+
 class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
  public:
   explicit CollectiveLog(uint64_t capacity) {
@@ -202,11 +234,16 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
   }
 
   // The consumer (the timing manager's drain, one at a time): what completed since the last take, in issue
-  // order, as (op, bytes, sequence number, issue time, seconds); the oldest record in flight, as (op, bytes,
-  // sequence number, issue time) or None; the newest issued sequence number and issue time; how many
-  // collectives were dropped since the last take; and how many failed.
-  pybind11::tuple take() {
+  // order, as (issue time, seconds, op, bytes, sequence number), which the straggler windows keep as they
+  // are; the same counted per op, as (op, collectives, bytes, seconds, [(bucket index, collectives)],
+  // highest sequence number), the durations bucketed by `bounds` (ascending upper bounds; index
+  // len(bounds) is +Inf; a duration equal to a bound counts in that bound's bucket, as Python's
+  // bisect_left); the oldest record in flight, as (op, bytes, sequence number, issue time) or None; the
+  // newest issued sequence number and issue time; how many collectives were dropped since the last take;
+  // and how many failed.
+  pybind11::tuple take(const std::vector<double>& bounds) {
     pybind11::list completed;
+    OpCounts counts[kOpCount];
     pybind11::object oldest = pybind11::none();
     uint64_t failed = 0;
     uint64_t tail = tail_.load(std::memory_order_relaxed);
@@ -218,9 +255,10 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
       if (state == kFree) break;  // claimed, not yet written: the records after it are newer still
       if (state == kIssued) state = poll(record);
       if (state == kCompleted) {
-        completed.append(pybind11::make_tuple(
-            kOpNames[record.op], record.nbytes, record.seq, seconds(record.issued_ns),
-            seconds(record.completed_ns - record.issued_ns)));
+        double duration = seconds(record.completed_ns - record.issued_ns);
+        completed.append(pybind11::make_tuple(seconds(record.issued_ns), duration, kOpNames[record.op],
+                                              record.nbytes, record.seq));
+        counts[record.op].add(record, duration, bounds);
         record.state.store(kTaken, std::memory_order_relaxed);
         state = kTaken;
       }
@@ -241,7 +279,11 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
       }
     }
     tail_.store(tail, std::memory_order_release);
-    return pybind11::make_tuple(completed, oldest, next_seq_.load(std::memory_order_relaxed), last_issued_at(),
+    pybind11::list counted;
+    for (int op = 0; op < kOpCount; ++op) {
+      if (counts[op].collectives) counted.append(counts[op].tuple(static_cast<Op>(op)));
+    }
+    return pybind11::make_tuple(completed, counted, oldest, next_seq_.load(std::memory_order_relaxed), last_issued_at(),
                                 dropped_.exchange(0, std::memory_order_relaxed), failed);
   }
 
@@ -525,9 +567,11 @@ class RecordingBackend : public c10d::Backend {
 void add_collectives(pybind11::module_& module) {
   pybind11::class_<CollectiveLog, std::shared_ptr<CollectiveLog>>(module, "CollectiveLog")
       .def(pybind11::init<uint64_t>(), pybind11::arg("capacity"))
-      .def("take", &CollectiveLog::take,
-           "(completed [(op, bytes, seq, issued_at, seconds)], oldest in flight (op, bytes, seq, issued_at) or "
-           "None, last issued seq, last issued_at, dropped since the last take, failed since the last take)")
+      .def("take", &CollectiveLog::take, pybind11::arg("bounds"),
+           "(completed [(issued_at, seconds, op, bytes, seq)], counted per op [(op, collectives, bytes, "
+           "seconds, [(bucket index, collectives)], last seq)] with durations bucketed by `bounds`, oldest in "
+           "flight (op, bytes, seq, issued_at) or None, last issued seq, last issued_at, dropped since the "
+           "last take, failed since the last take)")
       .def_property_readonly("last_issued_at", &CollectiveLog::last_issued_at,
                              "perf_counter time of the newest collective issued (0 before the first)");
   module.def(
