@@ -142,8 +142,7 @@ def _prototype(name: str) -> Metric:
 @lru_cache(maxsize=1024)
 def _histogram_lines(name: str, values: tuple[str, ...], bounds: tuple[float, ...]) -> Lines:
     labels = dict(zip(_label_names(name), values, strict=True))
-    bucket, count, total = _histogram_sample_names(name)
-    names = (bucket,) * (len(bounds) + 1) + (count, total)
+    names = (name + "_bucket",) * (len(bounds) + 1) + (name + "_count", name + "_sum")
     return Lines(names, (*({**labels, "le": le} for le in bucket_labels(bounds)), labels, labels))
 
 
@@ -152,22 +151,9 @@ def _sample_lines(sample_name: str, label_names: tuple[str, ...], values: tuple[
     return Lines((sample_name,), (dict(zip(label_names, values, strict=True)),))
 
 
-# A scrape's sample names and label values are the same str objects from one scrape to the next wherever
-# they can be: the C++ text format keeps each sample's formatted labels by their identity.
-@cache  # one entry per histogram of the spec
-def _histogram_sample_names(name: str) -> tuple[str, str, str]:
-    return name + "_bucket", name + "_count", name + "_sum"
-
-
 @cache  # one entry per counter of the spec
 def _counter_sample_name(name: str) -> str:
     return name + "_total"
-
-
-@lru_cache(maxsize=256)
-def number_label(number: int) -> str:
-    """`str(number)` as a label value, the same str object at every scrape."""
-    return str(number)
 
 
 @cache  # one entry per metric of the spec

@@ -9,7 +9,7 @@ from prometheus_client.core import Metric
 
 from ..identity import RankIdentity
 from ..state import FlareState
-from . import Families, number_label
+from . import Families
 
 
 class IdentityCollector:
@@ -24,7 +24,7 @@ class IdentityCollector:
         rank_info.add_metric(families.labels(*_info_values(self.state.identity)), 1)
         group_info = families.new("flare_process_group_info")
         for tracker in list(self.state.groups.values()):
-            size, recorder = number_label(tracker.size), tracker.timing.recorder
+            size, recorder = str(tracker.size), tracker.timing.recorder
             group_info.add_metric(families.labels(tracker.name, tracker.role, size, recorder), 1)
         return [rank_info, group_info]
 

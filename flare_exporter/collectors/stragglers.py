@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from ..state import FlareState
-from . import Families, number_label
+from . import Families
 
 
 class StragglersCollector:
@@ -29,8 +29,8 @@ class StragglersCollector:
         step = families.new("flare_straggler_window_step_seconds")
         wait = families.new("flare_straggler_window_wait_seconds")
         for ago, window in enumerate(reversed(windows)):
-            step.add_metric(families.labels(number_label(ago)), window.step_seconds)
-            wait.add_metric(families.labels(number_label(ago)), window.wait_seconds)
+            step.add_metric(families.labels(str(ago)), window.step_seconds)
+            wait.add_metric(families.labels(str(ago)), window.wait_seconds)
         last = families.new("flare_straggler_last_window")
         best_step = families.new("flare_straggler_best_step_seconds")
         slowdown = families.new("flare_straggler_slowdown_ratio")
