@@ -37,7 +37,7 @@ class Families:
         prototype = _prototype(name)
         family = object.__new__(prototype.__class__)
         family.__dict__.update(prototype.__dict__)
-        family.samples = []
+        family.series = []  # the prototype's is shared; every prototype is a SeriesFamily
         return family
 
     def labels(self, *values: str) -> list[str]:
@@ -126,7 +126,7 @@ class HistogramFamily(SeriesFamily, HistogramMetricFamily):
 
 
 @cache  # one entry per metric of the spec
-def _prototype(name: str) -> Metric:
+def _prototype(name: str) -> SeriesFamily:
     metric = spec.BY_NAME[name]
     family_class = {
         spec.COUNTER: CounterFamily,
