@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--pairs 10] [--ranks 4] [--steps 60] [--warmup 10] [--batch 64] \
                                   [--timeout 300] [--retries 2] [--scrape-interval 1] [--script PATH] \
-                                  [--json OUT]
+                                  [--control plain|loaded] [--json OUT]
     python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
 
 Each pair runs flare_exporter/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain `python
@@ -10,6 +10,8 @@ script.py` (A, without) and once as `python -m flare_exporter.launch script.py` 
 for odd pairs and B/A for even ones, so that slow drift of the machine cancels out. During a B run a
 background thread here scrapes every rank's /metrics once per `--scrape-interval` (1 s), as Prometheus
 would, and counts the scrapes that failed between a rank's first answer and the end of its training.
+With `--control loaded`, A runs `benchmarks/loaded.py script.py` instead: flare's modules and extension
+loaded, nothing attached, so that the ratio is what the exporter does rather than also what loading it does.
 FLARE_* variables set for this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run
 gets free loopback ports).
 
@@ -413,7 +415,12 @@ def start_job(
         # every signal on at its defaults: without a GPU, GPU health reads the fake NVML (its reader thread
         # polls every gpu_health_interval_seconds, as with a real GPU)
         env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
-    prefix = [sys.executable, "-m", "flare_exporter.launch"] if with_exporter else [sys.executable]
+    if with_exporter:
+        prefix = [sys.executable, "-m", "flare_exporter.launch"]
+    elif args.control == "loaded":
+        prefix = [sys.executable, str(REPO / "benchmarks" / "loaded.py")]
+    else:
+        prefix = [sys.executable]
     job = Job(label, workdir, [], base_port, [None] * args.ranks)
     try:
         for rank in range(args.ranks):
@@ -890,6 +897,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --interleave: both jobs without the exporter (what the method reads where there is "
         "nothing to find)",
     )
+    parser.add_argument(
+        "--control",
+        choices=("plain", "loaded"),
+        default="plain",
+        help="the side without the exporter: the plain script (default), or 'loaded': flare's modules and "
+        "extension loaded, nothing attached (benchmarks/loaded.py), so that the ratio is what the exporter "
+        "does rather than what it loads",
+    )
     parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
     args = parser.parse_args(argv)
     if (
@@ -906,6 +921,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.placebo and not args.interleave:
         parser.error("--placebo needs --interleave (a placebo compares two jobs run in turns)")
+    if args.placebo and args.control != "plain":
+        parser.error("--placebo runs both jobs as plain scripts: it takes no --control")
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and smaller than --steps")
     if not args.micro and not args.script.is_file():
@@ -933,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "cuda": torch.cuda.is_available(),
         },
-        "config": {k: getattr(args, k) for k in ("pairs", "ranks", "steps", "warmup", "batch")},
+        "config": {k: getattr(args, k) for k in ("pairs", "ranks", "steps", "warmup", "batch", "control")},
         "flare_env": flare_env,
     }
     print(
@@ -957,11 +974,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def control_note(args: argparse.Namespace) -> str:
+    """The job line's note on what the side without the exporter runs, where it is not the plain script."""
+    if args.control == "loaded":
+        return "; the side without: flare's code loaded, nothing attached (benchmarks/loaded.py)"
+    return ""
+
+
 def ab(args: argparse.Namespace) -> dict[str, object]:
     print(
         f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
         f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, "
         + (f"exporter scraped every {args.scrape_interval:g} s" if args.scrape_interval else "no scrapes")
+        + control_note(args)
     )
     print(
         f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
@@ -1260,6 +1285,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
             if args.scrape_interval
             else "no scrapes"
         )
+        + control_note(args)
     )
     print(
         f"{'pair':>4}  {'slices':>6}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  {'thread cpu':>10}  "

@@ -58,6 +58,39 @@ def test_overhead_rejects_a_placebo_without_turns():
     assert done.returncode == 2 and "--placebo needs --interleave" in done.stderr
 
 
+def test_overhead_rejects_a_placebo_with_a_control():
+    done = run_benchmark("overhead.py", "--interleave", "1", "--placebo", "--control", "loaded")
+    assert done.returncode == 2 and "--placebo runs both jobs as plain scripts" in done.stderr
+
+
+PROBE = """
+import json, sys, threading
+import torch.distributed as dist
+from torch.optim import optimizer
+from flare_exporter import op_timer
+print(json.dumps({
+    "name": __name__,
+    "argv": sys.argv,
+    "extension": op_timer._loaded is not None,
+    "modules": [m for m in ("prometheus_client", "flare_exporter.agent") if m in sys.modules],
+    "threads": [t.name for t in threading.enumerate() if t.name.startswith("flare-")],
+    "step_hooks": len(optimizer._global_optimizer_post_hooks),
+    "backends": [b for b in dist.Backend.backend_list if b.startswith("flare")],
+}))
+"""
+
+
+def test_the_loaded_control_runs_the_script_with_flares_code_loaded_and_nothing_attached(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    done = run_benchmark("loaded.py", str(script), "--steps", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["name"] == "__main__" and seen["argv"] == [str(script), "--steps", "3"]
+    assert seen["extension"] and len(seen["modules"]) == 2  # loaded, as under the launcher ...
+    assert seen["threads"] == [] and seen["step_hooks"] == 0 and seen["backends"] == []  # ... not attached
+
+
 def test_instructions_rejects_bad_arguments():
     done = run_benchmark("instructions.py", "--short", "50", "--long", "50")
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
@@ -68,7 +101,9 @@ def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
         tmp_path,
         "overhead.py",
         *("--pairs", "1", "--ranks", "2", "--steps", "150", "--warmup", "10", "--scrape-interval", "0.1"),
+        *("--control", "loaded"),  # the side without runs benchmarks/loaded.py
     )
+    assert results["config"]["control"] == "loaded" and "flare's code loaded, nothing attached" in done.stdout
     (pair,) = results["pairs"]
     # the ranks reported when each step ended and the scraper its rounds: a cost, whatever its sign
     assert isinstance(pair["with"]["scrape_cost_s"], float) and pair["without"]["scrape_cost_s"] is None
