@@ -2,19 +2,18 @@
 
     python benchmarks/loaded.py script.py [args]
 
-The control side of `overhead.py --control loaded`: the modules the exporter imports (prometheus_client, the
-HTTP server, every collector) and flare's torch extension are loaded, and the script runs through runpy as
-under `python -m flare_exporter.launch`; but no hook, backend, thread or endpoint is set up. Against it, the
-side with the exporter differs by what the exporter does, not by what it loads.
+The control side of `overhead.py --control loaded`: the modules the exporter imports (prometheus_client,
+the HTTP server, every collector) and flare's torch extension are loaded, and the script runs as the
+launcher runs it (`flare_exporter.launch.run_script`); but no hook, backend, thread or endpoint is set up.
+Against it, the side with the exporter differs by what the exporter does, not by what it loads.
 """
 
 from __future__ import annotations
 
-import os
-import runpy
 import sys
 
 from flare_exporter import agent, dispatch, exposition, gpu_health, http_server, op_timer  # noqa: F401
+from flare_exporter.launch import run_script
 
 
 def main() -> None:
@@ -24,10 +23,7 @@ def main() -> None:
     if op_timer.load() is None:
         print(f"loaded: error: flare's extension is not loaded: {op_timer.load_error}", file=sys.stderr)
         sys.exit(2)
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    run_script(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -69,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = [args.module, *args.target]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = list(args.target)
-        sys.path.insert(0, _script_dir(args.target[0]))
-        runpy.run_path(args.target[0], run_name="__main__")
+        run_script(args.target)
     return 0
+
+
+def run_script(command: list[str]) -> None:
+    """Run `command` (a script and its arguments) as `python script.py args` would, in this process."""
+    sys.argv = list(command)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
+    runpy.run_path(command[0], run_name="__main__")
 
 
 # Set in the re-executed command, so that a shim that failed to load is reported rather than re-tried.
@@ -111,10 +116,6 @@ def preload_native(argv: list[str] | None) -> str | None:
     sys.stderr.flush()
     os.execve(sys.executable, command, environ)
     return None  # not reached: execve replaces this process or raises
-
-
-def _script_dir(script: str) -> str:
-    return os.path.dirname(os.path.abspath(script))
 
 
 if __name__ == "__main__":
