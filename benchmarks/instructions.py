@@ -31,8 +31,19 @@ about a hundred times longer under valgrind, so their count per step here overst
 overhead.py's CPU time per thread is their cost. The scraped runs last longer, so those threads wake more
 often in them: a scrape's count is an upper bound. Each thread's growth per scrape is printed too: the
 endpoint's thread, which runs for scrapes only, is a scrape's own count, the steady one.
-valgrind runs threads one at a time and counts instructions, not cache misses: what the exporter's threads
-cost the training thread through the shared caches and cores is not in these numbers either.
+valgrind runs threads one at a time: what the exporter's threads cost the training thread through the
+shared cores is not in these numbers either.
+
+`--cache-sim` also simulates the caches and the branch predictor (callgrind's
+`--cache-sim=yes --branch-sim=yes`: L1 instruction and data caches, the last level, conditional and indirect
+branches; about twice as slow) and prints the training thread's misses and mispredictions per step on each
+side, their ratios with / without, and a cycle estimate, kcachegrind's without its last-level term (CEst = Ir
++ 10 × (L1 misses + mispredicted branches); the simulated last level misses only on first touches). The
+simulation indexes the caches by virtual address and has no TLB or prefetcher, but it is deterministic: it
+shows what the exporter's code does to the training thread's caches and branches, apart from the machine's
+noise. `--loaded` adds a side that runs the script under `benchmarks/loaded.py` (flare's modules and extension
+loaded, nothing attached; as `overhead.py --control loaded`), to tell what loading flare's code does from what
+the exporter does.
 
 Exit status: 0 when every run completed, 1 when one failed (valgrind missing, a rank that exited non-zero),
 2 for bad arguments.
@@ -50,13 +61,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
 
 SCRIPT = REPO / "flare_exporter" / "workloads" / "train_ddp.py"
-TOTALS = re.compile(rb"^totals: (\d+)", re.MULTILINE)
+EVENTS = re.compile(rb"^events: (.+)$", re.MULTILINE)
+TOTALS = re.compile(rb"^totals: (.+)$", re.MULTILINE)
+# callgrind's events with --cache-sim=yes --branch-sim=yes: instructions (Ir), data reads and writes (Dr, Dw);
+# L1 misses (I1mr, D1mr, D1mw) and last-level misses (ILmr, DLmr, DLmw); conditional and indirect branches
+# (Bc, Bi) and their mispredictions (Bcm, Bim)
+L1_MISSES = ("I1mr", "D1mr", "D1mw")
+LL_MISSES = ("ILmr", "DLmr", "DLmw")
+MISPREDICTIONS = ("Bcm", "Bim")
+SIDES = ("without", "loaded", "with")  # what runs the script: python, benchmarks/loaded.py, the launcher
 READY_TIMEOUT_S = 600.0
 
 
@@ -64,22 +84,46 @@ class RunError(RuntimeError):
     """A run could not be measured; the message names the run and why."""
 
 
-def thread_instructions(out_dir: Path, pid: int) -> dict[int, int]:
-    """Instructions per thread (1: the main thread) from callgrind's per-thread output files."""
+def thread_events(out_dir: Path, pid: int) -> dict[int, dict[str, int]]:
+    """Each thread's event totals (1: the main thread) from callgrind's per-thread output files: {"Ir": n}
+    alone, or every simulated event with --cache-sim."""
     counts = {}
     for path in out_dir.glob(f"cg.{pid}-*"):
-        found = TOTALS.search(path.read_bytes())
-        if found:
-            counts[int(path.name.rsplit("-", 1)[1])] = int(found.group(1))
+        data = path.read_bytes()
+        events, totals = EVENTS.search(data), TOTALS.search(data)
+        if events and totals:
+            names, values = events.group(1).decode().split(), map(int, totals.group(1).split())
+            counts[int(path.name.rsplit("-", 1)[1])] = dict(zip(names, values, strict=True))
     return counts
 
 
+def cycle_estimate(events: dict[str, float]) -> float:
+    """kcachegrind's cycle estimate of callgrind's simulated events, less its last-level term: Ir + 10 x (L1
+    misses + mispredicted branches). The simulated last level (this host's, hundreds of MiB) misses only on
+    a line's first touch, which differs from run to run by more than the training thread's misses per step."""
+    l1 = sum(events.get(name, 0) for name in L1_MISSES)
+    mispredicted = sum(events.get(name, 0) for name in MISPREDICTIONS)
+    return events["Ir"] + 10 * (l1 + mispredicted)
+
+
+def training_events_per_step(
+    short: dict[int, dict[str, int]], long: dict[int, dict[str, int]], steps: int
+) -> dict[str, float]:
+    """The training thread's events per step between the two runs, with its cycle estimate (CEst)."""
+    per_step = {name: (long[1][name] - short[1].get(name, 0)) / steps for name in long[1]}
+    if "Bcm" in per_step:
+        per_step["CEst"] = cycle_estimate(per_step)
+    return per_step
+
+
 def run(
-    with_exporter: bool, steps: int, workdir: Path, timeout: float, scrape_every: int = 0
-) -> dict[int, int]:
-    """One rank of `steps` steps under callgrind, counted from its first step: instructions per thread.
-    With `scrape_every`, the rank GETs its exporter's /metrics every that many steps."""
-    label = f"{'with' if with_exporter else 'without'} the exporter, {steps} steps"
+    side: str, steps: int, workdir: Path, timeout: float, scrape_every: int = 0, cache_sim: bool = False
+) -> dict[int, dict[str, int]]:
+    """One rank of `steps` steps under callgrind, counted from its first step: events per thread
+    (thread_events). `side` is one of SIDES; with `scrape_every`, the rank GETs its exporter's /metrics every
+    that many steps."""
+    with_exporter = side == "with"
+    label = f"{side} the exporter, {steps} steps" if side != "loaded" else f"flare loaded, {steps} steps"
     if scrape_every:
         label += f", scraped every {scrape_every}"
     workdir.mkdir(parents=True)
@@ -97,15 +141,20 @@ def run(
     if with_exporter:
         env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
         env.setdefault("FLARE_NVML_MODULE", "flare_exporter.testing.fake_nvml")
-    prefix = ["-m", "flare_exporter.launch"] if with_exporter else []
+    prefix = {
+        "without": [],
+        "loaded": [str(REPO / "benchmarks" / "loaded.py")],
+        "with": ["-m", "flare_exporter.launch"],
+    }
     command = [
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
         "--separate-threads=yes",
+        *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
         f"--callgrind-out-file={workdir}/cg.%p",
         sys.executable,
-        *prefix,
+        *prefix[side],
         str(SCRIPT),
         "--steps",
         str(steps),
@@ -135,7 +184,7 @@ def run(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    counts = thread_instructions(workdir, proc.pid)
+    counts = thread_events(workdir, proc.pid)
     if 1 not in counts:
         raise RunError(f"{label}: callgrind wrote no count for the main thread; log: {_tail(log)}")
     return counts
@@ -173,6 +222,29 @@ def thread_growth_per_scrape(unscraped: Runs, scraped: Runs, scrapes: int) -> di
     return {thread: (growth(scraped, thread) - growth(unscraped, thread)) / scrapes for thread in threads}
 
 
+def instructions_of(events: dict[int, dict[str, int]]) -> dict[int, int]:
+    """Each thread's instructions, of its events."""
+    return {thread: counts["Ir"] for thread, counts in events.items()}
+
+
+SIMULATED = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw", "Bcm", "Bim", "CEst")
+
+
+def print_simulated(training: dict[str, dict[str, float]]) -> None:
+    """The training thread's simulated events per step on each side, and each side's ratios to without."""
+    print("  the training thread per step, simulated (L1: 32 KiB each; last level: first touches only;")
+    print("  mispredicted conditional and indirect branches; CEst: Ir + 10 x (L1 misses + mispredictions)):")
+    print("  " + f"{'':8}" + "".join(f"{name:>11}" for name in SIMULATED))
+    without = training["without"]
+    for side, events in training.items():
+        print(f"  {side:8}" + "".join(f"{events[name]:11,.0f}" for name in SIMULATED))
+        if side != "without":
+            ratios = [
+                events[name] / without[name] if without[name] > 0 else float("nan") for name in SIMULATED
+            ]
+            print(f"  {'  / without':8}" + "".join(f"{ratio:11.4f}" for ratio in ratios))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
@@ -193,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of a real job between two scrapes, to weigh a scrape per step (default 125: a scrape "
         "a second of overhead.py's ~8 ms steps)",
     )
+    parser.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="also simulate the caches and branch predictor: the training thread's misses per step",
+    )
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="add a side with flare's code loaded and nothing attached (benchmarks/loaded.py)",
+    )
     parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument(
         "--keep", default="", metavar="DIR", help="keep callgrind's files in DIR (for callgrind_annotate)"
@@ -211,22 +293,34 @@ def main(argv: list[str] | None = None) -> int:
         print("instructions: error: valgrind (callgrind_control) is not installed", file=sys.stderr)
         return 1
     steps = args.long - args.short
-    print(f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side")
+    print(
+        f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side"
+        + (", caches and branches simulated" if args.cache_sim else "")
+    )
     results: dict[str, dict[str, float]] = {}
     runs: dict[str, Runs] = {}
-    sides = {"without": (False, 0), "with": (True, 0)}
+    training: dict[str, dict[str, float]] = {}  # the training thread's events per step, per side
+    sides = {side: (side, 0) for side in SIDES if side != "loaded" or args.loaded}
     if scrapes:
-        sides["scraped"] = (True, args.scrape_every)
+        sides["scraped"] = ("with", args.scrape_every)
     try:
         with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
             tmp = args.keep or scratch
-            for side, (with_exporter, scrape_every) in sides.items():
+            for side, (runs_as, scrape_every) in sides.items():
                 short, long = (
-                    run(with_exporter, count, Path(tmp) / f"{side}-{name}", args.timeout, scrape_every)
+                    run(
+                        runs_as,
+                        count,
+                        Path(tmp) / f"{side}-{name}",
+                        args.timeout,
+                        scrape_every,
+                        args.cache_sim,
+                    )
                     for name, count in (("short", args.short), ("long", args.long))
                 )
-                runs[side] = (short, long)
-                main_thread, others = per_step(short, long, steps)
+                runs[side] = instructions_of(short), instructions_of(long)
+                training[side] = training_events_per_step(short, long, steps)
+                main_thread, others = per_step(*runs[side], steps)
                 results[side] = {"training_thread": main_thread, "other_threads": others}
                 print(
                     f"  {side:8} training thread {main_thread:12,.0f} instructions per step, "
@@ -235,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as error:
         print(f"instructions: error: {error}", file=sys.stderr)
         return 1
+    if args.cache_sim:
+        print_simulated(training)
     without, with_ = results["without"], results["with"]
     thread_ratio = with_["training_thread"] / without["training_thread"]
     print(
@@ -246,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         "valgrind:\n   their count per step here is not what they cost at full speed; see overhead.py's "
         "CPU per thread)"
     )
-    summary: dict[str, float] = {"thread_ratio": thread_ratio}
+    summary: dict[str, Any] = {"thread_ratio": thread_ratio}
+    if args.cache_sim:
+        summary["training_thread_events"] = training
     if scrapes:
         by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
         scraper = by_thread.pop(1)  # the training thread's GET

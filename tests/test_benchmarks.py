@@ -253,6 +253,44 @@ def test_each_threads_growth_per_scrape_is_beyond_the_unscraped_sides_between_sh
     }
 
 
+def test_callgrinds_per_thread_files_give_every_event_of_each_thread(tmp_path):
+    from instructions import instructions_of, thread_events
+
+    simulated = "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw Bc Bcm Bi Bim\n"
+    (tmp_path / "cg.42-01").write_text(
+        f"version: 1\ncreator: callgrind-3.19.0\n{simulated}fn=main\n0 1 2\n"
+        "totals: 8000 2500 450 60 200 50 1 2 3 320 24 58 17\n"
+    )
+    (tmp_path / "cg.42-02").write_text(f"{simulated}totals: 900 1 2 3 4 5 6 7 8 9 10 11 12\n")
+    (tmp_path / "cg.43-01").write_text("events: Ir\ntotals: 5\n")  # another process's
+    events = thread_events(tmp_path, 42)
+    assert sorted(events) == [1, 2]
+    assert events[1] == {
+        "Ir": 8000, "Dr": 2500, "Dw": 450, "I1mr": 60, "D1mr": 200, "D1mw": 50, "ILmr": 1, "DLmr": 2,
+        "DLmw": 3, "Bc": 320, "Bcm": 24, "Bi": 58, "Bim": 17,
+    }  # fmt: skip
+    assert instructions_of(events) == {1: 8000, 2: 900}
+    assert instructions_of(thread_events(tmp_path, 43)) == {1: 5}  # instructions alone, without --cache-sim
+
+
+def test_the_training_threads_simulated_events_per_step_weigh_l1_misses_and_mispredictions():
+    from instructions import training_events_per_step
+
+    def thread(ir, l1, last_level, mispredicted):  # the misses split over their kinds
+        return {
+            1: {"Ir": ir, "I1mr": l1 // 2, "D1mr": l1 // 4, "D1mw": l1 // 4, "ILmr": last_level, "DLmr": 0,
+                "DLmw": 0, "Bcm": mispredicted // 2, "Bim": mispredicted // 2},
+            2: {"Ir": 10**9, "I1mr": 1, "Bcm": 1},  # another thread: not the training thread's
+        }  # fmt: skip
+
+    # 10 steps between the runs: per step 8,000 instructions, 400 L1 misses, 2 last-level, 60 mispredicted
+    per_step = training_events_per_step(thread(1_000, 40, 0, 0), thread(81_000, 4_040, 20, 600), 10)
+    assert per_step["Ir"] == 8_000 and per_step["I1mr"] == 200 and per_step["Bim"] == 30
+    assert per_step["CEst"] == 8_000 + 10 * (400 + 60)  # first touches of the last level left out
+    # instructions alone (no --cache-sim): no estimate
+    assert training_events_per_step({1: {"Ir": 10}}, {1: {"Ir": 70}}, 3) == {"Ir": 20}
+
+
 def report_of(steps: list[tuple[float, float]], cpu: float = 0.001) -> dict:
     """A rank's report from (ended, seconds) per step."""
     return {
