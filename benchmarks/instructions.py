@@ -74,7 +74,6 @@ TOTALS = re.compile(rb"^totals: (.+)$", re.MULTILINE)
 # L1 misses (I1mr, D1mr, D1mw) and last-level misses (ILmr, DLmr, DLmw); conditional and indirect branches
 # (Bc, Bi) and their mispredictions (Bcm, Bim)
 L1_MISSES = ("I1mr", "D1mr", "D1mw")
-LL_MISSES = ("ILmr", "DLmr", "DLmw")
 MISPREDICTIONS = ("Bcm", "Bim")
 SIDES = ("without", "loaded", "with")  # what runs the script: python, benchmarks/loaded.py, the launcher
 READY_TIMEOUT_S = 600.0
