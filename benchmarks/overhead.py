@@ -4,6 +4,7 @@
                                   [--timeout 300] [--retries 2] [--scrape-interval 1] [--script PATH] \
                                   [--control plain|loaded] [--json OUT]
     python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
+    python benchmarks/overhead.py --pool a.json b.json ...   # interleaved runs' pairs pooled, nothing run
 
 Each pair runs flare_exporter/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain `python
 script.py` (A, without) and once as `python -m flare_exporter.launch script.py` (B, with), in the order A/B
@@ -31,7 +32,13 @@ right after matrix products that evict the CPU caches, as in a training step ("c
 extension built, what a host-dispatch sampling window adds to a step of the training script's model: the
 training thread's CPU time of steps with the native timer's window open against steps without.
 
-Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments.
+With `--pool`, nothing runs: the pairs of several `--interleave` runs' `--json` files, which must share
+the job, the machine, the FLARE_* settings and the code revision (each file records its git commit), are
+pooled into one median and interval, so that runs made at different times weigh in together; pool every run
+of the code, not a chosen few.
+
+Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments
+(and for files that cannot be pooled).
 """
 
 from __future__ import annotations
@@ -906,7 +913,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "does rather than what it loads",
     )
     parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: pool the pairs of interleaved runs' --json files (the same job, code and machine) "
+        "into one median and interval",
+    )
     args = parser.parse_args(argv)
+    if args.pool and args.micro:
+        parser.error("--pool runs nothing: it takes no --micro")
     if (
         args.pairs < 1
         or args.ranks < 1
@@ -933,6 +950,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pool:
+        try:
+            pooled = pool(args.pool)
+        except PoolError as error:
+            print(f"overhead: error: {error}", file=sys.stderr)
+            return 2
+        if args.json:
+            Path(args.json).write_text(json.dumps(pooled, indent=2) + "\n")
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally blocks kill the ranks
     import torch
 
@@ -950,8 +976,9 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "cuda": torch.cuda.is_available(),
         },
-        "config": {k: getattr(args, k) for k in ("pairs", "ranks", "steps", "warmup", "batch", "control")},
+        "config": run_config(args),
         "flare_env": flare_env,
+        "revision": code_revision(),
     }
     print(
         f"flare-exporter overhead benchmark  {results['date']}  {os.cpu_count()} CPUs  "
@@ -972,6 +999,42 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0
+
+
+def run_config(args: argparse.Namespace) -> dict[str, object]:
+    """The settings that make a run's job what it is (the results' "config")."""
+    settings = (
+        "pairs",
+        "ranks",
+        "steps",
+        "warmup",
+        "batch",
+        "control",
+        "scrape_interval",
+        "interleave",
+        "placebo",
+    )
+    return {**{name: getattr(args, name) for name in settings}, "script": os.path.relpath(args.script, REPO)}
+
+
+def code_revision() -> str | None:
+    """The measured code's git commit (with "+changes" if the tree differs from it), or None outside git."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if changed else "")
 
 
 def control_note(args: argparse.Namespace) -> str:
@@ -1328,6 +1391,11 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 flush=True,
             )
             pairs.append(result)
+    return {"interleaved": {"pairs": pairs, "summary": summarize(pairs, scrapes, args.placebo)}}
+
+
+def summarize(pairs: list[dict], scrapes: ScrapeCounts, placebo: bool) -> dict[str, object]:
+    """Print the summary of interleaved pairs (one run's, or several runs' pooled) and return it."""
     ratios = [pair["ratio"] for pair in pairs]
     cpu_ratios = [pair["thread_cpu_ratio"] for pair in pairs]
     median_ratio, ci, cpu_ci = statistics.median(ratios), median_ci(ratios), median_ci(cpu_ratios)
@@ -1352,21 +1420,89 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         print(f"  {accounting_text(accounting)}")
     print(f"  goal: median ratio <= {GOAL_RATIO}: {_verdict(median_ratio, ci)}")
     return {
-        "interleaved": {
-            "pairs": pairs,
-            "summary": {
-                "median_ratio": median_ratio,
-                "median_ratio_ci95": list(ci) if ci else None,
-                "thread_cpu_median_ratio": statistics.median(cpu_ratios),
-                "thread_cpu_ratio_ci95": list(cpu_ci) if cpu_ci else None,
-                "scrapes": asdict(scrapes),
-                "exporter_cpu": accounting,
-                "goal_ratio": GOAL_RATIO,
-                "goal_met": median_ratio <= GOAL_RATIO,
-                "placebo": args.placebo,
-            },
+        "median_ratio": median_ratio,
+        "median_ratio_ci95": list(ci) if ci else None,
+        "thread_cpu_median_ratio": statistics.median(cpu_ratios),
+        "thread_cpu_ratio_ci95": list(cpu_ci) if cpu_ci else None,
+        "scrapes": asdict(scrapes),
+        "exporter_cpu": accounting,
+        "goal_ratio": GOAL_RATIO,
+        "goal_met": median_ratio <= GOAL_RATIO,
+        "placebo": placebo,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pooling runs
+
+
+class PoolError(Exception):
+    """A results file that cannot be pooled with the others."""
+
+
+POOLED_KEYS = ("machine", "config", "flare_env", "revision")  # what every pooled run must share
+
+
+def pool(paths: list[Path]) -> dict[str, object]:
+    """The interleaved pairs of several runs (their --json files) as one sample: runs of the same job, the
+    same code and the same machine, measured at different times, whose pairs together give the median a
+    narrower interval than any one run's. Every run given counts: pool all the runs of the code, not the
+    ones that came out well."""
+    runs = [_pooled_run(path) for path in paths]
+    for path, run in zip(paths[1:], runs[1:], strict=True):
+        for key in POOLED_KEYS:
+            ours, first = _pooled_value(run, key), _pooled_value(runs[0], key)
+            if ours != first:
+                raise PoolError(
+                    f"{path}: its {key} ({ours}) is not {paths[0]}'s ({first}): only runs of the same job, "
+                    "code and machine pool"
+                )
+    config = _pooled_value(runs[0], "config")
+    revision = runs[0].get("revision") or "not recorded"
+    print(f"pooled: {len(runs)} runs of the same job (code revision {revision})")
+    pairs: list[dict] = []
+    scrapes = ScrapeCounts()
+    for path, run in zip(paths, runs, strict=True):
+        summary = run["interleaved"]["summary"]
+        print(
+            f"  {path}: {run.get('date', '?')}, {len(run['interleaved']['pairs'])} pairs, median "
+            f"{summary['median_ratio']:.4f}"
+        )
+        pairs += run["interleaved"]["pairs"]
+        scrapes.add(ScrapeCounts(**summary["scrapes"]))
+    return {
+        "pooled": {
+            "runs": [str(path) for path in paths],
+            "summary": summarize(pairs, scrapes, config["placebo"]),
         }
     }
+
+
+def _pooled_run(path: Path) -> dict[str, Any]:
+    try:
+        run = json.loads(path.read_text())
+        pairs = run["interleaved"]["pairs"]
+        if not pairs or not all(isinstance(pair["ratio"], float) for pair in pairs):
+            raise PoolError(f"{path}: no interleaved pairs")
+        return run  # type: ignore[no-any-return]
+    except OSError as error:
+        raise PoolError(f"{path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise PoolError(f"{path}: not JSON ({error.msg}, line {error.lineno})") from None
+    except (KeyError, TypeError):
+        raise PoolError(
+            f"{path}: not the results of an interleaved run (overhead.py --interleave S --json)"
+        ) from None
+
+
+def _pooled_value(run: dict[str, Any], key: str) -> Any:
+    value = run.get(key)
+    if (
+        key == "config"
+    ):  # how many pairs each run took does not matter; a setting not recorded was the default
+        value = {**run_config(parse_args([])), **(value or {})}
+        del value["pairs"]
+    return value
 
 
 def exporter_threads(threads: dict[str, float]) -> dict[str, float]:

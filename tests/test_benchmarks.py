@@ -58,6 +58,94 @@ def test_overhead_rejects_a_placebo_without_turns():
     assert done.returncode == 2 and "--placebo needs --interleave" in done.stderr
 
 
+def interleaved_results(ratios: list[float], **config: object) -> dict:
+    """What `overhead.py --interleave S --json OUT` writes, for pairs of these ratios."""
+    pairs = [
+        {
+            "pair": number,
+            "slices": [{"ratio": ratio}],
+            "ratio": ratio,
+            "thread_cpu_ratio": ratio,
+            "process_cpu_without": 0.005,
+            "exporter_threads_cpu": {"flare-http": 2e-5},
+            "scrape_cpu": 0.0015,
+        }
+        for number, ratio in enumerate(ratios, 1)
+    ]
+    settings = {"pairs": len(ratios), "ranks": 4, "steps": 2000, "warmup": 50, "batch": 64, "interleave": 2.0}
+    scrapes = {"done": 100, "attempts": 100}
+    return {
+        "date": "2026-12-04T00:00:00+00:00",
+        "machine": {"cpus": 2, "torch": "2.13.0+cpu"},
+        "config": {**settings, **config},
+        "flare_env": {},
+        "revision": "6dfc5a9",
+        "interleaved": {"pairs": pairs, "summary": {"median_ratio": sorted(ratios)[1], "scrapes": scrapes}},
+    }
+
+
+def write_results(tmp_path: Path, name: str, results: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(results))
+    return str(path)
+
+
+def test_overhead_pools_the_pairs_of_runs_of_the_same_job_and_code(tmp_path, capsys):
+    from overhead import main
+
+    first = write_results(tmp_path, "first.json", interleaved_results([1.00, 1.01, 1.02]))
+    second = write_results(tmp_path, "second.json", interleaved_results([0.99, 1.03, 1.04]))
+    out = tmp_path / "pooled.json"
+    assert main(["--pool", first, second, "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["pooled"]["summary"]
+    # the median of all six pairs, not of the runs' medians (1.01, 1.03) nor of either run
+    assert summary["median_ratio"] == pytest.approx(1.015) and summary["scrapes"]["done"] == 200
+    printed = capsys.readouterr().out
+    assert "2 runs of the same job (code revision 6dfc5a9)" in printed and "over 6 pairs" in printed
+
+
+@pytest.mark.parametrize(
+    "second, differs",
+    [
+        (interleaved_results([1.0] * 3, steps=500), "config"),
+        (interleaved_results([1.0] * 3, control="loaded"), "config"),  # the first recorded none: plain
+        ({**interleaved_results([1.0] * 3), "revision": "0af132b"}, "revision"),
+        ({**interleaved_results([1.0] * 3), "flare_env": {"FLARE_GPU_HEALTH": "false"}}, "flare_env"),
+    ],
+)
+def test_overhead_pools_only_runs_of_the_same_job_code_and_machine(tmp_path, capsys, second, differs):
+    from overhead import main
+
+    first = write_results(tmp_path, "first.json", interleaved_results([1.0] * 3))
+    second_path = write_results(tmp_path, "second.json", second)
+    assert main(["--pool", first, second_path]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith(f"overhead: error: {second_path}: its {differs} (")
+
+
+def test_overhead_counts_a_setting_an_older_run_did_not_record_as_its_default(tmp_path):
+    from overhead import main
+
+    older = write_results(tmp_path, "older.json", interleaved_results([1.0] * 3))  # before --control
+    plain = write_results(tmp_path, "plain.json", interleaved_results([1.0] * 3, control="plain"))
+    assert main(["--pool", older, plain]) == 0
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("{", "not JSON"), ('{"pairs": []}', "not the results of an interleaved run"), (None, "cannot read it")],
+)
+def test_overhead_refuses_to_pool_what_is_not_an_interleaved_run(tmp_path, capsys, text, says):
+    from overhead import main
+
+    path = tmp_path / "bad.json"
+    if text is not None:
+        path.write_text(text)
+    good = write_results(tmp_path, "good.json", interleaved_results([1.0] * 3))
+    assert main(["--pool", good, str(path)]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"overhead: error: {path}: {says}")
+
+
 def test_overhead_rejects_a_placebo_with_a_control():
     done = run_benchmark("overhead.py", "--interleave", "1", "--placebo", "--control", "loaded")
     assert done.returncode == 2 and "--placebo runs both jobs as plain scripts" in done.stderr
