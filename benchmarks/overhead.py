@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import hashlib
 import http.client
 import itertools
 import json
@@ -1018,23 +1019,18 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
 
 
 def code_revision() -> str | None:
-    """The measured code's git commit (with "+changes" if the tree differs from it), or None outside git."""
+    """The measured code: its git commit, and where the tracked files differ from it "+" and a digest of the
+    difference (two runs with the same uncommitted change pool, with different ones not); None outside git."""
+
+    def git(*arguments: str) -> str:
+        command = ["git", "-C", str(REPO), *arguments]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        commit, changes = git("rev-parse", "--short=12", "HEAD").strip(), git("diff", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return commit + ("+changes" if changed else "")
+    return commit + (f"+{hashlib.sha256(changes.encode()).hexdigest()[:12]}" if changes else "")
 
 
 def control_note(args: argparse.Namespace) -> str:

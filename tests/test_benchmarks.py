@@ -208,6 +208,10 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
         *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
         *("--interleave", "0.4", "--scrape-interval", "0.1"),
     )
+    # what --pool compares: every setting of the job, and the code measured
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True)
+    assert results["revision"].startswith(head.stdout.decode().strip())
+    assert results["config"]["interleave"] == 0.4 and results["config"]["scrape_interval"] == 0.1
     (pair,) = results["interleaved"]["pairs"]
     assert pair["slices"] and all(
         s["step_time_with"] > 0 and s["step_time_without"] > 0 for s in pair["slices"]
