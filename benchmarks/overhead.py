@@ -1445,16 +1445,16 @@ def pool(paths: list[Path]) -> dict[str, object]:
     narrower interval than any one run's. Every run given counts: pool all the runs of the code, not the
     ones that came out well."""
     runs = [_pooled_run(path) for path in paths]
+    first = {key: _pooled_value(runs[0], key) for key in POOLED_KEYS}
     for path, run in zip(paths[1:], runs[1:], strict=True):
         for key in POOLED_KEYS:
-            ours, first = _pooled_value(run, key), _pooled_value(runs[0], key)
-            if ours != first:
+            ours = _pooled_value(run, key)
+            if ours != first[key]:
                 raise PoolError(
-                    f"{path}: its {key} ({ours}) is not {paths[0]}'s ({first}): only runs of the same job, "
-                    "code and machine pool"
+                    f"{path}: its {key} ({ours}) is not {paths[0]}'s ({first[key]}): only runs of the same "
+                    "job, code and machine pool"
                 )
-    config = _pooled_value(runs[0], "config")
-    revision = runs[0].get("revision") or "not recorded"
+    revision = first["revision"] or "not recorded"
     print(f"pooled: {len(runs)} runs of the same job (code revision {revision})")
     pairs: list[dict] = []
     scrapes = ScrapeCounts()
@@ -1469,7 +1469,7 @@ def pool(paths: list[Path]) -> dict[str, object]:
     return {
         "pooled": {
             "runs": [str(path) for path in paths],
-            "summary": summarize(pairs, scrapes, config["placebo"]),
+            "summary": summarize(pairs, scrapes, first["config"]["placebo"]),
         }
     }
 
@@ -1480,7 +1480,7 @@ def _pooled_run(path: Path) -> dict[str, Any]:
         pairs = run["interleaved"]["pairs"]
         if not pairs or not all(isinstance(pair["ratio"], float) for pair in pairs):
             raise PoolError(f"{path}: no interleaved pairs")
-        return run  # type: ignore[no-any-return]
+        return run
     except OSError as error:
         raise PoolError(f"{path}: cannot read it ({error.strerror})") from None
     except json.JSONDecodeError as error:
@@ -1493,9 +1493,8 @@ def _pooled_run(path: Path) -> dict[str, Any]:
 
 def _pooled_value(run: dict[str, Any], key: str) -> Any:
     value = run.get(key)
-    if (
-        key == "config"
-    ):  # how many pairs each run took does not matter; a setting not recorded was the default
+    if key == "config":
+        # how many pairs each run took does not matter; a setting a run did not record was the default
         value = {**run_config(parse_args([])), **(value or {})}
         del value["pairs"]
     return value
