@@ -33,9 +33,10 @@ extension built, what a host-dispatch sampling window adds to a step of the trai
 training thread's CPU time of steps with the native timer's window open against steps without.
 
 With `--pool`, nothing runs: the pairs of several `--interleave` runs' `--json` files, which must share
-the job, the machine, the FLARE_* settings and the code revision (each file records its git commit), are
-pooled into one median and interval, so that runs made at different times weigh in together; pool every run
-of the code, not a chosen few.
+the job, the machine, the FLARE_* settings and the code they ran (each file records a digest of the
+package, this benchmark and the training script, and its git commit for the reader), are pooled into one
+median and interval, so that runs made at different times, in different sessions and commits of the same
+code, weigh in together; pool every run of the code, not a chosen few (benchmarks/results/ keeps them).
 
 Exit status: 0 when every run completed (whatever the ratio), 1 when a run failed, 2 for bad arguments
 (and for files that cannot be pooled).
@@ -980,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": run_config(args),
         "flare_env": flare_env,
         "revision": code_revision(),
+        "code": code_digest(args.script),
     }
     print(
         f"flare-exporter overhead benchmark  {results['date']}  {os.cpu_count()} CPUs  "
@@ -1018,19 +1020,41 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
     return {**{name: getattr(args, name) for name in settings}, "script": os.path.relpath(args.script, REPO)}
 
 
+def _git(*arguments: str) -> str:
+    command = ["git", "-C", str(REPO), *arguments]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def code_revision() -> str | None:
-    """The measured code: its git commit, and where the tracked files differ from it "+" and a digest of the
-    difference (two runs with the same uncommitted change pool, with different ones not); None outside git."""
-
-    def git(*arguments: str) -> str:
-        command = ["git", "-C", str(REPO), *arguments]
-        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
-
+    """The checkout measured: its git commit, and where the tracked files differ from it "+" and a digest of
+    the difference; None outside git. Recorded for the reader; --pool compares `code_digest`."""
     try:
-        commit, changes = git("rev-parse", "--short=12", "HEAD").strip(), git("diff", "HEAD")
+        commit, changes = _git("rev-parse", "--short=12", "HEAD").strip(), _git("diff", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit + (f"+{hashlib.sha256(changes.encode()).hexdigest()[:12]}" if changes else "")
+
+
+# What a run executes besides torch and the training script: the package (its Python and C++), this benchmark
+# and its control.
+MEASURED_CODE = ("flare_exporter", "benchmarks/overhead.py", "benchmarks/loaded.py")
+
+
+def code_digest(script: Path) -> str | None:
+    """A digest of the files a run executes, as they are on disk (committed or not), and of the training
+    script: two runs pool when it is the same, whatever else changed between them (notes, tests, other
+    benchmarks, results). None outside git."""
+    try:
+        listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *MEASURED_CODE)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    files = {path: REPO / path for path in listed.split("\0") if path}
+    files["script:" + script.name] = script
+    digest = hashlib.sha256()
+    for name, file in sorted(files.items()):
+        if file.is_file():  # a tracked file deleted in the working tree is not run
+            digest.update(name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()[:16]
 
 
 def control_note(args: argparse.Namespace) -> str:
@@ -1436,7 +1460,7 @@ class PoolError(Exception):
     """A results file that cannot be pooled with the others."""
 
 
-POOLED_KEYS = ("machine", "config", "flare_env", "revision")  # what every pooled run must share
+POOLED_KEYS = ("machine", "config", "flare_env", "code")  # what every pooled run must share
 
 
 def pool(paths: list[Path]) -> dict[str, object]:
@@ -1454,15 +1478,14 @@ def pool(paths: list[Path]) -> dict[str, object]:
                     f"{path}: its {key} ({ours}) is not {paths[0]}'s ({first[key]}): only runs of the same "
                     "job, code and machine pool"
                 )
-    revision = first["revision"] or "not recorded"
-    print(f"pooled: {len(runs)} runs of the same job (code revision {revision})")
+    print(f"pooled: {len(runs)} runs of the same job (code {first['code'] or 'not recorded'})")
     pairs: list[dict] = []
     scrapes = ScrapeCounts()
     for path, run in zip(paths, runs, strict=True):
         summary = run["interleaved"]["summary"]
         print(
-            f"  {path}: {run.get('date', '?')}, {len(run['interleaved']['pairs'])} pairs, median "
-            f"{summary['median_ratio']:.4f}"
+            f"  {path}: {run.get('date', '?')} (revision {run.get('revision') or '?'}), "
+            f"{len(run['interleaved']['pairs'])} pairs, median {summary['median_ratio']:.4f}"
         )
         pairs += run["interleaved"]["pairs"]
         scrapes.add(ScrapeCounts(**summary["scrapes"]))

@@ -80,6 +80,7 @@ def interleaved_results(ratios: list[float], **config: object) -> dict:
         "config": {**settings, **config},
         "flare_env": {},
         "revision": "6dfc5a9",
+        "code": "c0de",
         "interleaved": {"pairs": pairs, "summary": {"median_ratio": sorted(ratios)[1], "scrapes": scrapes}},
     }
 
@@ -101,7 +102,48 @@ def test_overhead_pools_the_pairs_of_runs_of_the_same_job_and_code(tmp_path, cap
     # the median of all six pairs, not of the runs' medians (1.01, 1.03) nor of either run
     assert summary["median_ratio"] == pytest.approx(1.015) and summary["scrapes"]["done"] == 200
     printed = capsys.readouterr().out
-    assert "2 runs of the same job (code revision 6dfc5a9)" in printed and "over 6 pairs" in printed
+    assert "2 runs of the same job (code c0de)" in printed and "over 6 pairs" in printed
+
+
+def test_overhead_pools_runs_of_the_same_code_from_different_commits(tmp_path, capsys):
+    from overhead import main
+
+    first = write_results(tmp_path, "first.json", interleaved_results([1.0] * 3))
+    later = write_results(tmp_path, "later.json", {**interleaved_results([1.0] * 3), "revision": "0af132b"})
+    assert main(["--pool", first, later]) == 0
+    assert "(revision 0af132b)" in capsys.readouterr().out
+
+
+def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(tmp_path, monkeypatch):
+    import overhead
+
+    def git(*arguments: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *arguments], check=True, capture_output=True)
+
+    for path in ("flare_exporter/agent.py", "benchmarks/overhead.py", "benchmarks/other.py", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(f"# {path}\n")
+    script = tmp_path / "train.py"
+    script.write_text("print('step')\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "code")
+    monkeypatch.setattr(overhead, "REPO", tmp_path)
+    digest = overhead.code_digest(script)
+    assert digest is not None
+
+    (tmp_path / "README.md").write_text("notes\n")  # not run: the same code
+    (tmp_path / "benchmarks/other.py").write_text("# another benchmark\n")
+    assert overhead.code_digest(script) == digest
+    for changed in ("flare_exporter/agent.py", "benchmarks/overhead.py", "flare_exporter/new.py", "train.py"):
+        before = (tmp_path / changed).read_text() if (tmp_path / changed).exists() else None
+        (tmp_path / changed).write_text("# changed, not committed\n")
+        assert overhead.code_digest(script) != digest, changed
+        if before is None:
+            (tmp_path / changed).unlink()
+        else:
+            (tmp_path / changed).write_text(before)
+    assert overhead.code_digest(script) == digest
 
 
 @pytest.mark.parametrize(
@@ -109,7 +151,7 @@ def test_overhead_pools_the_pairs_of_runs_of_the_same_job_and_code(tmp_path, cap
     [
         (interleaved_results([1.0] * 3, steps=500), "config"),
         (interleaved_results([1.0] * 3, control="loaded"), "config"),  # the first recorded none: plain
-        ({**interleaved_results([1.0] * 3), "revision": "0af132b"}, "revision"),
+        ({**interleaved_results([1.0] * 3), "code": "0ther"}, "code"),
         ({**interleaved_results([1.0] * 3), "flare_env": {"FLARE_GPU_HEALTH": "false"}}, "flare_env"),
     ],
 )
@@ -211,6 +253,9 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     # what --pool compares: every setting of the job, and the code measured
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True)
     assert results["revision"].startswith(head.stdout.decode().strip())
+    from overhead import code_digest
+
+    assert results["code"] == code_digest(REPO / "flare_exporter/workloads/train_ddp.py")
     assert results["config"]["interleave"] == 0.4 and results["config"]["scrape_interval"] == 0.1
     (pair,) = results["interleaved"]["pairs"]
     assert pair["slices"] and all(

@@ -12,6 +12,7 @@ measured in benchmarks/straggler.py.
 from __future__ import annotations
 
 import json
+import random
 from collections import deque
 from pathlib import Path
 
@@ -126,6 +127,61 @@ def test_step_windows_count_collectives_counted_without_a_pending_record():
     finished.append((11.1, 0.2))  # also step 3's, completed behind it
     windows.forget_finished()
     assert windows.ring.windows == (Window(0, 1.0, 0.3),)  # (0.1 + 0.3 + 0.2) over 2 steps
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_windows_account_whole_windows_as_the_ring_fed_step_by_step_would(seed):
+    """Random steps (some boundaries lost), collectives (one or two a step, some in flight across a drain)
+    and drains: the windows are those of feeding the ring every step whose start was seen, with its time
+    and the collectives issued in it."""
+    rng = random.Random(seed)
+    steps_per_window = rng.choice([1, 2, 5])
+    boundaries, waits, at = [], [], 0.0
+    for step in range(1, 120):
+        for _ in range(rng.choice([1, 1, 2])):
+            waits.append((at + rng.uniform(0.01, 0.5), rng.uniform(0.001, 0.8)))
+        at += 1.0 + rng.random()
+        if rng.random() > 0.04:  # lost: the exporter read it too late
+            boundaries.append((step, at))
+    expected = WindowRing(steps_per_window, kept=4)
+    seen = dict(boundaries)
+    for step, end in boundaries:
+        if step - 1 in seen:
+            start = seen[step - 1]
+            expected.add_step(step, end - start, sum(d for issued, d in waits if start < issued <= end))
+
+    # As the recording backend hands them over: the oldest collective in flight as a record in the group's
+    # pending queue (its duration set once it completes), the others once completed, in `finished`.
+    steps, world, finished = FakeSteps(), FakeGroup("world"), []
+    windows = StepWindows(
+        steps, {"world": world}, ExporterHealth(), steps_per_window, kept=4, finished=finished
+    )
+    drain_at, queued, handed, records = 0.0, deque(boundaries), set(), {}
+    while queued or len(handed) < len(waits):
+        drain_at += rng.uniform(0.5, 12.0)
+        while queued and queued[0][1] <= drain_at:
+            steps.boundaries.append(queued.popleft())
+        for index, (issued, duration) in enumerate(waits):
+            if index in handed or issued > drain_at:
+                continue
+            done = issued + duration <= drain_at
+            if index in records:
+                if done:
+                    records[index].duration = duration
+                    handed.add(index)
+            elif not records.keys() - handed and not done:
+                records[index] = issue(world, issued)  # the oldest in flight
+            elif done:
+                finished.append((issued, duration))
+                handed.add(index)
+        windows.forget_finished()
+        finished.clear()
+    assert expected.windows and len(windows.ring.windows) == len(expected.windows)
+    for got, want in zip(windows.ring.windows, expected.windows, strict=True):
+        assert got.number == want.number
+        assert got.step_seconds == pytest.approx(want.step_seconds)
+        assert got.wait_seconds == pytest.approx(want.wait_seconds)
+    assert windows.ring.best_step_seconds == pytest.approx(expected.best_step_seconds)
 
 
 def test_step_windows_never_raise_into_a_drain():
