@@ -54,6 +54,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -431,10 +432,13 @@ def start_job(
     else:
         prefix = [sys.executable]
     job = Job(label, workdir, [], base_port, [None] * args.ranks)
+    cpus = sorted(os.sched_getaffinity(0))
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            pinned = ["taskset", "--cpu-list", str(cpus[rank % len(cpus)])] if args.pin else []
             command = [
+                *pinned,
                 *prefix,
                 str(args.script),
                 *("--steps", str(args.steps), "--batch", str(args.batch)),
@@ -914,6 +918,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "extension loaded, nothing attached (benchmarks/loaded.py), so that the ratio is what the exporter "
         "does rather than what it loads",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r of every job to CPU r modulo the CPUs this process may use (taskset), so that the "
+        "ranks' placement on the cores is the same in every job rather than the scheduler's choice",
+    )
     parser.add_argument("--micro", action="store_true", help="only the hook micro-benchmarks, no job runs")
     parser.add_argument(
         "--pool",
@@ -944,6 +954,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--placebo runs both jobs as plain scripts: it takes no --control")
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and smaller than --steps")
+    if args.pin and not shutil.which("taskset"):
+        parser.error("--pin needs taskset (util-linux)")
     if not args.micro and not args.script.is_file():
         parser.error(f"no training script at {args.script}")
     args.script = args.script.resolve()
@@ -1016,6 +1028,7 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
         "scrape_interval",
         "interleave",
         "placebo",
+        "pin",
     )
     return {**{name: getattr(args, name) for name in settings}, "script": os.path.relpath(args.script, REPO)}
 
@@ -1057,11 +1070,18 @@ def code_digest(script: Path) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def control_note(args: argparse.Namespace) -> str:
-    """The job line's note on what the side without the exporter runs, where it is not the plain script."""
+def job_note(args: argparse.Namespace) -> str:
+    """The job line's notes: what the side without the exporter runs, where it is not the plain script, and
+    where the ranks are pinned."""
+    note = ""
     if args.control == "loaded":
-        return "; the side without: flare's code loaded, nothing attached (benchmarks/loaded.py)"
-    return ""
+        note += "; the side without: flare's code loaded, nothing attached (benchmarks/loaded.py)"
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        note += "; ranks pinned to CPUs " + ",".join(
+            str(cpus[rank % len(cpus)]) for rank in range(args.ranks)
+        )
+    return note
 
 
 def ab(args: argparse.Namespace) -> dict[str, object]:
@@ -1069,7 +1089,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
         f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
         f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, "
         + (f"exporter scraped every {args.scrape_interval:g} s" if args.scrape_interval else "no scrapes")
-        + control_note(args)
+        + job_note(args)
     )
     print(
         f"{'pair':>4}  {'order':5}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
@@ -1368,7 +1388,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
             if args.scrape_interval
             else "no scrapes"
         )
-        + control_note(args)
+        + job_note(args)
     )
     print(
         f"{'pair':>4}  {'slices':>6}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  {'thread cpu':>10}  "
@@ -1395,6 +1415,10 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 "thread_cpu_ratio": statistics.median(m["thread_cpu_ratio"] for m in measured),
                 "process_cpu_without": process_cpu_per_step(reports_without, args.warmup),
                 "exporter_threads_cpu": exporter_threads(threads_cpu_per_step(reports_with)),
+                "rank_cpus": {  # the CPUs each rank could run on, by rank
+                    side: [report.get("cpus") for report in reports]
+                    for side, reports in (("without", reports_without), ("with", reports_with))
+                },
             }
             scrape_text = ""
             if scraper is not None:

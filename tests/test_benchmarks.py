@@ -248,8 +248,13 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
         tmp_path,
         "overhead.py",
         *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
-        *("--interleave", "0.4", "--scrape-interval", "0.1"),
+        *("--interleave", "0.4", "--scrape-interval", "0.1", "--pin"),
     )
+    # --pin: rank r of both jobs on CPU r (modulo the CPUs there are), as the job line says
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = [[cpus[rank % len(cpus)]] for rank in range(2)]
+    assert results["interleaved"]["pairs"][0]["rank_cpus"] == {"without": pinned, "with": pinned}
+    assert results["config"]["pin"] and f"ranks pinned to CPUs {pinned[0][0]},{pinned[1][0]}" in done.stdout
     # what --pool compares: every setting of the job, and the code measured
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True)
     assert results["revision"].startswith(head.stdout.decode().strip())

@@ -253,6 +253,7 @@ def main() -> None:
                 "step_cpu": step_cpu,
                 "process_cpu": process_cpu,
                 "step_ends": step_ends,
+                "cpus": sorted(os.sched_getaffinity(0)),  # where it may run (overhead.py --pin)
                 "threads_cpu": {
                     name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after
                 },
