@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--pairs 10] [--ranks 4] [--steps 60] [--warmup 10] [--batch 64] \
                                   [--timeout 300] [--retries 2] [--scrape-interval 1] [--script PATH] \
-                                  [--control plain|loaded] [--json OUT]
+                                  [--control plain|loaded] [--pin] [--json OUT]
     python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
     python benchmarks/overhead.py --pool a.json b.json ...   # interleaved runs' pairs pooled, nothing run
 
@@ -13,8 +13,9 @@ background thread here scrapes every rank's /metrics once per `--scrape-interval
 would, and counts the scrapes that failed between a rank's first answer and the end of its training.
 With `--control loaded`, A runs `benchmarks/loaded.py script.py` instead: flare's modules and extension
 loaded, nothing attached, so that the ratio is what the exporter does rather than also what loading it does.
-FLARE_* variables set for this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run
-gets free loopback ports).
+With `--pin`, rank r of both jobs runs on CPU r modulo the CPUs (taskset), so that where the ranks run does
+not change from job to job. FLARE_* variables set for this command reach the exporter (FLARE_PORT and
+FLARE_ADDR excepted: each run gets free loopback ports).
 
 A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
 dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
@@ -985,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu_model": cpu_model(),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -1014,6 +1016,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), part of the machine a run was measured on."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(
+                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None
+            )
+    except OSError:
+        return None
 
 
 def run_config(args: argparse.Namespace) -> dict[str, object]:

@@ -254,6 +254,7 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     cpus = sorted(os.sched_getaffinity(0))
     pinned = [[cpus[rank % len(cpus)]] for rank in range(2)]
     assert results["interleaved"]["pairs"][0]["rank_cpus"] == {"without": pinned, "with": pinned}
+    assert results["machine"]["cpu_model"]  # part of the machine that --pool compares
     assert results["config"]["pin"] and f"ranks pinned to CPUs {pinned[0][0]},{pinned[1][0]}" in done.stdout
     # what --pool compares: every setting of the job, and the code measured
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True)
