@@ -433,11 +433,10 @@ def start_job(
     else:
         prefix = [sys.executable]
     job = Job(label, workdir, [], base_port, [None] * args.ranks)
-    cpus = sorted(os.sched_getaffinity(0))
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            pinned = ["taskset", "--cpu-list", str(cpus[rank % len(cpus)])] if args.pin else []
+            pinned = ["taskset", "--cpu-list", str(pinned_cpu(rank))] if args.pin else []
             command = [
                 *pinned,
                 *prefix,
@@ -463,6 +462,12 @@ def start_job(
         job.kill()
         raise
     return job
+
+
+def pinned_cpu(rank: int) -> int:
+    """The CPU `--pin` puts `rank` on: rank r on the r-th (modulo) of the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[rank % len(cpus)]
 
 
 def training_span(report: dict) -> Span:
@@ -1090,10 +1095,7 @@ def job_note(args: argparse.Namespace) -> str:
     if args.control == "loaded":
         note += "; the side without: flare's code loaded, nothing attached (benchmarks/loaded.py)"
     if args.pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        note += "; ranks pinned to CPUs " + ",".join(
-            str(cpus[rank % len(cpus)]) for rank in range(args.ranks)
-        )
+        note += "; ranks pinned to CPUs " + ",".join(str(pinned_cpu(rank)) for rank in range(args.ranks))
     return note
 
 
