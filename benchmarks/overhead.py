@@ -74,7 +74,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
-from flare_exporter.priority import lower_own_priority  # noqa: E402
 from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
@@ -204,8 +203,11 @@ class Scraper(threading.Thread):
 
     def run(self) -> None:
         # Prometheus scrapes from another machine; this thread shares the job's cores, so it takes their idle
-        # time at the lowest priority rather than the ranks'
-        lower_own_priority()
+        # time at the lowest priority rather than the ranks' (Linux: a thread's own nice value)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         started_cpu = time.thread_time()
         next_at = time.monotonic()
         while not self.stop_event.wait(max(0.0, next_at - time.monotonic())):

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .health import ExporterHealth
-from .priority import lower_own_priority
 
 # NVML's clock-event ("throttle") reason bits, a stable ABI; one flare_gpu_clock_event_active series each.
 CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
@@ -318,7 +317,6 @@ class GpuHealthMonitor:
             self._thread.join(timeout=STOP_JOIN_SECONDS)
 
     def _run(self) -> None:
-        lower_own_priority()
         next_read = 0.0
         while not self._stop.is_set():
             try:

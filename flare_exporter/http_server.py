@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import unquote
 
 from .health import ExporterHealth
-from .priority import lower_own_priority
 
 MAX_REQUEST_BYTES = 16384  # a request head longer than this is answered 431 and closed
 # Connections served at once; beyond it a connection is closed unanswered and counted as dropped, so a
@@ -108,7 +107,6 @@ class HttpServer:
     # --- the loop (its own thread only) ------------------------------------------------------------------
 
     def _run(self) -> None:
-        lower_own_priority()
         while not self._closing:
             try:
                 events = self._selector.select(self._until_next_deadline())

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .priority import lower_own_priority
-
 FRAMES_KEPT = 3
 FRAMES_MAX_CHARS = 240
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -112,7 +110,6 @@ class StallWatcher:
         self._stop.set()
 
     def _run(self) -> None:
-        lower_own_priority()
         wait = self.interval
         while not self._stop.wait(wait):
             try:

@@ -41,7 +41,6 @@ from typing import Any
 from . import spec
 from .health import ExporterHealth
 from .histogram import Histogram
-from .priority import lower_own_priority
 
 
 class CollectiveRecord:
@@ -157,7 +156,6 @@ class TimingManager:
         self.tasks.append(task)
 
     def _run(self) -> None:
-        lower_own_priority()
         while not self._stop.wait(max(0.0, self.drain_due_in())):
             if self.drain_due_in() > 0:
                 continue  # another drain (a scrape's) came in between: the next is due later
