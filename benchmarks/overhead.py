@@ -1294,38 +1294,41 @@ def slice_step_time(reports: list[dict], span: Span, warmup: int) -> tuple[float
 def slice_pairs(
     slices: list[tuple[bool, Span]], without: list[dict], with_: list[dict], warmup: int
 ) -> list[dict]:
-    """One pair per slice with the exporter that lies between two slices without it: its step time against
-    the mean of theirs (so that a drift of the machine across the three cancels), and the same for the
-    training thread's CPU per step. `slices`: (with the exporter, wall time span), in order."""
+    """One pair per slice that lies between two slices of the other job: its step time against the mean of
+    theirs (so that a drift of the machine across the three cancels), with the exporter over without, and
+    the same for the training thread's CPU per step. Slices of both jobs are weighed so, so that neither job
+    is always the one in the middle. `slices`: (with the exporter, wall time span), in order."""
     measured = [
         slice_step_time(with_ if with_exporter else without, span, warmup) for with_exporter, span in slices
     ]
     pairs = []
     for index in range(1, len(slices) - 1):
         before, this, after = measured[index - 1 : index + 2]
-        if not slices[index][0] or slices[index - 1][0] or slices[index + 1][0]:
+        with_exporter = slices[index][0]
+        if slices[index - 1][0] == with_exporter or slices[index + 1][0] == with_exporter:
             continue
         if before is None or this is None or after is None:
             continue
-        step_without = (before[0] + after[0]) / 2
-        cpu_without = (before[1] + after[1]) / 2
+        around = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+        with_times, without_times = (this, around) if with_exporter else (around, this)
         pairs.append(
             {
                 "slice": index,
-                "step_time_without": step_without,
-                "step_time_with": this[0],
-                "ratio": this[0] / step_without,
-                "thread_cpu_ratio": this[1] / cpu_without,
+                "step_time_without": without_times[0],
+                "step_time_with": with_times[0],
+                "ratio": with_times[0] / without_times[0],
+                "thread_cpu_ratio": with_times[1] / without_times[1],
             }
         )
     return pairs
 
 
 def run_interleaved(
-    args: argparse.Namespace, tmp: Path
+    args: argparse.Namespace, tmp: Path, with_first: bool
 ) -> tuple[list[tuple[bool, Span]], Job, Job, Scraper | None]:
     """Start both jobs, hold each at its first step until both are ready, then run them in turn for
-    `args.interleave` seconds each, the other paused (SIGSTOP) meanwhile, until both have finished."""
+    `args.interleave` seconds each, the other paused (SIGSTOP) meanwhile, until both have finished. The job
+    with the exporter is started first and runs first if `with_first`, else the one without."""
     go = {False: tmp / "go-without", True: tmp / "go-with"}
     jobs = {
         with_exporter: start_job(
@@ -1336,7 +1339,7 @@ def run_interleaved(
             "--start-after",
             str(go[with_exporter]),
         )
-        for with_exporter in (False, True)
+        for with_exporter in (with_first, not with_first)
     }
     scraper = None
     slices: list[tuple[bool, Span]] = []
@@ -1349,13 +1352,13 @@ def run_interleaved(
             if time.monotonic() > deadline:
                 raise waiting[0].timed_out(args.timeout)
             time.sleep(0.02)
-        jobs[True].signal(signal.SIGSTOP)
+        jobs[not with_first].signal(signal.SIGSTOP)
         for path in go.values():
             path.touch()
         if args.scrape_interval and not args.placebo:
             scraper = Scraper(jobs[True].base_port, args.ranks, args.scrape_interval, gated=True)
             scraper.start()
-        running = False
+        running = with_first
         while True:
             job, other = jobs[running], jobs[not running]
             began = time.time()
@@ -1406,14 +1409,15 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         + job_note(args)
     )
     print(
-        f"{'pair':>4}  {'slices':>6}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  {'thread cpu':>10}  "
-        "scrapes ok/failed  rounds a second"
+        f"{'pair':>4}  {'first':5}  {'slices':>6}  {'without ms':>10}  {'with ms':>9}  {'ratio':>7}  "
+        f"{'thread cpu':>10}  scrapes ok/failed  rounds a second"
     )
     pairs = []
     scrapes = ScrapeCounts()
     with tempfile.TemporaryDirectory(prefix="flare-overhead-") as tmp:
         for pair in range(1, args.pairs + 1):
-            slices, without, with_, scraper = run_interleaved(args, Path(tmp) / f"pair{pair}")
+            with_first = pair % 2 == 0  # which job starts and runs first alternates from pair to pair
+            slices, without, with_, scraper = run_interleaved(args, Path(tmp) / f"pair{pair}", with_first)
             reports_with, reports_without = with_.reports(args.warmup), without.reports(args.warmup)
             measured = slice_pairs(slices, reports_without, reports_with, args.warmup)
             if not measured:
@@ -1423,6 +1427,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 )
             result = {
                 "pair": pair,
+                "first": "B" if with_first else "A",
+                "turns": "".join("B" if with_exporter else "A" for with_exporter, _ in slices),
                 "slices": measured,
                 "step_time_without": statistics.median(m["step_time_without"] for m in measured),
                 "step_time_with": statistics.median(m["step_time_with"] for m in measured),
@@ -1444,8 +1450,9 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 result["scrape_cpu"] = scrape_cpu(reports_with, len(scraper.rounds))
                 scrape_text = f"{run_scrapes.done:>6}/{run_scrapes.failed:<10}  {rate:.2f}"
             print(
-                f"{pair:>4}  {len(measured):>6}  {result['step_time_without'] * 1e3:10.3f}  "
-                f"{result['step_time_with'] * 1e3:9.3f}  {result['ratio']:7.4f}  "
+                f"{pair:>4}  {result['first']:5}  {len(measured):>6}  "
+                f"{result['step_time_without'] * 1e3:10.3f}  {result['step_time_with'] * 1e3:9.3f}  "
+                f"{result['ratio']:7.4f}  "
                 f"{result['thread_cpu_ratio']:10.4f}  {scrape_text}",
                 flush=True,
             )

@@ -247,13 +247,17 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     done, results = run_to_json(
         tmp_path,
         "overhead.py",
-        *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
+        *("--pairs", "2", "--ranks", "2", "--steps", "400", "--warmup", "10"),
         *("--interleave", "0.4", "--scrape-interval", "0.1", "--pin"),
     )
+    # the job that starts and runs first alternates: without (A) in odd pairs, with (B) in even ones
+    pairs = results["interleaved"]["pairs"]
+    assert [pair["first"] for pair in pairs] == ["A", "B"]
+    assert [pair["turns"][:2] for pair in pairs] == ["AB", "BA"]
     # --pin: rank r of both jobs on CPU r (modulo the CPUs there are), as the job line says
     cpus = sorted(os.sched_getaffinity(0))
     pinned = [[cpus[rank % len(cpus)]] for rank in range(2)]
-    assert results["interleaved"]["pairs"][0]["rank_cpus"] == {"without": pinned, "with": pinned}
+    assert all(pair["rank_cpus"] == {"without": pinned, "with": pinned} for pair in pairs)
     assert results["machine"]["cpu_model"]  # part of the machine that --pool compares
     assert results["config"]["pin"] and f"ranks pinned to CPUs {pinned[0][0]},{pinned[1][0]}" in done.stdout
     # what --pool compares: every setting of the job, and the code measured
@@ -263,7 +267,7 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
 
     assert results["code"] == code_digest(REPO / "flare_exporter/workloads/train_ddp.py")
     assert results["config"]["interleave"] == 0.4 and results["config"]["scrape_interval"] == 0.1
-    (pair,) = results["interleaved"]["pairs"]
+    pair = pairs[0]
     assert pair["slices"] and all(
         s["step_time_with"] > 0 and s["step_time_without"] > 0 for s in pair["slices"]
     )
@@ -463,7 +467,7 @@ def test_a_slice_counts_the_steps_wholly_within_it_once_the_job_has_settled():
     assert slice_steps(report_of(steps), span, warmup=15)[0] == times[4:]  # list indices 11..14: warm-up
 
 
-def test_interleaved_pairs_weigh_each_slice_with_the_exporter_against_the_two_around_it():
+def test_interleaved_pairs_weigh_each_slice_against_the_two_of_the_other_job_around_it():
     from overhead import MIN_SLICE_STEPS, SETTLE_S, slice_pairs
 
     spans = [(100.0 + 2 * k, 102.0 + 2 * k) for k in range(5)]  # without, with, without, with, without
@@ -472,9 +476,15 @@ def test_interleaved_pairs_weigh_each_slice_with_the_exporter_against_the_two_ar
     without = [step for k in (0, 2, 4) for step in steps_in(spans[k], seconds[k])]
     with_ = [step for k in (1, 3) for step in steps_in(spans[k], seconds[k])]
     pairs = slice_pairs(slices, [report_of(without)], [report_of(with_, cpu=0.0011)], warmup=0)
-    assert [pair["slice"] for pair in pairs] == [1, 3]
-    assert pairs[0]["ratio"] == pytest.approx(0.0125 / 0.011) and pairs[1]["ratio"] == pytest.approx(1.0)
+    # the slices without the exporter in the middle count too, with over without all the same
+    assert [pair["slice"] for pair in pairs] == [1, 2, 3]
+    assert [pair["ratio"] for pair in pairs] == pytest.approx([0.0125 / 0.011, 0.01275 / 0.012, 1.0])
     assert pairs[0]["thread_cpu_ratio"] == pytest.approx(1.1)
+    assert pairs[1]["thread_cpu_ratio"] == pytest.approx(1.1)
+    # the job with the exporter first (even pairs): the same slices, the roles swapped
+    swapped = [(not with_exporter, span) for with_exporter, span in slices]
+    mirrored = slice_pairs(swapped, [report_of(with_, cpu=0.0011)], [report_of(without)], warmup=0)
+    assert [pair["ratio"] for pair in mirrored] == pytest.approx([1 / pair["ratio"] for pair in pairs])
     # a slice with fewer than MIN_SLICE_STEPS whole steps on a rank counts for nothing
     short = (True, (spans[1][0], spans[1][0] + SETTLE_S + (MIN_SLICE_STEPS - 0.5) * seconds[1]))
     assert slice_pairs([slices[0], short, slices[2]], [report_of(without)], [report_of(with_)], 0) == []
