@@ -55,6 +55,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -79,6 +80,15 @@ from flare_exporter.workloads import train_ddp  # noqa: E402
 
 GOAL_RATIO = 1.005
 FAKE_NVML = "flare_exporter.testing.fake_nvml"
+# A job's working directory (its ranks' --report and --start-after paths) by side: names of one length, so
+# that neither job's ranks start with longer arguments than the other's
+JOB_DIRS = {False: "job-a", True: "job-b"}
+# Where a process's data lands within its pages follows from every byte it allocated before, its arguments
+# and environment included, and shifts its speed by a per cent or two one way or the other for its whole
+# life. Each job's ranks get an environment variable of a random length below this, so that the layout is
+# drawn anew for every job rather than fixed by what tells the two sides apart: it becomes one more
+# difference between jobs, which the pairs average out, rather than a bias.
+LAYOUT_PAD_BYTES = 4096
 SCRAPE_TIMEOUT_S = 2.0
 REPORT_KEYS = ("step_times", "step_cpu", "process_cpu", "step_ends")  # per step, from train_ddp.py --report
 
@@ -341,6 +351,7 @@ class Job:
     procs: list[subprocess.Popen]
     base_port: int
     cpu_s: list[float | None]  # per rank, once it has exited: its CPU seconds (user + system)
+    layout_pad: int = 0  # bytes of OVERHEAD_LAYOUT_PAD in its ranks' environment
 
     @property
     def done(self) -> bool:
@@ -413,12 +424,14 @@ def start_job(
     master_port, base_port = free_port(), free_port_block(args.ranks)
     env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
     env.pop("FLARE_FILE_SD_DIR", None)
+    layout_pad = random.randrange(LAYOUT_PAD_BYTES)
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(master_port),
         WORLD_SIZE=str(args.ranks),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+        OVERHEAD_LAYOUT_PAD="." * layout_pad,
     )
     if with_exporter:
         env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1")
@@ -432,7 +445,7 @@ def start_job(
         prefix = [sys.executable, str(REPO / "benchmarks" / "loaded.py")]
     else:
         prefix = [sys.executable]
-    job = Job(label, workdir, [], base_port, [None] * args.ranks)
+    job = Job(label, workdir, [], base_port, [None] * args.ranks, layout_pad)
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
@@ -1122,7 +1135,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
                 name = "with" if with_exporter else "without"
                 label = f"pair {pair} run {name} exporter"
                 for attempt in itertools.count(1):
-                    workdir = Path(tmp) / f"pair{pair}-{name}-{attempt}"
+                    workdir = Path(tmp) / f"pair{pair}-{JOB_DIRS[with_exporter]}-{attempt}"
                     try:
                         runs[with_exporter] = run_job(args, with_exporter, workdir, label)
                         break
@@ -1329,12 +1342,12 @@ def run_interleaved(
     """Start both jobs, hold each at its first step until both are ready, then run them in turn for
     `args.interleave` seconds each, the other paused (SIGSTOP) meanwhile, until both have finished. The job
     with the exporter is started first and runs first if `with_first`, else the one without."""
-    go = {False: tmp / "go-without", True: tmp / "go-with"}
+    go = {with_exporter: tmp / f"go-{name}" for with_exporter, name in JOB_DIRS.items()}
     jobs = {
         with_exporter: start_job(
             args,
             with_exporter and not args.placebo,
-            tmp / ("with" if with_exporter else "without"),
+            tmp / JOB_DIRS[with_exporter],
             f"interleaved run {'with' if with_exporter else 'without'} exporter",
             "--start-after",
             str(go[with_exporter]),
@@ -1429,6 +1442,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 "pair": pair,
                 "first": "B" if with_first else "A",
                 "turns": "".join("B" if with_exporter else "A" for with_exporter, _ in slices),
+                "layout_pads": {"without": without.layout_pad, "with": with_.layout_pad},
                 "slices": measured,
                 "step_time_without": statistics.median(m["step_time_without"] for m in measured),
                 "step_time_with": statistics.median(m["step_time_with"] for m in measured),

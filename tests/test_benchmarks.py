@@ -254,6 +254,11 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     pairs = results["interleaved"]["pairs"]
     assert [pair["first"] for pair in pairs] == ["A", "B"]
     assert [pair["turns"][:2] for pair in pairs] == ["AB", "BA"]
+    # each job's ranks start with an environment padded by a length of its own: a layout drawn per job
+    from overhead import LAYOUT_PAD_BYTES
+
+    pads = [pad for pair in pairs for pad in pair["layout_pads"].values()]
+    assert all(0 <= pad < LAYOUT_PAD_BYTES for pad in pads) and len(set(pads)) > 1
     # --pin: rank r of both jobs on CPU r (modulo the CPUs there are), as the job line says
     cpus = sorted(os.sched_getaffinity(0))
     pinned = [[cpus[rank % len(cpus)]] for rank in range(2)]
@@ -488,3 +493,11 @@ def test_interleaved_pairs_weigh_each_slice_against_the_two_of_the_other_job_aro
     # a slice with fewer than MIN_SLICE_STEPS whole steps on a rank counts for nothing
     short = (True, (spans[1][0], spans[1][0] + SETTLE_S + (MIN_SLICE_STEPS - 0.5) * seconds[1]))
     assert slice_pairs([slices[0], short, slices[2]], [report_of(without)], [report_of(with_)], 0) == []
+
+
+def test_the_two_jobs_of_a_pair_start_with_arguments_of_one_length():
+    # an A/A placebo's two jobs differ in nothing else: not even in how long their ranks' arguments are
+    # (their --report and --start-after paths lie in these directories)
+    from overhead import JOB_DIRS
+
+    assert len(JOB_DIRS[False]) == len(JOB_DIRS[True]) and JOB_DIRS[False] != JOB_DIRS[True]
