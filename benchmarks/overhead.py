@@ -1404,10 +1404,11 @@ def run_interleaved(
 
 
 def interleaved(args: argparse.Namespace) -> dict[str, object]:
-    """`args.pairs` pairs of jobs, each pair run at once in turns: a pair's ratio is the median over its
-    slices with the exporter of each against the two slices around it without. Within a pair the machine's
-    drift cancels; what differs from one pair to the next (where each job's processes landed: their memory
-    layout, their cores) shows as the spread of the pairs' ratios, which the confidence interval covers."""
+    """`args.pairs` pairs of jobs, each pair run at once in turns, the job that starts and runs first
+    alternating: a pair's ratio is the median over its slices of each against the two of the other job
+    around it (slice_pairs). Within a pair the machine's drift cancels; what differs from one pair to the
+    next (where each job's processes landed: their memory layout, drawn anew per job, and their cores)
+    shows as the spread of the pairs' ratios, which the confidence interval covers."""
     print(
         f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
         f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, each pair's two jobs at "
