@@ -424,14 +424,13 @@ def start_job(
     master_port, base_port = free_port(), free_port_block(args.ranks)
     env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
     env.pop("FLARE_FILE_SD_DIR", None)
-    layout_pad = random.randrange(LAYOUT_PAD_BYTES)
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(master_port),
         WORLD_SIZE=str(args.ranks),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        OVERHEAD_LAYOUT_PAD="." * layout_pad,
+        OVERHEAD_LAYOUT_PAD="." * random.randrange(LAYOUT_PAD_BYTES),
     )
     if with_exporter:
         env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1")
@@ -445,7 +444,8 @@ def start_job(
         prefix = [sys.executable, str(REPO / "benchmarks" / "loaded.py")]
     else:
         prefix = [sys.executable]
-    job = Job(label, workdir, [], base_port, [None] * args.ranks, layout_pad)
+    # the pad recorded is the one its ranks get
+    job = Job(label, workdir, [], base_port, [None] * args.ranks, len(env["OVERHEAD_LAYOUT_PAD"]))
     try:
         for rank in range(args.ranks):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
