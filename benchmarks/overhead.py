@@ -436,8 +436,9 @@ def start_job(
         env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1")
         env.setdefault("FLARE_RUN", "overhead")
         # every signal on at its defaults: without a GPU, GPU health reads the fake NVML (its reader thread
-        # polls every gpu_health_interval_seconds, as with a real GPU)
-        env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
+        # polls every gpu_health_interval_seconds, as with a real GPU); on a GPU, NVML itself
+        if args.device == "cpu":
+            env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
     if with_exporter:
         prefix = [sys.executable, "-m", "flare_exporter.launch"]
     elif args.control == "loaded":
@@ -456,6 +457,8 @@ def start_job(
                 str(args.script),
                 *("--steps", str(args.steps), "--batch", str(args.batch)),
                 *("--report", str(workdir / f"report{rank}.json")),
+                *(("--device", args.device) if args.device != "cpu" else ()),
+                *(("--width", str(args.width)) if args.width else ()),
                 *script_args,
             ]
             stdout, stderr = workdir / f"stdout{rank}.log", workdir / f"stderr{rank}.log"
@@ -897,6 +900,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="batch size per rank (default 64)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take (default 300)")
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the job trains: cpu (gloo, the default) or cuda (NCCL, rank r on GPU r modulo the GPUs; "
+        "the exporter reads NVML itself rather than the fake)",
+    )
+    parser.add_argument(
+        "--width", type=int, default=0, help="the model's width, passed to the script (default: the script's)"
+    )
+    parser.add_argument(
         "--retries",
         type=int,
         default=2,
@@ -959,13 +972,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.pairs < 1
         or args.ranks < 1
         or args.batch < 1
+        or args.width < 0
         or args.timeout <= 0
         or args.retries < 0
         or args.scrape_interval < 0
         or args.interleave < 0
     ):
         parser.error(
-            "--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval, --interleave ≥ 0"
+            "--pairs, --ranks, --batch, --timeout must be > 0; --retries, --scrape-interval, --interleave, "
+            "--width ≥ 0"
         )
     if args.placebo and not args.interleave:
         parser.error("--placebo needs --interleave (a placebo compares two jobs run in turns)")
@@ -1055,6 +1070,8 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
         "steps",
         "warmup",
         "batch",
+        "device",
+        "width",
         "control",
         "scrape_interval",
         "interleave",
@@ -1101,6 +1118,16 @@ def code_digest(script: Path) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def job_text(args: argparse.Namespace) -> str:
+    """The job line's start: the script, its ranks and where they train, its steps and batch."""
+    where = "NCCL ranks on the GPU" if args.device == "cuda" else "gloo ranks"
+    width = f", width {args.width}" if args.width else ""
+    return (
+        f"{os.path.relpath(args.script, REPO)} on {args.ranks} {where}, {args.steps} steps "
+        f"({args.warmup} warm-up dropped), batch {args.batch}{width}"
+    )
+
+
 def job_note(args: argparse.Namespace) -> str:
     """The job line's notes: what the side without the exporter runs, where it is not the plain script, and
     where the ranks are pinned."""
@@ -1114,8 +1141,7 @@ def job_note(args: argparse.Namespace) -> str:
 
 def ab(args: argparse.Namespace) -> dict[str, object]:
     print(
-        f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
-        f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, "
+        f"job: {job_text(args)}; {args.pairs} pairs, "
         + (f"exporter scraped every {args.scrape_interval:g} s" if args.scrape_interval else "no scrapes")
         + job_note(args)
     )
@@ -1410,8 +1436,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
     next (where each job's processes landed: their memory layout, drawn anew per job, and their cores)
     shows as the spread of the pairs' ratios, which the confidence interval covers."""
     print(
-        f"job: {os.path.relpath(args.script, REPO)} on {args.ranks} gloo ranks, {args.steps} steps "
-        f"({args.warmup} warm-up dropped), batch {args.batch}; {args.pairs} pairs, each pair's two jobs at "
+        f"job: {job_text(args)}; {args.pairs} pairs, each pair's two jobs at "
         f"once, taking turns of {args.interleave:g} s (the other paused), "
         + (
             "PLACEBO: neither with the exporter"

@@ -10,6 +10,9 @@
 #   6. flare-run --native end to end: the kernel_issue histogram and the `native` collective statistics
 #   7. NVML through flare_exporter.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
+#   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
+#      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS interleaved pairs
+#      (default 10; 0 skips it); its JSON goes to GPU_CHECK_OUT if set (a directory)
 # Exit status: 0 if no part failed, 1 otherwise.
 # shellcheck disable=SC2317  # the part functions are called indirectly, through part()
 set -u
@@ -31,16 +34,17 @@ export PY REPO WORK OMP_NUM_THREADS=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPAT
 SUMMARY=()
 FAILED=0
 
-# part NAME FUNCTION: run it with a time limit; exit status 0 PASS, 77 SKIP, anything else FAIL
+# part NAME FUNCTION [SECONDS]: run it with a time limit (default PART_TIMEOUT); exit status 0 PASS, 77 SKIP,
+# anything else FAIL
 part() {
-    local name=$1 function=$2 status verdict
+    local name=$1 function=$2 limit=${3:-$PART_TIMEOUT} status verdict
     echo "=== $name"
-    timeout "$PART_TIMEOUT" bash -c "$(declare -f "$function"); $function" 2>&1
+    timeout "$limit" bash -c "$(declare -f "$function"); $function" 2>&1
     status=$?
     case $status in
         0) verdict=PASS ;;
         77) verdict=SKIP ;;
-        124) verdict="FAIL (timed out after ${PART_TIMEOUT}s)" ;;
+        124) verdict="FAIL (timed out after ${limit}s)" ;;
         *) verdict="FAIL (exit $status)" ;;
     esac
     [ "${verdict%% *}" = FAIL ] && FAILED=1
@@ -252,6 +256,16 @@ sys.exit(0 if ok and not state.health.errors else 1)
 EOF
 }
 
+overhead_on_gpu() {
+    [ "$GPU_OVERHEAD_PAIRS" -gt 0 ] || { echo "GPU_OVERHEAD_PAIRS=0"; exit 77; }
+    "$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("torch sees no CUDA device")' || exit 77
+    "$PY" benchmarks/overhead.py --device cuda --ranks 1 --width "$GPU_OVERHEAD_WIDTH" --batch 512 \
+        --pairs "$GPU_OVERHEAD_PAIRS" --interleave 1 --steps 2000 --warmup 100 \
+        --json "${GPU_CHECK_OUT:-$WORK}/overhead-gpu-width$GPU_OVERHEAD_WIDTH.json"
+}
+
+export GPU_OVERHEAD_PAIRS=${GPU_OVERHEAD_PAIRS:-10} GPU_OVERHEAD_WIDTH=${GPU_OVERHEAD_WIDTH:-4096}
+export GPU_CHECK_OUT=${GPU_CHECK_OUT:-}
 part "1 nvidia-smi summary" nvidia_smi_summary
 part "2 torch.cuda events" torch_events
 part "3 cupy events" cupy_events
@@ -260,6 +274,7 @@ part "5 shim under a torch CUDA + NCCL workload" shim_under_torch
 part "6 flare-run --native end to end" flare_run_native
 part "7 NVML via flare_exporter.gpu_health" nvml_health
 part "8 the C step hook on CUDA: ILD windows back to the dispatch mode" c_step_hook_on_cuda
+part "9 the overhead benchmark on the GPU" overhead_on_gpu 480
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"

@@ -34,6 +34,9 @@
 --fake-kernels K --fake-kernel-seconds D: each step also launches K kernels of D seconds on a fake device
   (flare_exporter.fake_device, a CPU thread standing in for a GPU) before its host work, and waits for
   them at the end of the step, as a GPU job waits on its loss.
+--device cuda trains on the GPU numbered LOCAL_RANK (modulo the GPUs there are) over NCCL instead of on the
+  CPU over gloo, and each step waits for the GPU at its end, as a job reading its loss does; --width W sets
+  the model's width (default 256; a GPU wants thousands).
 Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
 """
 
@@ -65,10 +68,10 @@ def threads_cpu() -> dict[str, float]:
     return seconds
 
 
-def make_model() -> nn.Module:
+def make_model(width: int = WIDTH) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     )
 
 
@@ -175,13 +178,19 @@ def main() -> None:
     parser.add_argument("--host-delay-seconds", type=float, default=20e-6)
     parser.add_argument("--fake-kernels", type=int, default=0)
     parser.add_argument("--fake-kernel-seconds", type=float, default=0.001)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--width", type=int, default=WIDTH)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank = dist.get_rank()
-    model = nn.parallel.DistributedDataParallel(make_model())
+    tensor_device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model = nn.parallel.DistributedDataParallel(make_model(args.width).to(tensor_device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator(tensor_device).manual_seed(rank)
     step_times = []
     device = None
     if args.fake_kernels:
@@ -227,8 +236,8 @@ def main() -> None:
                 raise RuntimeError(f"injected fault on rank {rank} at step {step}")
             if args.fault == "mismatch":
                 sync_metric(torch.ones(16), rank, args.fault_rank)
-        inputs = torch.randn(args.batch, WIDTH, generator=generator)
-        targets = torch.randint(0, 10, (args.batch,), generator=generator)
+        inputs = torch.randn(args.batch, args.width, generator=generator, device=tensor_device)
+        targets = torch.randint(0, 10, (args.batch,), generator=generator, device=tensor_device)
         loss = nn.functional.cross_entropy(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
@@ -236,6 +245,8 @@ def main() -> None:
         optimizer.step()
         if device is not None:
             device.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         if args.step_seconds:
             time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - synced)))
         step_times.append(time.perf_counter() - started)
