@@ -501,3 +501,31 @@ def test_the_two_jobs_of_a_pair_start_with_arguments_of_one_length():
     from overhead import JOB_DIRS
 
     assert len(JOB_DIRS[False]) == len(JOB_DIRS[True]) and JOB_DIRS[False] != JOB_DIRS[True]
+
+
+ARGV_PROBE = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "nvml": os.environ.get("FLARE_NVML_MODULE")}))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_job_on_the_gpu_gets_the_device_and_width_and_reads_nvml_itself(tmp_path, device):
+    # the script is a probe: what a rank was started with, under the launcher, is all that is checked here
+    # (the job on a GPU runs in scripts/gpu_check.sh)
+    from overhead import parse_args, start_job
+
+    script = tmp_path / "probe.py"
+    script.write_text(ARGV_PROBE)
+    args = parse_args(["--ranks", "1", "--script", str(script), "--device", device, "--width", "1024"])
+    job = start_job(args, True, tmp_path / "job", "probe")
+    try:
+        assert job.procs[0].wait(timeout=120) == 0, (tmp_path / "job" / "stderr0.log").read_text()[-2000:]
+    finally:
+        job.kill()
+    seen = json.loads((tmp_path / "job" / "stdout0.log").read_text().strip().splitlines()[-1])
+    assert seen["argv"][seen["argv"].index("--width") + 1] == "1024"
+    if device == "cuda":
+        assert seen["argv"][seen["argv"].index("--device") + 1] == "cuda" and seen["nvml"] is None
+    else:  # the CPU job's script is started as before; its GPU health reads the fake NVML
+        assert "--device" not in seen["argv"] and seen["nvml"] == "flare_exporter.testing.fake_nvml"
