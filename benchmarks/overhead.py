@@ -1010,6 +1010,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally blocks kill the ranks
     import torch
 
+    if args.device == "cuda" and args.ranks > torch.cuda.device_count():
+        print(
+            f"overhead: error: --device cuda with --ranks {args.ranks}: NCCL takes one rank per GPU, and "
+            f"torch sees {torch.cuda.device_count()} GPU(s) here",
+            file=sys.stderr,
+        )
+        return 2
+
     flare_env = {
         key: value
         for key, value in sorted(os.environ.items())

@@ -529,3 +529,9 @@ def test_a_job_on_the_gpu_gets_the_device_and_width_and_reads_nvml_itself(tmp_pa
         assert seen["argv"][seen["argv"].index("--device") + 1] == "cuda" and seen["nvml"] is None
     else:  # the CPU job's script is started as before; its GPU health reads the fake NVML
         assert "--device" not in seen["argv"] and seen["nvml"] == "flare_exporter.testing.fake_nvml"
+
+
+def test_overhead_on_the_gpu_needs_a_gpu_for_each_rank():
+    done = run_benchmark("overhead.py", "--device", "cuda", "--ranks", "64", "--pairs", "1")
+    assert done.returncode == 2 and "\n" not in done.stderr.strip()
+    assert "--device cuda with --ranks 64: NCCL takes one rank per GPU" in done.stderr
