@@ -265,7 +265,6 @@ overhead_on_gpu() {
 }
 
 export GPU_OVERHEAD_PAIRS=${GPU_OVERHEAD_PAIRS:-10} GPU_OVERHEAD_WIDTH=${GPU_OVERHEAD_WIDTH:-4096}
-export GPU_CHECK_OUT=${GPU_CHECK_OUT:-}
 part "1 nvidia-smi summary" nvidia_smi_summary
 part "2 torch.cuda events" torch_events
 part "3 cupy events" cupy_events
