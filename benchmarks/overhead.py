@@ -80,6 +80,8 @@ from flare_exporter.workloads import train_ddp  # noqa: E402
 
 GOAL_RATIO = 1.005
 FAKE_NVML = "flare_exporter.testing.fake_nvml"
+BURNER = REPO / "benchmarks" / "burner.py"
+BURNER_THREAD = "burner"  # its thread's name (burner.py)
 # A job's working directory (its ranks' --report and --start-after paths) by side: names of one length, so
 # that neither job's ranks start with longer arguments than the other's
 JOB_DIRS = {False: "job-a", True: "job-b"}
@@ -417,9 +419,15 @@ class Job:
 
 
 def start_job(
-    args: argparse.Namespace, with_exporter: bool, workdir: Path, label: str, *script_args: str
+    args: argparse.Namespace,
+    with_exporter: bool,
+    workdir: Path,
+    label: str,
+    *script_args: str,
+    burn: float = 0.0,
 ) -> Job:
-    """Start the job's ranks: the training script, under flare's launcher if `with_exporter`."""
+    """Start the job's ranks: the training script, under flare's launcher if `with_exporter`, else beside a
+    thread that spends `burn` of each rank's CPU if that is set (benchmarks/burner.py)."""
     workdir.mkdir(parents=True)
     master_port, base_port = free_port(), free_port_block(args.ranks)
     env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
@@ -441,6 +449,8 @@ def start_job(
             env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
     if with_exporter:
         prefix = [sys.executable, "-m", "flare_exporter.launch"]
+    elif burn:
+        prefix = [sys.executable, str(BURNER), repr(burn)]
     elif args.control == "loaded":
         prefix = [sys.executable, str(REPO / "benchmarks" / "loaded.py")]
     else:
@@ -943,6 +953,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "nothing to find)",
     )
     parser.add_argument(
+        "--burn",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="with --placebo: the side 'with' runs beside a thread that spends SHARE of each rank's CPU, "
+        "once a second, without the GIL (benchmarks/burner.py): what that much CPU, spent as the exporter's "
+        "threads spend theirs (its runs' exporter_cpu share), costs the job with no exporter at all",
+    )
+    parser.add_argument(
         "--control",
         choices=("plain", "loaded"),
         default="plain",
@@ -984,6 +1003,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.placebo and not args.interleave:
         parser.error("--placebo needs --interleave (a placebo compares two jobs run in turns)")
+    if not 0 <= args.burn < 1:
+        parser.error("--burn must be a share of a rank's CPU: at least 0 and below 1")
+    if args.burn and not args.placebo:
+        parser.error("--burn needs --placebo (it stands in for the exporter on the side 'with')")
     if args.placebo and args.control != "plain":
         parser.error("--placebo runs both jobs as plain scripts: it takes no --control")
     if not 0 <= args.warmup < args.steps:
@@ -1036,7 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": run_config(args),
         "flare_env": flare_env,
         "revision": code_revision(),
-        "code": code_digest(args.script),
+        "code": code_digest(args.script, *([BURNER] if args.burn else [])),
     }
     print(
         f"flare-exporter overhead benchmark  {results['date']}  {os.cpu_count()} CPUs  "
@@ -1084,6 +1107,7 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
         "scrape_interval",
         "interleave",
         "placebo",
+        "burn",
         "pin",
     )
     return {**{name: getattr(args, name) for name in settings}, "script": os.path.relpath(args.script, REPO)}
@@ -1109,16 +1133,17 @@ def code_revision() -> str | None:
 MEASURED_CODE = ("flare_exporter", "benchmarks/overhead.py", "benchmarks/loaded.py")
 
 
-def code_digest(script: Path) -> str | None:
+def code_digest(script: Path, *extra: Path) -> str | None:
     """A digest of the files a run executes, as they are on disk (committed or not), and of the training
-    script: two runs pool when it is the same, whatever else changed between them (notes, tests, other
-    benchmarks, results). None outside git."""
+    script (and `extra` files: a placebo's burner): two runs pool when it is the same, whatever else changed
+    between them (notes, tests, other benchmarks, results). None outside git."""
     try:
         listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *MEASURED_CODE)
     except (OSError, subprocess.CalledProcessError):
         return None
     files = {path: REPO / path for path in listed.split("\0") if path}
     files["script:" + script.name] = script
+    files.update({"extra:" + path.name: path for path in extra})
     digest = hashlib.sha256()
     for name, file in sorted(files.items()):
         if file.is_file():  # a tracked file deleted in the working tree is not run
@@ -1385,6 +1410,7 @@ def run_interleaved(
             f"interleaved run {'with' if with_exporter else 'without'} exporter",
             "--start-after",
             str(go[with_exporter]),
+            burn=args.burn if with_exporter and args.placebo else 0.0,
         )
         for with_exporter in (with_first, not with_first)
     }
@@ -1448,6 +1474,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         f"once, taking turns of {args.interleave:g} s (the other paused), "
         + (
             "PLACEBO: neither with the exporter"
+            + (f"; the side 'with' burns {args.burn:.2%} of each rank's CPU" if args.burn else "")
             if args.placebo
             else f"exporter scraped every {args.scrape_interval:g} s"
             if args.scrape_interval
@@ -1618,8 +1645,9 @@ def _pooled_value(run: dict[str, Any], key: str) -> Any:
 
 
 def exporter_threads(threads: dict[str, float]) -> dict[str, float]:
-    """The exporter's own threads (flare-*) of a thread breakdown."""
-    return {name: seconds for name, seconds in threads.items() if name.startswith("flare-")}
+    """The exporter's own threads (flare-*) of a thread breakdown, or the burner that stands in for them in a
+    placebo (--burn)."""
+    return {name: s for name, s in threads.items() if name.startswith("flare-") or name == BURNER_THREAD}
 
 
 def scrape_cpu(reports: list[dict], rounds: int) -> float | None:
