@@ -13,9 +13,11 @@ background thread here scrapes every rank's /metrics once per `--scrape-interval
 would, and counts the scrapes that failed between a rank's first answer and the end of its training.
 With `--control loaded`, A runs `benchmarks/loaded.py script.py` instead: flare's modules and extension
 loaded, nothing attached, so that the ratio is what the exporter does rather than also what loading it does.
-With `--pin`, rank r of both jobs runs on CPU r modulo the CPUs (taskset), so that where the ranks run does
-not change from job to job. FLARE_* variables set for this command reach the exporter (FLARE_PORT and
-FLARE_ADDR excepted: each run gets free loopback ports).
+With `--placebo --burn SHARE` (interleaved), neither job has flare but the side "with" runs beside a thread
+that spends SHARE of each rank's CPU once a second without the GIL (benchmarks/burner.py): what the
+exporter's threads' CPU alone costs the job. With `--pin`, rank r of both jobs runs on CPU r modulo the CPUs
+(taskset), so that where the ranks run does not change from job to job. FLARE_* variables set for this
+command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run gets free loopback ports).
 
 A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
 dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
@@ -427,7 +429,8 @@ def start_job(
     burn: float = 0.0,
 ) -> Job:
     """Start the job's ranks: the training script, under flare's launcher if `with_exporter`, else beside a
-    thread that spends `burn` of each rank's CPU if that is set (benchmarks/burner.py)."""
+    thread that spends `burn` of each rank's CPU if that is set (benchmarks/burner.py, in the interpreter
+    with `--burn-in interpreter`)."""
     workdir.mkdir(parents=True)
     master_port, base_port = free_port(), free_port_block(args.ranks)
     env = dict(os.environ)  # FLARE_* settings pass through to the exporter (see the header line)
@@ -450,7 +453,8 @@ def start_job(
     if with_exporter:
         prefix = [sys.executable, "-m", "flare_exporter.launch"]
     elif burn:
-        prefix = [sys.executable, str(BURNER), repr(burn)]
+        in_interpreter = ["--interpreter"] if args.burn_in == "interpreter" else []
+        prefix = [sys.executable, str(BURNER), *in_interpreter, repr(burn)]
     elif args.control == "loaded":
         prefix = [sys.executable, str(REPO / "benchmarks" / "loaded.py")]
     else:
@@ -962,6 +966,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "threads spend theirs (its runs' exporter_cpu share), costs the job with no exporter at all",
     )
     parser.add_argument(
+        "--burn-in",
+        choices=("cores", "interpreter"),
+        default="cores",
+        help="with --burn: burn without the GIL (cores, the default) or in Python bytecode, holding the GIL "
+        "as a render does (interpreter)",
+    )
+    parser.add_argument(
         "--control",
         choices=("plain", "loaded"),
         default="plain",
@@ -1005,6 +1016,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--placebo needs --interleave (a placebo compares two jobs run in turns)")
     if not 0 <= args.burn < 1:
         parser.error("--burn must be a share of a rank's CPU: at least 0 and below 1")
+    if args.burn_in != "cores" and not args.burn:
+        parser.error("--burn-in says how --burn burns: give --burn too")
     if args.burn and not args.placebo:
         parser.error("--burn needs --placebo (it stands in for the exporter on the side 'with')")
     if args.placebo and args.control != "plain":
@@ -1108,6 +1121,7 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
         "interleave",
         "placebo",
         "burn",
+        "burn_in",
         "pin",
     )
     return {**{name: getattr(args, name) for name in settings}, "script": os.path.relpath(args.script, REPO)}
@@ -1475,6 +1489,7 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
         + (
             "PLACEBO: neither with the exporter"
             + (f"; the side 'with' burns {args.burn:.2%} of each rank's CPU" if args.burn else "")
+            + (" in the interpreter (GIL held)" if args.burn and args.burn_in == "interpreter" else "")
             if args.placebo
             else f"exporter scraped every {args.scrape_interval:g} s"
             if args.scrape_interval

@@ -193,6 +193,69 @@ def test_overhead_rejects_a_placebo_with_a_control():
     assert done.returncode == 2 and "--placebo runs both jobs as plain scripts" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "arguments, says",
+    [
+        (["--burn", "0.01"], "--burn needs --placebo"),
+        (["--placebo", "--burn", "1.5"], "--burn must be a share of a rank's CPU"),
+        (["--placebo", "--burn", "-0.1"], "--burn must be a share of a rank's CPU"),
+        (["--placebo", "--burn-in", "interpreter"], "--burn-in says how --burn burns: give --burn too"),
+    ],
+)
+def test_overhead_burns_only_a_share_and_only_in_a_placebo(arguments, says):
+    done = run_benchmark("overhead.py", "--interleave", "1", *arguments)
+    assert done.returncode == 2 and says in done.stderr
+
+
+BURN_PROBE = """
+import json, sys, threading, time
+# the training thread's own work, in Python (it holds the GIL), until the process has used 2.6 s of CPU
+while time.process_time() < 2.6:
+    sum(range(1000))
+burner = next(t for t in threading.enumerate() if t.name == "burner")
+burned = time.clock_gettime(time.pthread_getcpuclockid(burner.ident))
+print(json.dumps({"name": __name__, "argv": sys.argv, "burned": burned, "process": time.process_time()}))
+"""
+
+
+@pytest.mark.parametrize("burn_in", ["cores", "interpreter"])
+def test_a_burning_job_spends_its_share_of_each_ranks_cpu_beside_the_script(tmp_path, burn_in):
+    # the side "with" of a placebo that burns: the script runs as __main__ beside the burner thread, which
+    # has spent its share of the process's CPU at its bursts (every second: at 1 s and 2 s of 2.6), though
+    # the script's thread holds the GIL whenever it can
+    from overhead import parse_args, start_job
+
+    script = tmp_path / "probe.py"
+    script.write_text(BURN_PROBE)
+    args = parse_args(["--ranks", "1", "--script", str(script), "--interleave", "1", "--placebo"])
+    args.burn_in = burn_in
+    job = start_job(args, False, tmp_path / "job", "probe", burn=0.05)
+    try:
+        assert job.procs[0].wait(timeout=120) == 0, (tmp_path / "job" / "stderr0.log").read_text()[-2000:]
+    finally:
+        job.kill()
+    seen = json.loads((tmp_path / "job" / "stdout0.log").read_text().strip().splitlines()[-1])
+    assert seen["name"] == "__main__" and seen["argv"][0] == str(script)
+    assert 0.025 < seen["burned"] / seen["process"] <= 0.05 + 0.005  # its share, not more
+
+
+def test_a_placebo_that_burns_reports_the_burners_cpu_as_the_exporters_would_be(tmp_path):
+    done, results = run_to_json(
+        tmp_path,
+        "overhead.py",
+        *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
+        *("--interleave", "0.5", "--placebo", "--burn", "0.01"),
+    )
+    assert results["config"]["burn"] == 0.01
+    assert "the side 'with' burns 1.00% of each rank's CPU" in done.stdout
+    accounting = results["interleaved"]["summary"]["exporter_cpu"]
+    assert list(accounting["threads_per_step"]) == ["burner"] and 0 < accounting["share"] < 0.02
+    from overhead import code_digest
+
+    script = REPO / "flare_exporter/workloads/train_ddp.py"
+    assert results["code"] == code_digest(script, REPO / "benchmarks/burner.py") != code_digest(script)
+
+
 PROBE = """
 import json, sys, threading
 import torch.distributed as dist
