@@ -214,7 +214,8 @@ while time.process_time() < 2.6:
     sum(range(1000))
 burner = next(t for t in threading.enumerate() if t.name == "burner")
 burned = time.clock_gettime(time.pthread_getcpuclockid(burner.ident))
-print(json.dumps({"name": __name__, "argv": sys.argv, "burned": burned, "process": time.process_time()}))
+print(json.dumps({"name": __name__, "argv": sys.argv, "orig_argv": sys.orig_argv, "burned": burned,
+                  "process": time.process_time()}))
 """
 
 
@@ -236,6 +237,7 @@ def test_a_burning_job_spends_its_share_of_each_ranks_cpu_beside_the_script(tmp_
         job.kill()
     seen = json.loads((tmp_path / "job" / "stdout0.log").read_text().strip().splitlines()[-1])
     assert seen["name"] == "__main__" and seen["argv"][0] == str(script)
+    assert ("--interpreter" in seen["orig_argv"]) == (burn_in == "interpreter")  # the burner got the mode
     assert 0.025 < seen["burned"] / seen["process"] <= 0.05 + 0.005  # its share, not more
 
 
