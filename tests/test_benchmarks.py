@@ -600,3 +600,93 @@ def test_overhead_on_the_gpu_needs_a_gpu_for_each_rank():
     done = run_benchmark("overhead.py", "--device", "cuda", "--ranks", "64", "--pairs", "1")
     assert done.returncode == 2 and "\n" not in done.stderr.strip()
     assert "--device cuda with --ranks 64: NCCL takes one rank per GPU" in done.stderr
+
+
+def serve_answers(answers: list[bytes]) -> tuple[int, list[bytes]]:
+    """A loopback server that answers each connection's first request with the next of `answers`, raw, then
+    closes it; returns its port and the requests it read."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        with listener:
+            for answer in answers:
+                connection, _ = listener.accept()
+                with connection:
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        request += connection.recv(4096)
+                    requests.append(request)
+                    connection.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], requests
+
+
+def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kept_connection():
+    import gzip
+
+    from overhead import Scraper
+    from prometheus_client import CollectorRegistry, Counter
+
+    from flare_exporter.exposition import MetricsServer
+
+    registry = CollectorRegistry()
+    Counter("flare_test_scrapes", "a flare metric", registry=registry).inc()
+    server = MetricsServer(registry, "127.0.0.1", 0)
+    try:
+        scraper = Scraper(server.port, 1, interval=1.0)
+        assert scraper._scrape(0) is None
+        first = scraper.connections[0]
+        assert [scraper._scrape(0) for _ in range(2)] == [None, None]
+        assert first is not None and scraper.connections[0] is first  # kept alive, as Prometheus keeps it
+        # what a failed answer does: the next attempt opens a new connection
+        scraper.requests[0] = b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n"
+        assert scraper._scrape(0) == "HTTP 404"
+    finally:
+        server.close()
+
+    # the request's bytes, as a server reads them: Prometheus's headers, gzip accepted, and the body
+    # decompressed before it is checked for flare_ metrics
+    def gzipped(page: bytes) -> bytes:  # as a rank closing its connection after the answer sends it
+        body = gzip.compress(page)
+        head = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d"
+        return head % len(body) + b"\r\n\r\n" + body
+
+    port, requests = serve_answers([gzipped(b"flare_x 1\n"), gzipped(b"other_x 1\n")])
+    scraper = Scraper(port, 1, interval=1.0)
+    assert scraper._scrape(0) is None and scraper.connections[0] is None
+    assert scraper._scrape(0) == "200 without flare_ metrics"
+    head = requests[0].decode()
+    assert head.startswith("GET /metrics HTTP/1.1\r\n") and "Accept-Encoding: gzip\r\n" in head
+    assert "User-Agent: Prometheus/" in head and f"Host: 127.0.0.1:{port}\r\n" in head
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\nflare_x 1\n", "truncated response: 30 bytes missing"),
+        (b"HTTP/1.1 200 OK\r\n\r\nflare_x 1\n", "a response without Content-Length"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP response: 'ssh-2.0-openssh'"),
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", "does not decompress"),
+        (b"", "connection closed before a response"),
+    ],
+)
+def test_the_scraper_names_an_answer_that_is_not_a_whole_response(answer, says):
+    from overhead import Scraper
+
+    port, _ = serve_answers([answer])
+    scraper = Scraper(port, 1, interval=1.0)
+    failure = scraper._scrape(0)
+    assert failure is not None and failure.startswith("ScrapeAnswerError: ") and says in failure
+    assert scraper.connections[0] is None  # closed: the next attempt opens a new one
+
+
+def test_an_http_1_0_answer_closes_the_scrapers_connection():
+    from overhead import Scraper
+
+    port, _ = serve_answers([b"HTTP/1.0 200 OK\r\nContent-Length: 10\r\n\r\nflare_x 1\n"])
+    scraper = Scraper(port, 1, interval=1.0)
+    assert scraper._scrape(0) is None and scraper.connections[0] is None
