@@ -344,6 +344,12 @@ class Scraper(threading.Thread):
         return counts
 
 
+def scraper_cpu_text(scrapes: ScrapeCounts) -> str:
+    """The benchmark's own scraper's CPU per attempt: what this machine's cores gave to Prometheus's part."""
+    per_attempt = scrapes.scraper_cpu_s / max(1, scrapes.attempts)
+    return f"the benchmark's scraper used {per_attempt * 1e6:.0f} us of CPU per attempt"
+
+
 def scrape_cost(step_ends: list[float], rounds: list[Span], warmup: int) -> float | None:
     """Seconds of training that one scrape round cost a rank, measured within one run (so untouched by the
     machine's drift from run to run, unlike the ratio): per round, how much longer than the median step its
@@ -1322,8 +1328,7 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
         f"  scrapes: {scrapes.done} done ({scrapes.during_training} while training), "
         f"{scrapes.failed} failed "
         f"(not counted: {scrapes.startup} refused before a rank's endpoint was up, "
-        f"{scrapes.shutdown} after a rank's training ended); the benchmark's scraper used "
-        f"{scrapes.scraper_cpu_s / max(1, scrapes.attempts) * 1e6:.0f} us of CPU per attempt"
+        f"{scrapes.shutdown} after a rank's training ended); {scraper_cpu_text(scrapes)}"
     )
     costs = [p["with"]["scrape_cost_s"] for p in pairs if p["with"]["scrape_cost_s"] is not None]
     cost = statistics.median(costs) if costs else None
@@ -1621,7 +1626,7 @@ def summarize(pairs: list[dict], scrapes: ScrapeCounts, placebo: bool) -> dict[s
         f"{cpu_ci_text}"
     )
     if scrapes.attempts:
-        print(f"  scrapes: {scrapes.done} done, {scrapes.failed} failed")
+        print(f"  scrapes: {scrapes.done} done, {scrapes.failed} failed; {scraper_cpu_text(scrapes)}")
     for failure in scrapes.failures:
         print(f"  scrape failure: {failure}")
     accounting = exporter_cpu_accounting(pairs)

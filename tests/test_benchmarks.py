@@ -345,6 +345,8 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     # the exporter's job answered while it ran, and no scrape waited on it while it was paused
     assert scrapes["done"] > 0 and scrapes["failed"] == 0, scrapes["failures"]
     assert "each pair's two jobs at once, taking turns of 0.4 s" in done.stdout
+    # the benchmark's own scraper shares the job's cores: its CPU is reported, as Prometheus's part
+    assert scrapes["scraper_cpu_s"] > 0 and "the benchmark's scraper used" in done.stdout
     # the exporter's own threads' CPU, from the ranks' reports: the endpoint's among them, per scrape too
     accounting = results["interleaved"]["summary"]["exporter_cpu"]
     threads = accounting["threads_per_step"]
