@@ -176,6 +176,10 @@ class ScrapeCounts:
 Span = tuple[float, float]  # (began, ended), wall time
 
 
+READ_BYTES = 65536  # a socket read: below malloc's mmap threshold, and more than a rank's gzipped page
+MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a rank's page is tens of KiB; a larger Content-Length is not read
+
+
 class ScrapeAnswerError(Exception):
     """An answer to a scrape that is not a whole HTTP response with a Content-Length."""
 
@@ -197,25 +201,26 @@ def exchange(connection: socket.socket, request: bytes) -> tuple[int, bytes, boo
     connection.sendall(request)
     data = b""
     while (end := data.find(b"\r\n\r\n")) < 0:
-        if len(data) > 65536:
+        if len(data) > READ_BYTES:
             raise ScrapeAnswerError("a response head over 64 KiB")
-        chunk = connection.recv(65536)
+        chunk = connection.recv(READ_BYTES)
         if not chunk:
             raise ScrapeAnswerError("connection closed before a response")
         data += chunk
-    head, body = data[:end].decode("latin-1").lower(), data[end + 4 :]
-    status_line, _, fields = head.partition("\r\n")
+    status_line, _, fields = data[:end].decode("latin-1").partition("\r\n")
+    body = data[end + 4 :]
     parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("http/") or not parts[1].isdigit():
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
         raise ScrapeAnswerError(f"not an HTTP response: {status_line[:80]!r}")
-    header = dict(
-        (name.strip(), value.strip()) for name, _, value in (f.partition(":") for f in fields.split("\r\n"))
-    )
+    lines = (line.partition(":") for line in fields.lower().split("\r\n"))
+    header = {name.strip(): value.strip() for name, _, value in lines}
     if not header.get("content-length", "").isdigit():
         raise ScrapeAnswerError("a response without Content-Length")
     length = int(header["content-length"])
+    if length > MAX_ANSWER_BYTES:
+        raise ScrapeAnswerError(f"a body of {length} bytes, over {MAX_ANSWER_BYTES}")
     while len(body) < length:
-        chunk = connection.recv(max(65536, length - len(body)))
+        chunk = connection.recv(READ_BYTES)
         if not chunk:
             raise ScrapeAnswerError(f"truncated response: {length - len(body)} bytes missing")
         body += chunk
@@ -224,7 +229,7 @@ def exchange(connection: socket.socket, request: bytes) -> tuple[int, bytes, boo
             body = zlib.decompress(body, 16 + zlib.MAX_WBITS)
         except zlib.error as error:
             raise ScrapeAnswerError(f"a gzip body that does not decompress: {error}") from None
-    keep_alive = parts[0] == "http/1.1" and header.get("connection") != "close"
+    keep_alive = parts[0] == "HTTP/1.1" and header.get("connection") != "close"
     return int(parts[1]), body, keep_alive
 
 

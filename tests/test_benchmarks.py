@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -607,8 +609,6 @@ def test_overhead_on_the_gpu_needs_a_gpu_for_each_rank():
 def serve_answers(answers: list[bytes]) -> tuple[int, list[bytes]]:
     """A loopback server that answers each connection's first request with the next of `answers`, raw, then
     closes it; returns its port and the requests it read."""
-    import socket
-
     listener = socket.create_server(("127.0.0.1", 0))
     requests: list[bytes] = []
 
@@ -628,8 +628,6 @@ def serve_answers(answers: list[bytes]) -> tuple[int, list[bytes]]:
 
 
 def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kept_connection():
-    import gzip
-
     from overhead import Scraper
     from prometheus_client import CollectorRegistry, Counter
 
@@ -644,7 +642,7 @@ def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kep
         first = scraper.connections[0]
         assert [scraper._scrape(0) for _ in range(2)] == [None, None]
         assert first is not None and scraper.connections[0] is first  # kept alive, as Prometheus keeps it
-        # what a failed answer does: the next attempt opens a new connection
+        # an answer other than 200 is named by its status
         scraper.requests[0] = b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n"
         assert scraper._scrape(0) == "HTTP 404"
     finally:
@@ -671,7 +669,8 @@ def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kep
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\nflare_x 1\n", "truncated response: 30 bytes missing"),
         (b"HTTP/1.1 200 OK\r\n\r\nflare_x 1\n", "a response without Content-Length"),
-        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP response: 'ssh-2.0-openssh'"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP response: 'SSH-2.0-OpenSSH'"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "a body of 99999999999 bytes, over"),
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", "does not decompress"),
         (b"", "connection closed before a response"),
     ],
