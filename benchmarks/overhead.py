@@ -14,10 +14,11 @@ would, and counts the scrapes that failed between a rank's first answer and the 
 With `--control loaded`, A runs `benchmarks/loaded.py script.py` instead: flare's modules and extension
 loaded, nothing attached, so that the ratio is what the exporter does rather than also what loading it does.
 With `--placebo --burn SHARE` (interleaved), neither job has flare but the side "with" runs beside a thread
-that spends SHARE of each rank's CPU once a second without the GIL (benchmarks/burner.py): what the
-exporter's threads' CPU alone costs the job. With `--pin`, rank r of both jobs runs on CPU r modulo the CPUs
-(taskset), so that where the ranks run does not change from job to job. FLARE_* variables set for this
-command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each run gets free loopback ports).
+that spends SHARE of each rank's CPU once a second without the GIL (benchmarks/burner.py; in bytecode, holding
+the GIL, with --burn-in interpreter): what the exporter's threads' CPU alone costs the job. With `--pin`, rank
+r of both jobs runs on CPU r modulo the CPUs (taskset), so that where the ranks run does not change from job
+to job. FLARE_* variables set for this command reach the exporter (FLARE_PORT and FLARE_ADDR excepted: each
+run gets free loopback ports).
 
 A run's step time is the median over ranks of each rank's median step time, the first `--warmup` steps
 dropped. A pair's ratio is with / without; the summary gives the median ratio over pairs (goal: <= 1.005)
@@ -72,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -80,6 +81,7 @@ from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
 from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
 from flare_exporter.workloads import train_ddp  # noqa: E402
 
+T = TypeVar("T")
 GOAL_RATIO = 1.005
 FAKE_NVML = "flare_exporter.testing.fake_nvml"
 BURNER = REPO / "benchmarks" / "burner.py"
@@ -107,6 +109,21 @@ class RunError(Exception):
     def __init__(self, message: str, at_exit: bool = False) -> None:
         super().__init__(message)
         self.at_exit = at_exit
+
+
+def retrying(retries: int, retried: list[str], run: Callable[[Path], T], workdir: Path) -> T:
+    """`run` in `workdir`-1, and again in `workdir`-2, ... up to `retries` more times while it fails only
+    because a rank crashed while exiting after all its steps (RunError.at_exit); each such failure is noted in
+    `retried`. Any other failure ends the benchmark."""
+    for attempt in itertools.count(1):
+        try:
+            return run(workdir.with_name(f"{workdir.name}-{attempt}"))
+        except RunError as error:
+            if not error.at_exit or attempt > retries:
+                raise
+            retried.append(str(error))
+            print(f"      retrying: {error}", flush=True)
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -991,7 +1008,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--retries",
         type=int,
         default=2,
-        help="reruns of a run whose rank crashed while exiting, after all its steps (default 2)",
+        help="reruns of a run (interleaved: of a pair) whose rank crashed while exiting, after all its steps "
+        "(default 2)",
     )
     parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument(
@@ -1026,8 +1044,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         metavar="SHARE",
         help="with --placebo: the side 'with' runs beside a thread that spends SHARE of each rank's CPU, "
-        "once a second, without the GIL (benchmarks/burner.py): what that much CPU, spent as the exporter's "
-        "threads spend theirs (its runs' exporter_cpu share), costs the job with no exporter at all",
+        "once a second, without the GIL unless --burn-in says otherwise (benchmarks/burner.py): what that "
+        "much CPU, spent as the exporter's threads spend theirs (its runs' exporter_cpu share), costs the "
+        "job with no exporter at all",
     )
     parser.add_argument(
         "--burn-in",
@@ -1271,16 +1290,12 @@ def ab(args: argparse.Namespace) -> dict[str, object]:
             for with_exporter in order:
                 name = "with" if with_exporter else "without"
                 label = f"pair {pair} run {name} exporter"
-                for attempt in itertools.count(1):
-                    workdir = Path(tmp) / f"pair{pair}-{JOB_DIRS[with_exporter]}-{attempt}"
-                    try:
-                        runs[with_exporter] = run_job(args, with_exporter, workdir, label)
-                        break
-                    except RunError as error:
-                        if not error.at_exit or attempt > args.retries:
-                            raise
-                        retried.append(str(error))
-                        print(f"      retrying: {error}", flush=True)
+                runs[with_exporter] = retrying(
+                    args.retries,
+                    retried,
+                    partial(run_job, args, with_exporter, label=label),
+                    Path(tmp) / f"pair{pair}-{JOB_DIRS[with_exporter]}",
+                )
             without, with_ = runs[False], runs[True]
             run_scrapes = with_.scrapes or ScrapeCounts()  # none when --scrape-interval is 0
             scrapes.add(run_scrapes)
@@ -1566,10 +1581,16 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
     )
     pairs = []
     scrapes = ScrapeCounts()
+    retried: list[str] = []
     with tempfile.TemporaryDirectory(prefix="flare-overhead-") as tmp:
         for pair in range(1, args.pairs + 1):
             with_first = pair % 2 == 0  # which job starts and runs first alternates from pair to pair
-            slices, without, with_, scraper = run_interleaved(args, Path(tmp) / f"pair{pair}", with_first)
+            slices, without, with_, scraper = retrying(
+                args.retries,
+                retried,
+                partial(run_interleaved, args, with_first=with_first),
+                Path(tmp) / f"pair{pair}",
+            )
             reports_with, reports_without = with_.reports(args.warmup), without.reports(args.warmup)
             measured = slice_pairs(slices, reports_without, reports_with, args.warmup)
             if not measured:
@@ -1610,7 +1631,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
                 flush=True,
             )
             pairs.append(result)
-    return {"interleaved": {"pairs": pairs, "summary": summarize(pairs, scrapes, args.placebo)}}
+    summary = summarize(pairs, scrapes, args.placebo)
+    return {"interleaved": {"pairs": pairs, "summary": summary, "retried": retried}}
 
 
 def summarize(pairs: list[dict], scrapes: ScrapeCounts, placebo: bool) -> dict[str, object]:

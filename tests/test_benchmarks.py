@@ -691,3 +691,31 @@ def test_an_http_1_0_answer_closes_the_scrapers_connection():
     port, _ = serve_answers([b"HTTP/1.0 200 OK\r\nContent-Length: 10\r\n\r\nflare_x 1\n"])
     scraper = Scraper(port, 1, interval=1.0)
     assert scraper._scrape(0) is None and scraper.connections[0] is None
+
+
+def test_a_run_whose_rank_crashed_only_while_exiting_is_retried_in_a_new_directory_and_counted(tmp_path):
+    # sequential runs and interleaved pairs alike: gloo's teardown sometimes aborts after the last step
+    from overhead import RunError, retrying
+
+    tried: list[Path] = []
+
+    def run(workdir: Path) -> str:
+        tried.append(workdir)
+        if len(tried) < 3:
+            raise RunError(f"rank 0 exited with code -6 after its last step ({len(tried)})", at_exit=True)
+        return "measured"
+
+    retried: list[str] = []
+    assert retrying(2, retried, run, tmp_path / "pair1") == "measured"
+    assert [path.name for path in tried] == ["pair1-1", "pair1-2", "pair1-3"] and len(retried) == 2
+    # one retry too many, or a failure before the last step: the benchmark ends
+    tried.clear()
+    with pytest.raises(RunError, match=r"\(2\)"):
+        retrying(1, [], run, tmp_path / "pair2")
+
+    def fails_early(workdir: Path) -> str:
+        raise RunError("rank 1 exited with code 1 before its last step")
+
+    with pytest.raises(RunError, match="before its last step"):
+        retrying(2, retried, fails_early, tmp_path / "pair3")
+    assert len(retried) == 2
