@@ -21,13 +21,13 @@ system-deps:
 
 # the native host-dispatch timer (a torch C++ extension, ~20 s once per torch version; see docs/ild.md)
 op-timer: $(VENV)/.installed
-	$(PY) -m flare_exporter.op_timer
+	$(PY) -m flare_exporter.rank.cpp_recorder
 
 demo: $(VENV)/.installed system-deps op-timer
-	$(PY) -m flare_exporter.demo
+	$(PY) -m flare_exporter.local.demo
 
 demo-fault: $(VENV)/.installed system-deps op-timer
-	$(PY) -m flare_exporter.demo --fault $(FAULT) --fault-rank $(FAULT_RANK)
+	$(PY) -m flare_exporter.local.demo --fault $(FAULT) --fault-rank $(FAULT_RANK)
 
 test: $(VENV)/.installed system-deps op-timer
 	$(PY) -m ruff check

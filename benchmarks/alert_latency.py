@@ -34,11 +34,11 @@ import sys
 import tempfile
 import time
 
-from flare_exporter import scrape
-from flare_exporter.alertmanager_process import AlertingStack, WebhookReceiver
-from flare_exporter.local_job import ObservedJob
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import scrape
+from flare_exporter.local.alertmanager import AlertingStack, WebhookReceiver
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
 
 STUCK_RANK, KILLED_RANK, FAULT_STEP = 1, 2, 15
 

@@ -3,7 +3,8 @@
     python benchmarks/attribution.py [--ranks 1024] [--culprit 777] [--repeats 10] [--subprocess-repeats 3] \
                                      [--scrape-interval 2] [--pass-run] [--json OUT] [--keep]
 
-The cluster is flare_exporter.testing.virtual_cluster (shared with benchmarks/scale.py): one asyncio server in
+The cluster is flare_exporter.local.testing.virtual_cluster (shared with benchmarks/scale.py): one asyncio
+server in
 this process serves every virtual rank's /metrics on its own loopback port. Each rank's exposition is
 rendered once, up front, by flare-exporter's own collectors (agent.build_registry over a FlareState built as
 the hooks would leave it, every signal on): rank N on host node-<N//8>, in the world group, a data-parallel
@@ -16,11 +17,13 @@ A real Prometheus (PrometheusProcess) discovers the ranks through one file_sd fi
 with `rank` and `run` labels, as the ranks write theirs) and scrapes them every `--scrape-interval`
 seconds. Once it is ready and holds flare_rank_info for every rank, the benchmark times:
 
-- in-process: `flare_exporter.cli.main(["diagnose", "--prometheus", URL, "--hang-seconds", "60", "--json"])`,
+- in-process:
+  `flare_exporter.engine.cli.main(["diagnose", "--prometheus", URL, "--hang-seconds", "60", "--json"])`,
   `--repeats` times, and its two parts alone: sources.from_prometheus (the queries) and diagnosis.diagnose
   (the engine);
-- the whole command: `python -m flare_exporter.cli diagnose ...` as a subprocess, `--subprocess-repeats`
-  times (interpreter start-up and imports included), and `python -c "import flare_exporter.cli"` alone.
+- the whole command: `python -m flare_exporter.engine.cli diagnose ...` as a subprocess,
+  `--subprocess-repeats`
+  times (interpreter start-up and imports included), and `python -c "import flare_exporter.engine.cli"` alone.
 
 The in-process times share this process, and so the GIL, with the server's thread (about 500 scrapes a
 second at 1,024 ranks): they come out slower than the whole command less its start-up.
@@ -55,11 +58,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from cli_runs import BenchError, command, in_process, one_line, verdicts_of  # noqa: E402  (benchmarks/)
 
-from flare_exporter import cli, diagnosis, promql, sources  # noqa: E402
-from flare_exporter.groups import WORLD  # noqa: E402
-from flare_exporter.prometheus_process import PrometheusProcess, find_binary, wait_for  # noqa: E402
-from flare_exporter.scrape import parse  # noqa: E402
-from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
+from flare_exporter.engine import cli, diagnosis, promql, sources
+from flare_exporter.engine.scrape import parse
+from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.rank.groups import WORLD
 
 GOAL_SECONDS = 1.0
 HANG_SECONDS = 60
@@ -70,7 +73,7 @@ SUBPROCESS_TIMEOUT_S = 120.0
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the simulated cluster (flare_exporter.testing.virtual_cluster, shared with benchmarks/scale.py)
+# the simulated cluster (flare_exporter.local.testing.virtual_cluster, shared with benchmarks/scale.py)
 
 
 def default_culprit(ranks: int) -> int:
@@ -194,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         metavar="N",
-        help="whole-command runs, python -m flare_exporter.cli (default 3)",
+        help="whole-command runs, python -m flare_exporter.engine.cli (default 3)",
     )
     parser.add_argument(
         "--scrape-interval",
@@ -391,14 +394,16 @@ def measure(
     window = (time.perf_counter(), time.process_time(), process_cpu(prometheus.process.pid))
     for index in range(args.subprocess_repeats):
         elapsed, code, output, cpu_seconds = command(
-            ["-m", "flare_exporter.cli", *cli_args], SUBPROCESS_TIMEOUT_S
+            ["-m", "flare_exporter.engine.cli", *cli_args], SUBPROCESS_TIMEOUT_S
         )
         check_verdict(code, output, ranks, culprit, f"subprocess run {index + 1}")
         whole.append(elapsed)
         whole_cpu.append(cpu_seconds)
-        elapsed, code, output, _ = command(["-c", "import flare_exporter.cli"], SUBPROCESS_TIMEOUT_S)
+        elapsed, code, output, _ = command(["-c", "import flare_exporter.engine.cli"], SUBPROCESS_TIMEOUT_S)
         if code != 0:
-            raise BenchError(f"python -c 'import flare_exporter.cli' exited with {code}: {one_line(output)}")
+            raise BenchError(
+                f"python -c 'import flare_exporter.engine.cli' exited with {code}: {one_line(output)}"
+            )
         startup.append(elapsed)
     background: dict[str, float] = {"load_average_1m": os.getloadavg()[0]}
     if whole:
@@ -406,8 +411,11 @@ def measure(
         background["server_cpus"] = (time.process_time() - window[1]) / span
         background["prometheus_cpus"] = (process_cpu(prometheus.process.pid) - window[2]) / span
         cpu = f"CPU time (user + sys): median {_seconds(statistics.median(whole_cpu))}"
-        print(_row("whole command", f"python -m flare_exporter.cli, {len(whole)} runs", whole) + f"; {cpu}")
-        print(_row("  start-up", "python -c 'import flare_exporter.cli'", startup))
+        print(
+            _row("whole command", f"python -m flare_exporter.engine.cli, {len(whole)} runs", whole)
+            + f"; {cpu}"
+        )
+        print(_row("  start-up", "python -c 'import flare_exporter.engine.cli'", startup))
         print(
             f"  busy meanwhile: Prometheus {background['prometheus_cpus']:.2f} CPUs, the simulated ranks' "
             f"server {background['server_cpus']:.2f} CPUs; load average {background['load_average_1m']:.2f} "

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flare_exporter import cli
+from flare_exporter.engine import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,9 @@ def installed_env() -> dict[str, str]:
     if env.pop("PYTHONDONTWRITEBYTECODE", "") or sys.dont_write_bytecode:
         env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="flare-bench-bytecode-")
         atexit.register(shutil.rmtree, env["PYTHONPYCACHEPREFIX"], ignore_errors=True)
-        subprocess.run([sys.executable, "-c", "import flare_exporter.cli"], cwd=REPO, env=env, check=True)
+        subprocess.run(
+            [sys.executable, "-c", "import flare_exporter.engine.cli"], cwd=REPO, env=env, check=True
+        )
     return env
 
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from overhead import median_ci  # noqa: E402
 
-from flare_exporter.local_job import free_port  # noqa: E402
+from flare_exporter.local.jobs import free_port
 
 SIDES = ("plain", "wrapped")
 
@@ -65,7 +65,7 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
     from torch.nn.parallel import DistributedDataParallel
 
     import flare_exporter
-    from flare_exporter.workloads.train_ddp import WIDTH, make_model
+    from flare_exporter.local.workloads.train_ddp import WIDTH, make_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # before attach(): the world group stays plain
@@ -186,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         f"recorded by {'the C++ backend' if args.recorder == 'cpp' else 'the Python hooks'}"
     )
     if args.recorder == "cpp":
-        from flare_exporter import op_timer
+        from flare_exporter.rank import cpp_recorder
 
         try:
-            op_timer.build()
-        except (op_timer.BuildError, OSError) as error:
+            cpp_recorder.build()
+        except (cpp_recorder.BuildError, OSError) as error:
             print(f"collective_path: error: {error}", file=sys.stderr)
             return 1
     with tempfile.TemporaryDirectory(prefix="flare-collective-path-") as tmp:

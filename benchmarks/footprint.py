@@ -2,7 +2,7 @@
 
     python benchmarks/footprint.py [--world 1024] [--repeats 200] [--json OUT]
 
-The ranks are a virtual cluster's (flare_exporter.testing.virtual_cluster): FlareStates as a real rank's
+The ranks are a virtual cluster's (flare_exporter.local.testing.virtual_cluster): FlareStates as a real rank's
 hooks, timing manager, stall watcher and GPU health reader leave them after 1,200 steps of a job with every
 signal on at its defaults — three process groups (world, data parallel, tensor parallel) and the five
 (group, op) pairs they issue, straggler windows, both issue-latency distributions and their drift, GPU
@@ -41,11 +41,11 @@ sys.path.insert(0, str(REPO))
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest  # noqa: E402
 
-from flare_exporter.agent import build_registry  # noqa: E402
-from flare_exporter.exposition import MetricsServer, metrics_body, python_text_format, render_text  # noqa: E402
-from flare_exporter.scrape import parse  # noqa: E402
-from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
-from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
+from flare_exporter.engine.scrape import parse
+from flare_exporter.local.testing import PROMETHEUS_SCRAPE_HEADERS
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.exposition import MetricsServer, metrics_body, python_text_format, render_text
 
 SERIES_GOAL = 300
 RUN = "4817233"  # a Slurm job id: the run label is on every series, so its length counts

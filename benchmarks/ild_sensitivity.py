@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/ild_sensitivity.py [--timer native|python] [--every N] [--window 2]
 
-One process trains the small model of flare_exporter/workloads/train_ddp.py on CPU (no process group) with
+One process trains the small model of flare_exporter/local/workloads/train_ddp.py on CPU (no process group)
+with
 the exporter's ILD state attached to the optimizer step hook: host-dispatch sampling windows on one step in
 `--every` (default: the exporter's default), a baseline over `--baseline` steps, a current window of the
 last `--window` sampled steps, timed by `--timer` (native: the RecordFunction observer, built if needed;
@@ -34,13 +35,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from flare_exporter import op_timer  # noqa: E402
+from flare_exporter.rank import cpp_recorder
 
 
 def make_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from flare_exporter.config import Config
-    from flare_exporter.identity import RankIdentity
-    from flare_exporter.state import FlareState
+    from flare_exporter.rank.identity import RankIdentity
+    from flare_exporter.rank.state import FlareState
 
     config = Config(
         ild_dispatch_every_steps=args.every,
@@ -64,14 +65,14 @@ class Trainer:
         import torch
         from torch import nn
 
-        from flare_exporter.workloads import train_ddp
+        from flare_exporter.local.workloads import train_ddp
 
         torch.set_num_threads(1)
         self.torch, self.nn = torch, nn
         self.model = train_ddp.make_model()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.generator = torch.Generator().manual_seed(0)
-        self.native = op_timer.load() if timer == "native" else None
+        self.native = cpp_recorder.load() if timer == "native" else None
         self.mode = None
         if self.native is not None:
             self.native.inject_delay(0.0)  # the injector's observer from the start, waiting 0 s
@@ -107,7 +108,7 @@ class Trainer:
 
 def run(args: argparse.Namespace, delay: float, healthy_steps: int, peers):  # type: ignore[no-untyped-def]
     """Train warm-up + baseline steps, then `healthy_steps` with `delay` per op; the drift after each."""
-    from flare_exporter.diagnosis import IldDrift, IldPolicy, ild_shifted
+    from flare_exporter.engine.diagnosis import IldDrift, IldPolicy, ild_shifted
 
     policy = IldPolicy(op_shift_seconds=args.op_shift_ns * 1e-9) if args.op_shift_ns else IldPolicy()
     state = make_state(args)
@@ -161,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     args.every = args.every or Config().ild_dispatch_every_steps
     args.baseline = args.baseline or Config().ild_baseline_steps
     if args.timer == "native":
-        op_timer.build()  # once per torch version, ~10-30 s
+        cpp_recorder.build()  # once per torch version, ~10-30 s
     else:
-        op_timer.load = lambda: None  # the exporter's dispatch-mode windows
+        cpp_recorder.load = lambda: None  # the exporter's dispatch-mode windows
 
-    from flare_exporter.diagnosis import IldPeers
+    from flare_exporter.engine.diagnosis import IldPeers
 
     drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, IldPeers(None, None))
     healthy_w1 = [current[1] for current, _ in drifts if current is not None]

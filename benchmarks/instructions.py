@@ -5,7 +5,8 @@
 
 Step times on a shared 2-core machine differ by a few per cent between two runs of the same process, which
 hides a cost of 0.5 % (overhead.py can only say "noise-limited"). Instructions do not depend on what else
-the machine runs. Each run executes flare_exporter/workloads/train_ddp.py as one gloo rank (world size 1,
+the machine runs. Each run executes flare_exporter/local/workloads/train_ddp.py as one gloo rank
+(world size 1,
 so no peer's pace enters) under `valgrind --tool=callgrind --separate-threads=yes`, with instrumentation off
 until the rank is ready to train (`--start-after`: its first step waits for `callgrind_control -i on`),
 and reads each thread's instruction total when it exits. Each side runs twice, `--short` and `--long`
@@ -13,8 +14,8 @@ steps; the difference divided by the difference in steps is the instructions per
 thread (start-up and exit cancel out) and of every other thread (gloo's; with the exporter, also its
 timing manager, HTTP server, stall watcher and GPU health reader, which reads the fake NVML).
 
-- without: `python flare_exporter/workloads/train_ddp.py`
-- with: `python -m flare_exporter.launch flare_exporter/workloads/train_ddp.py`, every signal at its
+- without: `python flare_exporter/local/workloads/train_ddp.py`
+- with: `python -m flare_exporter.launch flare_exporter/local/workloads/train_ddp.py`, every signal at its
   defaults. Nothing scrapes it.
 - scraped: the same, and the rank GETs its own /metrics every `--scrape-every` steps and reads the answer
   before its next step (`train_ddp.py --scrape-every`): each render covers the same steps in every run (a
@@ -65,7 +66,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
+from flare_exporter.local.jobs import free_port, free_port_block
 
 SCRIPT = REPO / "flare_exporter" / "workloads" / "train_ddp.py"
 EVENTS = re.compile(rb"^events: (.+)$", re.MULTILINE)
@@ -139,7 +140,7 @@ def run(
     )
     if with_exporter:
         env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
-        env.setdefault("FLARE_NVML_MODULE", "flare_exporter.testing.fake_nvml")
+        env.setdefault("FLARE_NVML_MODULE", "flare_exporter.local.testing.fake_nvml")
     prefix = {
         "without": [],
         "loaded": [str(REPO / "benchmarks" / "loaded.py")],

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import sys
 
-from flare_exporter import agent, dispatch, exposition, gpu_health, http_server, op_timer  # noqa: F401
-from flare_exporter.launch import run_script
+from flare_exporter.rank import cpp_recorder
+from flare_exporter.rank.launch import run_script
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         print("loaded: error: give a script to run", file=sys.stderr)
         sys.exit(2)
-    if op_timer.load() is None:
-        print(f"loaded: error: flare's extension is not loaded: {op_timer.load_error}", file=sys.stderr)
+    if cpp_recorder.load() is None:
+        print(f"loaded: error: flare's extension is not loaded: {cpp_recorder.load_error}", file=sys.stderr)
         sys.exit(2)
     run_script(sys.argv[1:])
 

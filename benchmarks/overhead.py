@@ -6,7 +6,8 @@
     python benchmarks/overhead.py --micro          # only the per-call hook costs (a few seconds)
     python benchmarks/overhead.py --pool a.json b.json ...   # interleaved runs' pairs pooled, nothing run
 
-Each pair runs flare_exporter/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain `python
+Each pair runs flare_exporter/local/workloads/train_ddp.py twice on `--ranks` local ranks: once as a plain
+`python
 script.py` (A, without) and once as `python -m flare_exporter.launch script.py` (B, with), in the order A/B
 for odd pairs and B/A for even ones, so that slow drift of the machine cancels out. During a B run a
 background thread here scrapes every rank's /metrics once per `--scrape-interval` (1 s), as Prometheus
@@ -77,13 +78,13 @@ from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
-from flare_exporter.testing import PROMETHEUS_SCRAPE_HEADERS  # noqa: E402
-from flare_exporter.workloads import train_ddp  # noqa: E402
+from flare_exporter.local.jobs import free_port, free_port_block
+from flare_exporter.local.testing import PROMETHEUS_SCRAPE_HEADERS
+from flare_exporter.local.workloads import train_ddp
 
 T = TypeVar("T")
 GOAL_RATIO = 1.005
-FAKE_NVML = "flare_exporter.testing.fake_nvml"
+FAKE_NVML = "flare_exporter.local.testing.fake_nvml"
 BURNER = REPO / "benchmarks" / "burner.py"
 BURNER_THREAD = "burner"  # its thread's name (burner.py)
 # A job's working directory (its ranks' --report and --start-after paths) by side: names of one length, so
@@ -696,19 +697,19 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     """ns per call of the collective hook (issue + track) and the step hook, net of an empty loop."""
     import torch
 
-    from flare_exporter.groups import GroupTracker
-    from flare_exporter.health import ExporterHealth
-    from flare_exporter.process_group import FlareProcessGroup
-    from flare_exporter.progress import StepTracker
-    from flare_exporter.timing import FutureTiming, TimingManager
+    from flare_exporter.rank.exporter_health import ExporterHealth
+    from flare_exporter.rank.groups import GroupTracker
+    from flare_exporter.rank.process_group import FlareProcessGroup
+    from flare_exporter.rank.progress import StepTracker
+    from flare_exporter.rank.timing import FutureTiming, TimingManager
 
     health = ExporterHealth()
     # Not started: each repetition's completions stay queued (room for all of them) and are drained after it.
     manager = TimingManager(health, queue_size=loops + 16, interval_seconds=1.0)
-    from flare_exporter import op_timer
+    from flare_exporter.rank import cpp_recorder
 
     # as the exporter does: completions stamped by flare's torch extension where built, else a Python callback
-    extension = op_timer.load()
+    extension = cpp_recorder.load()
     tracker = GroupTracker("world", 4, "gloo", FutureTiming(manager, extension), health)
     manager.add_group(tracker)  # each drain forgets its finished collectives, as in a job
     future: torch.futures.Future = torch.futures.Future()
@@ -731,8 +732,8 @@ def micro(loops: int = 5000, repeats: int = 21) -> dict[str, float]:
     # the step hook as attach() installs it with every signal at its defaults: the ILD dispatch sampler's
     # listener opens a sampling window on one step in ild_dispatch_every_steps and closes it at the next
     from flare_exporter.config import Config
-    from flare_exporter.identity import RankIdentity
-    from flare_exporter.state import FlareState
+    from flare_exporter.rank.identity import RankIdentity
+    from flare_exporter.rank.state import FlareState
 
     def with_all_signals(native: bool) -> tuple[FlareState, Callable[..., None]]:
         state = FlareState.create(Config(), RankIdentity(0, 0, 1, "micro", "localhost", os.getpid()))
@@ -1023,7 +1024,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--script",
         type=Path,
         default=Path(train_ddp.__file__),
-        help="the training script (default flare_exporter/workloads/train_ddp.py)",
+        help="the training script (default flare_exporter/local/workloads/train_ddp.py)",
     )
     parser.add_argument(
         "--interleave",

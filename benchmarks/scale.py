@@ -4,7 +4,8 @@
                                [--direct-repeats 1] [--json OUT] [--keep]
     python benchmarks/scale.py --ranks 1024        # the direct-scrape goal's size; about 2 minutes
 
-The cluster (flare_exporter.testing.virtual_cluster): every virtual rank's /metrics rendered by flare's own
+The cluster (flare_exporter.local.testing.virtual_cluster): every virtual rank's /metrics rendered by
+flare's own
 collectors with every signal on (three process groups, straggler windows, ILD, GPU health via the fake NVML;
 about 280 series and 36 KiB each), each served on its own loopback port by one asyncio server in this
 process, and listed in one file_sd file as the ranks write theirs. A real Prometheus with the project's rules
@@ -54,11 +55,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402  (benchmarks/)
 
-from flare_exporter import cli, promql, scrape  # noqa: E402
-from flare_exporter.alertmanager_process import AlertingStack, can_alert  # noqa: E402
-from flare_exporter.prometheus_process import wait_for  # noqa: E402
-from flare_exporter.rules import CULPRIT_ALERTS, LAST_WINDOW, Thresholds  # noqa: E402
-from flare_exporter.testing import virtual_cluster as vc  # noqa: E402
+from flare_exporter.engine import cli, promql, scrape
+from flare_exporter.local.alertmanager import AlertingStack, can_alert
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.mixin.rules import CULPRIT_ALERTS, LAST_WINDOW, Thresholds
 
 RUN = "bench-scale"
 PROMETHEUS_GOAL_S = 1.0  # via Prometheus, at 6,144 ranks
@@ -157,8 +158,8 @@ def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
 
 
 def as_subprocess(argv: list[str]) -> tuple[float, int, str, float]:
-    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.cli ARGV`."""
-    return command(["-m", "flare_exporter.cli", *argv], CLI_TIMEOUT_S)
+    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.engine.cli ARGV`."""
+    return command(["-m", "flare_exporter.engine.cli", *argv], CLI_TIMEOUT_S)
 
 
 def attribution(

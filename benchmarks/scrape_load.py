@@ -3,7 +3,7 @@
     python benchmarks/scrape_load.py [--pairs 6] [--ranks 2] [--steps 800] [--batch 64] [--warmup 50] \
                                      [--rate 200] [--new-connections]
 
-Each pair runs the same gloo DDP job (flare_exporter/workloads/train_ddp.py on `--ranks` local ranks,
+Each pair runs the same gloo DDP job (flare_exporter/local/workloads/train_ddp.py on `--ranks` local ranks,
 under the flare launcher) twice: once unscraped (A) and once with rank 0 scraped by a separate process at
 `--rate` requests per second for the whole run (B; SCRAPER_THREADS threads, on keep-alive connections as
 Prometheus scrapes, or a new connection per request with --new-connections), from before the rank's
@@ -36,8 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from flare_exporter.local_job import free_port, free_port_block  # noqa: E402
-from flare_exporter.workloads import train_ddp  # noqa: E402
+from flare_exporter.local.jobs import free_port, free_port_block
+from flare_exporter.local.workloads import train_ddp
 
 SCRAPER_THREADS = 8  # requests in flight at once: one slow answer does not lower the offered rate
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from flare_exporter import scrape  # noqa: E402
-from flare_exporter.local_job import free_port  # noqa: E402
+from flare_exporter.engine import scrape
+from flare_exporter.local.jobs import free_port
 
 
 def worker(collectives: int, per_step: int, done_file: str) -> None:

@@ -39,8 +39,8 @@ import sys
 from dataclasses import dataclass
 
 from flare_exporter.config import Config
-from flare_exporter.diagnosis import RankRecord, Snapshot, StragglerPolicy, Verdict, diagnose
-from flare_exporter.stragglers import WindowRing
+from flare_exporter.engine.diagnosis import RankRecord, Snapshot, StragglerPolicy, Verdict, diagnose
+from flare_exporter.rank.straggler_windows import WindowRing
 
 GOAL_SLOWDOWN = 0.05
 GOAL_STEPS = 20

@@ -1,4 +1,4 @@
-/* The shared-memory ring buffer that libflare_hooks.so writes and flare_exporter/native.py reads.
+/* The shared-memory ring buffer that libflare_hooks.so writes and flare_exporter/rank/shim.py reads.
  *
  * One file per process: $FLARE_SHIM_RING_DIR/flare-hooks-<pid> (default directory /dev/shm), created at
  * the first sampled call, mapped MAP_SHARED, removed at exit unless FLARE_SHIM_KEEP_RING=1.

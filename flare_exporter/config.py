@@ -83,7 +83,8 @@ class Config:
     native_collectives: bool = _setting(
         True,
         "Record gloo groups' collectives in C++, in flare's torch extension (built by `python -m "
-        "flare_exporter.op_timer`): the training thread runs no Python for a collective. false, or without "
+        "flare_exporter.rank.cpp_recorder`): the training thread runs no Python for a collective. false, "
+        "or without "
         "the extension: Python hooks.",
     )
     max_groups: int = _setting(
@@ -141,7 +142,7 @@ class Config:
     )
     nvml_module: str = _setting(
         "pynvml",
-        "Python module providing the NVML API; flare_exporter.testing.fake_nvml runs the GPU health "
+        "Python module providing the NVML API; flare_exporter.local.testing.fake_nvml runs the GPU health "
         "collector without a GPU (its readings come from FLARE_FAKE_NVML_* variables).",
         lambda v: bool(v),
         "non-empty",

@@ -8,7 +8,7 @@
 #   3. cupy events (CupyEvents)      4. build the native shim (make -C cuda_hooks)
 #   5. a torch CUDA workload (matmuls + NCCL all-reduce, world size 1) under LD_PRELOAD: the ring's records
 #   6. flare-run --native end to end: the kernel_issue histogram and the `native` collective statistics
-#   7. NVML through flare_exporter.gpu_health (pynvml)
+#   7. NVML through flare_exporter.rank.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 #   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
 #      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS interleaved pairs
@@ -75,8 +75,8 @@ start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timin
 start.record(); b = a @ a; end.record(); end.synchronize()
 elapsed = start.elapsed_time(end)
 print(f"2048^2 matmul: {elapsed:.3f} ms between events")
-from flare_exporter.health import ExporterHealth
-from flare_exporter.timing import TorchCudaEvents
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.timing import TorchCudaEvents
 events = TorchCudaEvents(ExporterHealth(), 8)
 launched = time.perf_counter(); event = events.record(); b = a @ a
 while not events.query(event):
@@ -94,8 +94,8 @@ try:
     import cupy
 except ImportError:
     print("cupy is not installed (the `cupy` extra)"); sys.exit(77)
-from flare_exporter.health import ExporterHealth
-from flare_exporter.timing import CupyEvents
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.timing import CupyEvents
 a = cupy.random.rand(2048, 2048, dtype=cupy.float32)
 start, end = cupy.cuda.Event(), cupy.cuda.Event()
 start.record(); a @ a; end.record(); end.synchronize()
@@ -125,10 +125,10 @@ shim_under_torch() {
 import ctypes, statistics, sys
 import torch
 import torch.distributed as dist
-from flare_exporter import native
-from flare_exporter.health import ExporterHealth
+from flare_exporter.rank import shim
+from flare_exporter.rank.exporter_health import ExporterHealth
 
-print("shim mapped into this process:", native.shim_loaded())
+print("shim mapped into this process:", shim.shim_loaded())
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="env://")
 a = torch.randn(1024, 1024, device="cuda")
@@ -140,7 +140,7 @@ for _ in range(20):
     dist.all_reduce(t)
 torch.cuda.synchronize()
 print("flush:", ctypes.CDLL(None).flare_hooks_flush(10000))
-reader = native.RingReader(native.ring_path(), ExporterHealth())
+reader = shim.RingReader(shim.ring_path(), ExporterHealth())
 records = reader.read()
 header = reader.header
 print("header:", header)
@@ -154,7 +154,7 @@ if latencies:
           f"median {statistics.median(latencies):.1f}")
 if nccl:
     print("NCCL device durations us, first 5:", [round(r.duration_seconds * 1e6, 1) for r in nccl[:5]],
-          "bytes", nccl[0].nbytes, "grouped", bool(nccl[0].flags & native.GROUPED))
+          "bytes", nccl[0].nbytes, "grouped", bool(nccl[0].flags & shim.GROUPED))
 dist.destroy_process_group()
 sys.exit(0 if kernels and nccl else 1)
 EOF
@@ -166,7 +166,7 @@ flare_run_native() {
     cat >"$WORK/train.py" <<'EOF'
 import sys, torch
 import torch.distributed as dist
-from flare_exporter import agent, native
+from flare_exporter.rank import attach, shim
 
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="env://")
@@ -179,14 +179,14 @@ for _ in range(30):
     optimizer.step()
     optimizer.zero_grad()
 torch.cuda.synchronize()
-state = agent._attachment.state
+state = attach._attachment.state
 state.manager.drain()
 kernel = state.ild.kernel_issue.histogram
 stats = {key: sum(s.durations.counts) for key, s in state.manager.stats.items() if key[0] == "native"}
-print("shim loaded:", native.shim_loaded(), "kernel_issue samples:", sum(kernel.counts),
+print("shim loaded:", shim.shim_loaded(), "kernel_issue samples:", sum(kernel.counts),
       "native collectives:", stats, "dropped:", dict(state.health.dropped), "errors:", dict(state.health.errors))
 dist.destroy_process_group()
-sys.exit(0 if native.shim_loaded() and sum(kernel.counts) > 0 and stats else 1)
+sys.exit(0 if shim.shim_loaded() and sum(kernel.counts) > 0 and stats else 1)
 EOF
     FLARE_SHIM_RING_DIR="$WORK" MASTER_ADDR=127.0.0.1 MASTER_PORT=29572 RANK=0 WORLD_SIZE=1 \
         "$PY" -m flare_exporter.launch --native --port 0 "$WORK/train.py"
@@ -195,8 +195,8 @@ EOF
 nvml_health() {
     "$PY" - <<'EOF'
 import sys
-from flare_exporter import gpu_health
-from flare_exporter.health import ExporterHealth
+from flare_exporter.rank import gpu_health
+from flare_exporter.rank.exporter_health import ExporterHealth
 nvml = gpu_health.load_nvml("pynvml")
 if nvml is None:
     print("pynvml is not installed (the `nvml` extra)"); sys.exit(77)
@@ -212,15 +212,15 @@ EOF
 }
 
 c_step_hook_on_cuda() {
-    "$PY" -m flare_exporter.op_timer >/dev/null || exit 1
+    "$PY" -m flare_exporter.rank.cpp_recorder >/dev/null || exit 1
     "$PY" - <<'EOF'
 import sys
 import torch
 if not torch.cuda.is_available():
     print("no CUDA device"); sys.exit(77)
 from flare_exporter.config import Config
-from flare_exporter.identity import RankIdentity
-from flare_exporter.state import FlareState
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.state import FlareState
 
 def train(state, model, optimizer, steps, device):
     for _ in range(steps):
@@ -271,7 +271,7 @@ part "3 cupy events" cupy_events
 part "4 build the native shim" build_shim
 part "5 shim under a torch CUDA + NCCL workload" shim_under_torch
 part "6 flare-run --native end to end" flare_run_native
-part "7 NVML via flare_exporter.gpu_health" nvml_health
+part "7 NVML via flare_exporter.rank.gpu_health" nvml_health
 part "8 the C step hook on CUDA: ILD windows back to the dispatch mode" c_step_hook_on_cuda
 part "9 the overhead benchmark on the GPU" overhead_on_gpu 480
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from flare_exporter import cli, promql, scrape
-from flare_exporter.local_job import ObservedJob
-from flare_exporter.prometheus_process import PrometheusProcess, wait_for
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import cli, promql, scrape
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import PrometheusProcess, wait_for
+from flare_exporter.local.workloads import train_ddp
 
 RANKS = 4
 STEPS = 40  # past step 32, where the default host-dispatch window (one step in 32) opens
@@ -153,12 +153,12 @@ def one_rank_env(port: int, **extra: str) -> dict[str, str]:
 
 
 def torch_extension() -> Any:
-    """flare's torch extension (op_timer.py), built here if it is not yet, and loaded."""
-    from flare_exporter import op_timer
+    """flare's torch extension (cpp_recorder.py), built here if it is not yet, and loaded."""
+    from flare_exporter.rank import cpp_recorder
 
-    op_timer.build()
-    extension = op_timer.load()
-    assert extension is not None, op_timer.load_error
+    cpp_recorder.build()
+    extension = cpp_recorder.load()
+    assert extension is not None, cpp_recorder.load_error
     return extension
 
 
@@ -172,19 +172,19 @@ def completion_extension(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(params=["native", "python"])
 def dispatch_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both host-dispatch timers: the native RecordFunction observer (built here) and the dispatch mode."""
-    from flare_exporter import op_timer
+    from flare_exporter.rank import cpp_recorder
 
     if request.param == "native":
         torch_extension()
     else:
-        monkeypatch.setattr(op_timer, "load", lambda: None)
+        monkeypatch.setattr(cpp_recorder, "load", lambda: None)
     return request.param
 
 
 @pytest.fixture(params=["native", "python"])
 def text_format(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both writers of the text format: the extension's (csrc/text_format.cpp, built here) and Python's."""
-    from flare_exporter import exposition
+    from flare_exporter.rank import exposition
 
     native = torch_extension().render_text if request.param == "native" else None
     monkeypatch.setattr(exposition, "_native_text_format", lambda: native)

@@ -122,7 +122,12 @@ def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(t
     def git(*arguments: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *arguments], check=True, capture_output=True)
 
-    for path in ("flare_exporter/agent.py", "benchmarks/overhead.py", "benchmarks/other.py", "README.md"):
+    for path in (
+        "flare_exporter/rank/attach.py",
+        "benchmarks/overhead.py",
+        "benchmarks/other.py",
+        "README.md",
+    ):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(f"# {path}\n")
     script = tmp_path / "train.py"
@@ -137,7 +142,12 @@ def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(t
     (tmp_path / "README.md").write_text("notes\n")  # not run: the same code
     (tmp_path / "benchmarks/other.py").write_text("# another benchmark\n")
     assert overhead.code_digest(script) == digest
-    for changed in ("flare_exporter/agent.py", "benchmarks/overhead.py", "flare_exporter/new.py", "train.py"):
+    for changed in (
+        "flare_exporter/rank/attach.py",
+        "benchmarks/overhead.py",
+        "flare_exporter/new.py",
+        "train.py",
+    ):
         before = (tmp_path / changed).read_text() if (tmp_path / changed).exists() else None
         (tmp_path / changed).write_text("# changed, not committed\n")
         assert overhead.code_digest(script) != digest, changed
@@ -256,7 +266,7 @@ def test_a_placebo_that_burns_reports_the_burners_cpu_as_the_exporters_would_be(
     assert list(accounting["threads_per_step"]) == ["burner"] and 0 < accounting["share"] < 0.02
     from overhead import code_digest
 
-    script = REPO / "flare_exporter/workloads/train_ddp.py"
+    script = REPO / "flare_exporter/local/workloads/train_ddp.py"
     assert results["code"] == code_digest(script, REPO / "benchmarks/burner.py") != code_digest(script)
 
 
@@ -264,12 +274,12 @@ PROBE = """
 import json, sys, threading
 import torch.distributed as dist
 from torch.optim import optimizer
-from flare_exporter import op_timer
+from flare_exporter.rank import cpp_recorder
 print(json.dumps({
     "name": __name__,
     "argv": sys.argv,
-    "extension": op_timer._loaded is not None,
-    "modules": [m for m in ("prometheus_client", "flare_exporter.agent") if m in sys.modules],
+    "extension": cpp_recorder._loaded is not None,
+    "modules": [m for m in ("prometheus_client", "flare_exporter.rank.attach") if m in sys.modules],
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("flare-")],
     "step_hooks": len(optimizer._global_optimizer_post_hooks),
     "backends": [b for b in dist.Backend.backend_list if b.startswith("flare")],
@@ -337,7 +347,7 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     assert results["revision"].startswith(head.stdout.decode().strip())
     from overhead import code_digest
 
-    assert results["code"] == code_digest(REPO / "flare_exporter/workloads/train_ddp.py")
+    assert results["code"] == code_digest(REPO / "flare_exporter/local/workloads/train_ddp.py")
     assert results["config"]["interleave"] == 0.4 and results["config"]["scrape_interval"] == 0.1
     pair = pairs[0]
     assert pair["slices"] and all(
@@ -408,8 +418,8 @@ def test_timed_commands_run_flare_byte_compiled_whether_or_not_this_environment_
 
 
 def test_a_rank_scraping_itself_asks_its_own_endpoint_every_n_steps_as_prometheus_does(monkeypatch):
-    from flare_exporter.local_job import free_port
-    from flare_exporter.workloads import train_ddp
+    from flare_exporter.local.jobs import free_port
+    from flare_exporter.local.workloads import train_ddp
 
     seen = []
     status = [200]
@@ -597,7 +607,7 @@ def test_a_job_on_the_gpu_gets_the_device_and_width_and_reads_nvml_itself(tmp_pa
     if device == "cuda":
         assert seen["argv"][seen["argv"].index("--device") + 1] == "cuda" and seen["nvml"] is None
     else:  # the CPU job's script is started as before; its GPU health reads the fake NVML
-        assert "--device" not in seen["argv"] and seen["nvml"] == "flare_exporter.testing.fake_nvml"
+        assert "--device" not in seen["argv"] and seen["nvml"] == "flare_exporter.local.testing.fake_nvml"
 
 
 def test_overhead_on_the_gpu_needs_a_gpu_for_each_rank():
@@ -631,7 +641,7 @@ def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kep
     from overhead import Scraper
     from prometheus_client import CollectorRegistry, Counter
 
-    from flare_exporter.exposition import MetricsServer
+    from flare_exporter.rank.exposition import MetricsServer
 
     registry = CollectorRegistry()
     Counter("flare_test_scrapes", "a flare metric", registry=registry).inc()

@@ -10,10 +10,10 @@ import sys
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter import cli, diagnosis, promql, sources
-from flare_exporter.local_job import free_port
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.targets import Target, TargetsError, read_targets
+from flare_exporter.engine import cli, diagnosis, promql, sources
+from flare_exporter.engine.targets import Target, TargetsError, read_targets
+from flare_exporter.local.jobs import free_port
+from flare_exporter.local.prometheus import wait_for
 
 
 def test_targets_from_lines_file_sd_and_directory(tmp_path):
@@ -119,7 +119,7 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 def test_start_up_imports_no_torch_yaml_or_prometheus_client():
     # `flare diagnose` at thousands of ranks must answer in about a second, start-up included
     names = ("torch", "yaml", "prometheus_client")
-    code = f"import sys, flare_exporter.cli; print(sorted(set({names!r}) & set(sys.modules)))"
+    code = f"import sys, flare_exporter.engine.cli; print(sorted(set({names!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 

@@ -1,7 +1,7 @@
 """The Grafana dashboards (dashboards/): current, valid for Grafana's typed model, laid out without overlap,
 naming only the spec's metrics, and every panel's query answering from a real Prometheus scraping a real
 gloo job: the CPU job of conftest for the panels it can feed, a job with a fake GPU, fake kernels, a
-straggler and a hang (flare_exporter.dashboard_preview) for all of them."""
+straggler and a hang (flare_exporter.local.dashboard_preview) for all of them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 
 pytest.importorskip("grafana_foundation_sdk")
 
-from flare_exporter import dashboard_preview, dashboards, promql  # noqa: E402
-from flare_exporter.prometheus_process import wait_for  # noqa: E402
+from flare_exporter.engine import promql
+from flare_exporter.local import dashboard_preview
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.mixin import dashboards
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 needs_prometheus = pytest.mark.skipif(not shutil.which("prometheus"), reason="prometheus is not installed")
@@ -28,7 +30,7 @@ def committed() -> dict[str, dict]:
 
 def test_committed_dashboards_are_the_generator_output(tmp_path):
     assert dashboards.main(["--check", "--out", str(DASHBOARDS)]) == 0, (
-        "dashboards/ is stale: run python -m flare_exporter.dashboards"
+        "dashboards/ is stale: run python -m flare_exporter.mixin.dashboards"
     )
     (tmp_path / "flare-overview.json").write_text("{}\n")
     assert dashboards.main(["--check", "--out", str(tmp_path)]) == 1

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from flare_exporter import demo
+from flare_exporter.local import demo
 
 pytestmark = pytest.mark.multirank
 

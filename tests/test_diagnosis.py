@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from flare_exporter.diagnosis import (
+from flare_exporter.engine.diagnosis import (
     KINDS,
     LEAVE_ONE_OUT_RANKS,
     GpuState,

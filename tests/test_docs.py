@@ -2,17 +2,21 @@
 
 from pathlib import Path
 
-from flare_exporter import docs
+from flare_exporter.mixin import reference_tables
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
 
 def test_readme_metric_table_matches_the_spec():
-    assert docs.metrics_table() in README, "run: python -m flare_exporter.docs, and paste into README.md"
+    assert reference_tables.metrics_table() in README, (
+        "run: python -m flare_exporter.mixin.reference_tables, and paste into README.md"
+    )
 
 
 def test_readme_config_table_matches_the_config():
-    assert docs.config_table() in README, "run: python -m flare_exporter.docs, and paste into README.md"
+    assert reference_tables.config_table() in README, (
+        "run: python -m flare_exporter.mixin.reference_tables, and paste into README.md"
+    )
 
 
 def test_readme_opens_with_the_two_commands():

@@ -15,8 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flare_exporter.collectors import Families
-from flare_exporter.exposition import (
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.rank.collectors import Families
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.exposition import (
     MAX_NAMES,
     FlareCollector,
     RenderCache,
@@ -25,8 +27,6 @@ from flare_exporter.exposition import (
     python_text_format,
     serve,
 )
-from flare_exporter.health import ExporterHealth
-from flare_exporter.prometheus_process import wait_for
 
 
 class StepsCollector:
@@ -390,8 +390,8 @@ def test_a_scrape_keeps_each_series_lines_and_builds_them_anew_only_for_new_labe
     another rank's series (another `rank` label) get their own."""
     import time
 
-    from flare_exporter.agent import build_registry
-    from flare_exporter.testing import virtual_cluster as vc
+    from flare_exporter.local.testing import virtual_cluster as vc
+    from flare_exporter.rank.attach import build_registry
 
     def series_lines(rank: int) -> list:
         now = time.perf_counter()
@@ -414,9 +414,9 @@ def test_flare_families_are_written_from_their_series_as_prometheus_client_write
     from conftest import torch_extension
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    from flare_exporter.collectors import Lines, SeriesFamily
-    from flare_exporter.exposition import render_text
-    from flare_exporter.histogram import Histogram, bucket_labels
+    from flare_exporter.rank.collectors import Lines, SeriesFamily
+    from flare_exporter.rank.exposition import render_text
+    from flare_exporter.rank.histogram import Histogram, bucket_labels
 
     native = torch_extension().render_text
     families = Families(("3", 'run "one"\\two\nthree'))
@@ -469,8 +469,8 @@ def test_flare_families_are_written_from_their_series_as_prometheus_client_write
 def build_flare_families() -> list:
     import time
 
-    from flare_exporter.agent import build_registry
-    from flare_exporter.testing import virtual_cluster as vc
+    from flare_exporter.local.testing import virtual_cluster as vc
+    from flare_exporter.rank.attach import build_registry
 
     now = time.perf_counter()
     state = vc.rank_state(3, 64, "run-1", now, vc.Faults(hung=5, hung_at=now - 600.0, straggler=3))
@@ -521,7 +521,7 @@ def test_render_text_falls_back_to_prometheus_client_for_a_family_it_cannot_writ
     from prometheus_client.core import Exemplar, Metric
     from prometheus_client.samples import Sample
 
-    from flare_exporter.exposition import render_text
+    from flare_exporter.rank.exposition import render_text
 
     class Odd:
         def collect(self):

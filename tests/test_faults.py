@@ -22,15 +22,16 @@ import pytest
 import torch
 from conftest import one_rank_env
 
-from flare_exporter import cli, diagnosis, incident, scrape, sources, stall
-from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
-from flare_exporter.exposition import serve
-from flare_exporter.identity import RankIdentity
-from flare_exporter.local_job import LocalJob, free_port, free_port_block
-from flare_exporter.prometheus_process import PrometheusProcess, find_binary, wait_for
-from flare_exporter.state import FlareState
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import cli, diagnosis, scrape, sources
+from flare_exporter.local.jobs import LocalJob, free_port, free_port_block
+from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
+from flare_exporter.local.workloads import train_ddp
+from flare_exporter.rank import incident, stall
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.exposition import serve
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.state import FlareState
 
 # ---------------------------------------------------------------------------------------------------------
 # a real rank: unwritable file_sd directory, unusable web config

@@ -6,8 +6,8 @@ import json
 import logging
 import os
 
-from flare_exporter import file_sd
-from flare_exporter.identity import RankIdentity
+from flare_exporter.rank import file_sd
+from flare_exporter.rank.identity import RankIdentity
 
 
 def make_identity(rank: int = 3, run: str = "run-1") -> RankIdentity:

@@ -1,6 +1,7 @@
 """The series budget: a realistic rank, every signal on, exports at most 300 series; no label is unbounded.
 
-The rank is a virtual cluster's (flare_exporter.testing.virtual_cluster): three process groups (world, data
+The rank is a virtual cluster's (flare_exporter.local.testing.virtual_cluster): three process groups
+(world, data
 parallel, tensor parallel) and every op they issue, straggler windows, both issue-latency distributions with
 their drift, GPU health through the fake NVML (throttling on the straggler), a collective in flight and a
 stack sample. Series are counted in what the exporter really renders, parsed back.
@@ -16,16 +17,16 @@ from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from flare_exporter import spec
-from flare_exporter.agent import build_registry
-from flare_exporter.collectors import Families
-from flare_exporter.collectors.gpu_health import GpuHealthCollector
 from flare_exporter.config import Config
-from flare_exporter.exposition import render_text
-from flare_exporter.gpu_health import CLOCK_EVENT_REASONS
-from flare_exporter.scrape import parse
-from flare_exporter.stall import FRAMES_MAX_CHARS
-from flare_exporter.testing import virtual_cluster as vc
-from flare_exporter.timing import CollectiveStats
+from flare_exporter.engine.scrape import parse
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.collectors import Families
+from flare_exporter.rank.collectors.gpu_health import GpuHealthCollector
+from flare_exporter.rank.exposition import render_text
+from flare_exporter.rank.gpu_health import CLOCK_EVENT_REASONS
+from flare_exporter.rank.stall import FRAMES_MAX_CHARS
+from flare_exporter.rank.timing import CollectiveStats
 
 SERIES_BUDGET = 300  # per rank, every signal on at its defaults (DESIGN.md: "at most a few hundred")
 BYTES_BUDGET = 40 * 1024  # uncompressed text; the issue's goal is 32 KiB (benchmarks/footprint.py reports it)
@@ -152,7 +153,7 @@ def test_no_label_holds_an_unbounded_value():
 
 
 def test_the_fast_renderer_writes_what_generate_latest_writes(text_format):
-    from flare_exporter import scrape
+    from flare_exporter.engine import scrape
 
     now = time.perf_counter()
     state = vc.rank_state(5, 64, "budget", now, busiest_faults(now))
@@ -196,7 +197,7 @@ def test_the_fast_renderer_writes_what_generate_latest_writes(text_format):
     ],
 )
 def test_a_value_is_written_as_prometheus_client_writes_it_but_integral_without_dot_zero(value):
-    from flare_exporter.exposition import _value_text
+    from flare_exporter.rank.exposition import _value_text
 
     expected = floatToGoString(value)
     assert _value_text(value) == expected.removesuffix(".0")
@@ -204,7 +205,7 @@ def test_a_value_is_written_as_prometheus_client_writes_it_but_integral_without_
 
 @pytest.mark.parametrize("writer", ["native", "python"])
 def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(monkeypatch, writer):
-    from flare_exporter import collectors, exposition
+    from flare_exporter.rank import collectors, exposition
 
     if writer == "python":
         monkeypatch.setattr(exposition, "_native_text_format", lambda: None)
@@ -244,7 +245,7 @@ def test_the_fast_parser_reads_what_prometheus_clients_parser_reads():
     """scrape.parse reads well-formed lines itself (a direct scrape parses every rank); same samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flare_exporter import scrape
+    from flare_exporter.engine import scrape
 
     now = time.perf_counter()
     pages = [

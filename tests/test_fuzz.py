@@ -15,10 +15,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flare_exporter import config, rank_client, scrape, sources, spec, web_config
+from flare_exporter import config, spec
 from flare_exporter.config import Config, ConfigError
-from flare_exporter.targets import Target
-from flare_exporter.web_config import WebConfigError
+from flare_exporter.engine import rank_client, scrape, sources
+from flare_exporter.engine.targets import Target
+from flare_exporter.rank import web_config
+from flare_exporter.rank.web_config import WebConfigError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -205,6 +207,6 @@ def test_snapshot_from_scraped_ranks(texts, run):
             assert sorted(asked) == sorted(by_address)  # every text reached the parser, none the network
     for record in snapshot.ranks.values():
         assert isinstance(record.rank, int)
-    from flare_exporter import diagnosis
+    from flare_exporter.engine import diagnosis
 
     diagnosis.diagnose(snapshot, hang_seconds=30)  # the engine copes with whatever a snapshot holds

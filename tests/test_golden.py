@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from flare_exporter import progress, spec
-from flare_exporter.agent import build_registry
+from flare_exporter import spec
 from flare_exporter.config import Config
-from flare_exporter.gpu_health import GpuHealthMonitor
-from flare_exporter.groups import GroupTracker
-from flare_exporter.identity import RankIdentity
-from flare_exporter.scrape import parse
-from flare_exporter.stall import StackSample
-from flare_exporter.state import FlareState
-from flare_exporter.testing.fake_nvml import FakeNvml, make_device
-from flare_exporter.timing import CollectiveRecord, FutureTiming
+from flare_exporter.engine.scrape import parse
+from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
+from flare_exporter.rank import progress
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.gpu_health import GpuHealthMonitor
+from flare_exporter.rank.groups import GroupTracker
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.stall import StackSample
+from flare_exporter.rank.state import FlareState
+from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
 
 GOLDEN = Path(__file__).parent / "golden" / "rank3.prom"
 UNSTABLE = ("flare_exporter_collector_duration_seconds",)

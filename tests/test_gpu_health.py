@@ -8,17 +8,18 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from flare_exporter import gpu_health, spec
-from flare_exporter.agent import build_registry, start_gpu_health
-from flare_exporter.collectors import Families
-from flare_exporter.collectors.gpu_health import GpuHealthCollector
+from flare_exporter import spec
 from flare_exporter.config import Config
-from flare_exporter.identity import RankIdentity
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.scrape import parse
-from flare_exporter.state import FlareState
-from flare_exporter.testing import fake_nvml
-from flare_exporter.testing.fake_nvml import FakeNvml, make_device
+from flare_exporter.engine.scrape import parse
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.testing import fake_nvml
+from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
+from flare_exporter.rank import gpu_health
+from flare_exporter.rank.attach import build_registry, start_gpu_health
+from flare_exporter.rank.collectors import Families
+from flare_exporter.rank.collectors.gpu_health import GpuHealthCollector
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.state import FlareState
 
 IDENTITY = RankIdentity(rank=1, local_rank=1, world_size=2, run="gpu", host="h", pid=1)
 
@@ -250,7 +251,7 @@ def test_without_nvml_only_health_up_zero():
 
 def test_disabled_gpu_health_reports_zero():
     state = FlareState.create(
-        Config(gpu_health=False, nvml_module="flare_exporter.testing.fake_nvml"), IDENTITY
+        Config(gpu_health=False, nvml_module="flare_exporter.local.testing.fake_nvml"), IDENTITY
     )
     start_gpu_health(state)
     assert state.gpu is None
@@ -259,7 +260,7 @@ def test_disabled_gpu_health_reports_zero():
 
 def test_the_fake_module_by_name_fills_rank_info_with_the_ranks_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    state = FlareState.create(Config(nvml_module="flare_exporter.testing.fake_nvml"), IDENTITY)
+    state = FlareState.create(Config(nvml_module="flare_exporter.local.testing.fake_nvml"), IDENTITY)
     start_gpu_health(state)
     assert state.gpu is not None
     try:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flare_exporter.groups import GroupTracker, group_name, group_role, payload_bytes
-from flare_exporter.health import ExporterHealth
-from flare_exporter.timing import CollectiveRecord
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.groups import GroupTracker, group_name, group_role, payload_bytes
+from flare_exporter.rank.timing import CollectiveRecord
 
 
 class RecordingTiming:

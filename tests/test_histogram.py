@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flare_exporter.histogram import Histogram
+from flare_exporter.rank.histogram import Histogram
 
 BOUNDS = (0.1, 1.0, 10.0)
 

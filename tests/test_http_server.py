@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flare_exporter.health import ExporterHealth
-from flare_exporter.http_server import MAX_REQUEST_BYTES, HttpServer
-from flare_exporter.prometheus_process import wait_for
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.http_server import MAX_REQUEST_BYTES, HttpServer
 
 
 def echo_app(environ, start_response):

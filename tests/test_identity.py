@@ -7,8 +7,9 @@ import socket
 
 import pytest
 
-from flare_exporter import identity, spec
-from flare_exporter.identity import gpu_identity
+from flare_exporter import spec
+from flare_exporter.rank import identity
+from flare_exporter.rank.identity import gpu_identity
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job-42"}
 SLURM = {"SLURM_PROCID": "17", "SLURM_LOCALID": "3", "SLURM_NTASKS": "32", "SLURM_JOB_ID": "123456"}

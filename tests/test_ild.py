@@ -11,14 +11,15 @@ import torch
 from conftest import torch_extension
 from prometheus_client import generate_latest
 
-from flare_exporter import op_timer, spec
-from flare_exporter.agent import build_registry
+from flare_exporter import spec
 from flare_exporter.config import Config
-from flare_exporter.fake_device import FakeDevice
-from flare_exporter.identity import RankIdentity
-from flare_exporter.ild import Drift, bucket_points, drift
-from flare_exporter.scrape import parse
-from flare_exporter.state import FlareState
+from flare_exporter.engine.scrape import parse
+from flare_exporter.rank import cpp_recorder
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.fake_device import FakeDevice
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.ild import Drift, bucket_points, drift
+from flare_exporter.rank.state import FlareState
 
 BOUNDS = spec.ISSUE_LATENCY_BUCKETS
 
@@ -280,7 +281,7 @@ def test_dispatch_windows_open_on_one_step_in_n_and_time_every_op(dispatch_timer
 
 
 def test_the_c_step_hook_takes_the_windows_over_and_gives_them_back_when_cuda_comes_up(monkeypatch):
-    from flare_exporter import dispatch
+    from flare_exporter.rank import dispatch
 
     torch_extension()
     state = make_state(ild_dispatch_every_steps=2, ild_launch_sample_every=10**6)
@@ -358,7 +359,7 @@ def test_native_timer_hands_over_each_step_counted_into_buckets():
 def test_window_under_a_user_mode_is_disabled_and_popped_later(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-    monkeypatch.setattr(op_timer, "load", lambda: None)  # the dispatch-mode windows
+    monkeypatch.setattr(cpp_recorder, "load", lambda: None)  # the dispatch-mode windows
     state = make_state()
     sampler = state.ild.dispatch
     sampler.on_step(1)  # opens a window

@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 from conftest import await_page, flare_json, pages_without_stragglers, without_stragglers
 
-from flare_exporter import alertmanager_process, cli, scrape
-from flare_exporter.alertmanager_process import AlertingStack
-from flare_exporter.diagnosis import IldPolicy
-from flare_exporter.local_job import ObservedJob
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.targets import read_targets
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import cli, scrape
+from flare_exporter.engine.diagnosis import IldPolicy
+from flare_exporter.engine.targets import read_targets
+from flare_exporter.local import alertmanager
+from flare_exporter.local.alertmanager import AlertingStack
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
 
@@ -52,7 +53,7 @@ def alerting(tmp_path_factory):
     targets = work / "targets"
     targets.mkdir()
     stack = None
-    if alertmanager_process.can_alert():
+    if alertmanager.can_alert():
         stack = AlertingStack(str(work / "stack"), str(targets), hang_seconds=60, for_="5s")
         stack.wait_ready()
     yield targets, stack

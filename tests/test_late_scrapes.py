@@ -18,11 +18,11 @@ import time
 import pytest
 from conftest import await_page, flare_json, queries_sent
 
-from flare_exporter import alertmanager_process
-from flare_exporter.alertmanager_process import AlertingStack
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.rules import CULPRIT_ALERTS
-from flare_exporter.testing import virtual_cluster as vc
+from flare_exporter.local import alertmanager
+from flare_exporter.local.alertmanager import AlertingStack
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.mixin.rules import CULPRIT_ALERTS
 
 RUN = "late-scrapes"
 RANKS = 8
@@ -47,7 +47,7 @@ def count(stack: AlertingStack, expr: str) -> int:
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
 def test_ranks_scraped_before_a_hang_are_not_judged_on_it_by_the_alerts_nor_the_engine(tmp_path, monkeypatch):
-    if not alertmanager_process.can_alert():
+    if not alertmanager.can_alert():
         pytest.skip("alertmanager is not installed")
     healthy, later, hung_pages = vc.render_phases(RANKS, RUN, None, HUNG, LATER_STEPS)
     # the late ranks' samples carry their time from the first scrape on: a series whose samples stop

@@ -11,10 +11,10 @@ import sys
 import pytest
 from conftest import one_rank_env, torch_extension
 
-from flare_exporter import scrape
-from flare_exporter.local_job import ObservedJob, free_port, free_port_block
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import scrape
+from flare_exporter.local.jobs import ObservedJob, free_port, free_port_block
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
 
 JOBS = os.path.join(os.path.dirname(__file__), "jobs")
 

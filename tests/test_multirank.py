@@ -9,11 +9,11 @@ from collections.abc import Collection
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter import rank_client, scrape, sources
-from flare_exporter.prometheus_process import wait_for
+from flare_exporter.engine import rank_client, scrape, sources
+from flare_exporter.engine.targets import read_targets
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
 from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
-from flare_exporter.targets import read_targets
-from flare_exporter.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
 

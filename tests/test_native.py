@@ -1,7 +1,7 @@
 """The native shim built with gcc and run against fake CUDA runtime, driver and NCCL libraries.
 
 Each test runs cuda_hooks/build's launch_driver (or Python) with LD_PRELOAD=libflare_hooks.so in a
-subprocess that keeps its ring (FLARE_SHIM_KEEP_RING=1), then parses the ring with flare_exporter.native.
+subprocess that keeps its ring (FLARE_SHIM_KEEP_RING=1), then parses the ring with flare_exporter.rank.shim.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from statistics import median
 
 import pytest
 
-from flare_exporter import native, spec
+from flare_exporter import spec
+from flare_exporter.rank import shim
 
 REPO = Path(__file__).resolve().parent.parent
 EVENT_DELAY_NS = 2_000_000  # the fake device reaches an event recorded on a caller's stream 2 ms later
 NCCL_DURATION_NS = 3_000_000
 KERNEL_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-NCCL_APIS = tuple(native.NCCL_APIS.values())
+NCCL_APIS = tuple(shim.NCCL_APIS.values())
 NCCL_STREAM_BIT = 1 << 31  # launch_driver's threads mode marks its allreduce streams with it
 
 
@@ -48,17 +49,17 @@ def built(tmp_path_factory) -> Built:
         capture_output=True,
         timeout=120,
     )
-    return Built(build / native.LIBRARY_NAME, build / "fakes", build / "launch_driver")
+    return Built(build / shim.LIBRARY_NAME, build / "fakes", build / "launch_driver")
 
 
 @dataclass
 class Run:
     lines: list[dict]
-    header: native.RingHeader | None
-    records: list[native.NativeRecord]
+    header: shim.RingHeader | None
+    records: list[shim.NativeRecord]
     lost: int
 
-    def by_api(self, api: str) -> list[native.NativeRecord]:
+    def by_api(self, api: str) -> list[shim.NativeRecord]:
         return [record for record in self.records if record.api == api]
 
 
@@ -79,14 +80,14 @@ def shim_environment(
     return environ
 
 
-def read_ring(ring_dir: Path) -> tuple[native.RingHeader | None, list[native.NativeRecord], int]:
+def read_ring(ring_dir: Path) -> tuple[shim.RingHeader | None, list[shim.NativeRecord], int]:
     rings = list(ring_dir.glob("flare-hooks-*"))
     assert len(rings) <= 1, rings
     if not rings:
         return None, [], 0
     data = rings[0].read_bytes()
-    header = native.parse_header(data)
-    records, lost, _ = native.parse_records(data, header, 0)
+    header = shim.parse_header(data)
+    records, lost, _ = shim.parse_records(data, header, 0)
     return header, records, lost
 
 
@@ -122,7 +123,7 @@ def test_every_symbol_is_intercepted_and_forwarded_unchanged(built, tmp_path):
             calls[api]["expected_error"],
         ], api
     assert calls["group"]["results"] == [0, 0, 0, 0]
-    grouped = [record for record in run.records if record.flags & native.GROUPED]
+    grouped = [record for record in run.records if record.flags & shim.GROUPED]
     assert sorted(record.api for record in grouped) == ["ncclAllReduce", "ncclSend"]
     # calls inside a group are timed up to its ncclGroupEnd: both end together, after their collectives
     assert len({record.device_end_ns for record in grouped}) == 1
@@ -172,7 +173,7 @@ def expected_samples(
     return expected
 
 
-API_NUMBERS = {name: number for number, name in native.API_NAMES.items()}
+API_NUMBERS = {name: number for number, name in shim.API_NAMES.items()}
 
 
 def test_one_call_in_n_is_sampled_per_thread_from_eight_threads(built, tmp_path):
@@ -279,14 +280,14 @@ INTEGRATION = textwrap.dedent(
         ctypes.CDLL(os.path.join(sys.argv[1], name), mode=os.RTLD_GLOBAL)
     kernels, collectives = int(sys.argv[2]), int(sys.argv[3])
 
-    from flare_exporter import native
+    from flare_exporter.rank import shim
     from flare_exporter.config import Config
-    from flare_exporter.identity import RankIdentity
-    from flare_exporter.state import FlareState
+    from flare_exporter.rank.identity import RankIdentity
+    from flare_exporter.rank.state import FlareState
 
     identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="native", host="h", pid=os.getpid())
     state = FlareState.create(Config(), identity)  # attaches the ring reader: the shim is preloaded
-    feeds = [hook for hook in state.manager.after_drain if isinstance(hook, native.ShimFeed)]
+    feeds = [hook for hook in state.manager.after_drain if isinstance(hook, shim.ShimFeed)]
 
     class Dim3(Structure):
         _fields_ = [("x", c_uint), ("y", c_uint), ("z", c_uint)]
@@ -367,8 +368,8 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import json, os\n"
-        "from flare_exporter import native\n"
-        "print(json.dumps({'loaded': native.shim_loaded(), 'preload': os.environ['LD_PRELOAD'],"
+        "from flare_exporter.rank import shim\n"
+        "print(json.dumps({'loaded': shim.shim_loaded(), 'preload': os.environ['LD_PRELOAD'],"
         " 'marker': os.environ.get('FLARE_NATIVE_REEXEC')}))\n"
     )
     other = built.fakes / "libcuda.so"  # any library already in LD_PRELOAD stays, after the shim
@@ -394,7 +395,8 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
 
 
 def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectives():
-    from flare_exporter import sources, spec
+    from flare_exporter import spec
+    from flare_exporter.engine import sources
 
     series = {
         "flare_rank_info": [({"rank": "0", "run": "r", "world_size": "1", "host": "h"}, 1.0)],

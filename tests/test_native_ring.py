@@ -7,14 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from flare_exporter import launch, native, spec
+from flare_exporter import spec
 from flare_exporter.config import Config
-from flare_exporter.health import ExporterHealth
-from flare_exporter.identity import RankIdentity
-from flare_exporter.ild import IssueLatency
-from flare_exporter.native import HEADER, RECORD, NativeRecord, RingFormatError, RingReader, ShimFeed
-from flare_exporter.state import FlareState
-from flare_exporter.timing import TimingManager
+from flare_exporter.rank import launch, shim
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.ild import IssueLatency
+from flare_exporter.rank.shim import HEADER, RECORD, NativeRecord, RingFormatError, RingReader, ShimFeed
+from flare_exporter.rank.state import FlareState
+from flare_exporter.rank.timing import TimingManager
 
 CUDA_LAUNCH_KERNEL, NCCL_ALL_REDUCE, NCCL_SEND = 1, 16, 21
 
@@ -25,8 +26,8 @@ def ring_bytes(capacity: int, records: dict[int, tuple], write_index: int, **cou
     HEADER.pack_into(
         buffer,
         0,
-        native.RING_MAGIC,
-        native.RING_VERSION,
+        shim.RING_MAGIC,
+        shim.RING_VERSION,
         HEADER.size,
         RECORD.size,
         capacity,
@@ -54,7 +55,7 @@ def kernel(host_ns: int, latency_ns: int, result: int = 0) -> tuple:
 
 
 def test_the_header_is_parsed_field_by_field():
-    header = native.parse_header(ring_bytes(8, {}, 5, sampled=9, dropped=3, overwritten=1, errors=2))
+    header = shim.parse_header(ring_bytes(8, {}, 5, sampled=9, dropped=3, overwritten=1, errors=2))
     assert (header.capacity, header.write_index, header.sampled, header.dropped) == (8, 5, 9, 3)
     assert (header.overwritten, header.errors, header.pid, header.events_state) == (1, 2, 4321, "ready")
     assert (header.kernel_sample_every, header.nccl_sample_every) == (64, 1)
@@ -75,26 +76,26 @@ def test_a_damaged_header_is_refused(damage, message):
     ring = ring_bytes(8, {}, 0)
     damage(ring)
     with pytest.raises(RingFormatError, match=message):
-        native.parse_header(ring)
+        shim.parse_header(ring)
 
 
 def test_records_are_typed_and_read_from_a_position():
     ring = ring_bytes(8, {0: kernel(1000, 500), 1: (NCCL_ALL_REDUCE, 0, 2000, 2100, 5100, 4096)}, 2)
-    header = native.parse_header(ring)
-    records, lost, position = native.parse_records(ring, header, 0)
+    header = shim.parse_header(ring)
+    records, lost, position = shim.parse_records(ring, header, 0)
     assert (lost, position) == (0, 2)
     assert records[0] == NativeRecord(0, "cudaLaunchKernel", 0, 0, 1000, 1500, 1500, 0, 0x77, 99)
     assert records[0].is_kernel and records[0].issue_latency_seconds == pytest.approx(500e-9)
     assert not records[1].is_kernel and records[1].duration_seconds == pytest.approx(3000e-9)
     assert records[1].nbytes == 4096
-    assert native.parse_records(ring, header, 1)[0] == records[1:]
+    assert shim.parse_records(ring, header, 1)[0] == records[1:]
 
 
 def test_records_overwritten_before_the_read_count_as_lost():
     capacity = 8
     write_index = capacity + 3  # records 0..2 were overwritten by 8..10
     ring = ring_bytes(capacity, {index: kernel(index, 10) for index in range(3, write_index)}, write_index)
-    records, lost, position = native.parse_records(ring, native.parse_header(ring), 0)
+    records, lost, position = shim.parse_records(ring, shim.parse_header(ring), 0)
     assert lost == 3 and position == write_index
     assert [record.number for record in records] == list(range(3, write_index))
 
@@ -102,21 +103,21 @@ def test_records_overwritten_before_the_read_count_as_lost():
 def test_a_slot_being_rewritten_is_skipped_and_counted():
     ring = ring_bytes(8, {index: kernel(index, 10) for index in range(4)}, 4)
     RECORD.pack_into(ring, HEADER.size + 2 * RECORD.size, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # seq 0: writing
-    records, lost, _ = native.parse_records(ring, native.parse_header(ring), 0)
+    records, lost, _ = shim.parse_records(ring, shim.parse_header(ring), 0)
     assert lost == 1 and [record.number for record in records] == [0, 1, 3]
 
 
 def test_step_at_counts_the_steps_completed_before_the_launch():
     steps, times = [5, 6, 7], [10.0, 11.0, 12.0]
-    assert native.step_at(steps, times, 10.5, current_step=9) == 5
-    assert native.step_at(steps, times, 12.0, current_step=9) == 7
-    assert native.step_at(steps, times, 9.0, current_step=9) == 4  # before the oldest kept boundary
-    assert native.step_at([], [], 9.0, current_step=9) == 9
+    assert shim.step_at(steps, times, 10.5, current_step=9) == 5
+    assert shim.step_at(steps, times, 12.0, current_step=9) == 7
+    assert shim.step_at(steps, times, 9.0, current_step=9) == 4  # before the oldest kept boundary
+    assert shim.step_at([], [], 9.0, current_step=9) == 9
 
 
 def test_every_nccl_function_maps_to_a_spec_op():
-    assert set(native.NCCL_OPS) == set(native.NCCL_APIS.values())
-    assert set(native.NCCL_OPS.values()) <= set(spec.COLLECTIVE_OPS)
+    assert set(shim.NCCL_OPS) == set(shim.NCCL_APIS.values())
+    assert set(shim.NCCL_OPS.values()) <= set(spec.COLLECTIVE_OPS)
 
 
 def test_the_reader_waits_for_the_file_then_reads_only_new_records(tmp_path):
@@ -192,9 +193,9 @@ def test_attach_does_nothing_without_the_shim():
     identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="r", host="h", pid=os.getpid())
     state = FlareState.create(Config(), identity)
     assert state.ild is not None
-    assert not native.shim_loaded()
+    assert not shim.shim_loaded()
     assert not any(isinstance(hook, ShimFeed) for hook in state.manager.after_drain)
-    feed = native.attach(state.ild, state.manager, state.steps, state.health, loaded=True)
+    feed = shim.attach(state.ild, state.manager, state.steps, state.health, loaded=True)
     hooks = state.manager.after_drain
     assert feed is not None and hooks.index(feed) == hooks.index(state.ild.refresh) - 1  # before the drift
 
@@ -202,15 +203,15 @@ def test_attach_does_nothing_without_the_shim():
 def test_shim_loaded_reads_the_process_maps(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /opt/flare/cuda_hooks/build/libflare_hooks.so\n")
-    assert native.shim_loaded(str(maps))
+    assert shim.shim_loaded(str(maps))
     other = tmp_path / "other-maps"
     other.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
-    assert not native.shim_loaded(str(other))
-    assert not native.shim_loaded(str(tmp_path / "absent"))
+    assert not shim.shim_loaded(str(other))
+    assert not shim.shim_loaded(str(tmp_path / "absent"))
 
 
 def test_native_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing" / native.LIBRARY_NAME))
+    monkeypatch.setenv(shim.LIBRARY_ENV, str(tmp_path / "missing" / shim.LIBRARY_NAME))
     assert launch.main(["--native", str(tmp_path / "train.py")]) == 2
     error = capsys.readouterr().err
     assert "make -C cuda_hooks" in error and str(tmp_path / "missing") in error

@@ -14,8 +14,8 @@ import torch
 from conftest import torch_extension
 
 from flare_exporter import spec
-from flare_exporter.health import ExporterHealth
-from flare_exporter.progress import STEP_BOUNDARIES_KEPT, StepTracker, wall_time
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.progress import STEP_BOUNDARIES_KEPT, StepTracker, wall_time
 
 
 def make_optimizer() -> torch.optim.Optimizer:

@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from conftest import torch_extension
 
-from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
-from flare_exporter.groups import GroupTracker, payload_bytes
-from flare_exporter.health import ExporterHealth
-from flare_exporter.histogram import Histogram
-from flare_exporter.identity import RankIdentity
-from flare_exporter.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
-from flare_exporter.prometheus_process import wait_for
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.groups import GroupTracker, payload_bytes
+from flare_exporter.rank.histogram import Histogram
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
+from flare_exporter.rank.state import FlareState
+from flare_exporter.rank.timing import FutureTiming, NativeTiming, TimingManager
 from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
-from flare_exporter.state import FlareState
-from flare_exporter.timing import FutureTiming, NativeTiming, TimingManager
 
 
 def on_both(call: Callable[[int], Any]) -> list[Any]:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flare_exporter import cli, dashboards, rules
-from flare_exporter.alertmanager_process import EXAMPLE_CONFIG
+from flare_exporter.engine import cli
+from flare_exporter.local.alertmanager import EXAMPLE_CONFIG
+from flare_exporter.mixin import dashboards, rules
 
 ALERTS = Path(__file__).resolve().parents[1] / "alerts"
 RULES_FILE = ALERTS / "flare.rules.yml"

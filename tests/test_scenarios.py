@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 from conftest import flare_json, pages_without_stragglers, without_stragglers
 
-from flare_exporter import alertmanager_process, cli, scrape
-from flare_exporter.alertmanager_process import AlertingStack, WebhookReceiver
-from flare_exporter.local_job import ObservedJob
-from flare_exporter.prometheus_process import PrometheusProcess, wait_for
-from flare_exporter.rules import CULPRIT_ALERTS
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import cli, scrape
+from flare_exporter.local import alertmanager
+from flare_exporter.local.alertmanager import AlertingStack, WebhookReceiver
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import PrometheusProcess, wait_for
+from flare_exporter.local.workloads import train_ddp
+from flare_exporter.mixin.rules import CULPRIT_ALERTS
 
 pytestmark = pytest.mark.multirank
 
@@ -43,7 +44,7 @@ def shared(tmp_path_factory):
     targets.mkdir()
     prometheus = pages = None
     stack = None
-    if alertmanager_process.can_alert():
+    if alertmanager.can_alert():
         # for: 5s, as production's 1m: one scrape timing out on this busy machine is not a dead rank
         stack = AlertingStack(str(work / "alerting"), str(targets), HANG_SECONDS, for_="5s")
         stack.wait_ready()

@@ -1,7 +1,7 @@
 """Snapshots from a real Prometheus, in rounds: as many queries whatever the number of ranks, the detail of
 the named ranks only, and the same verdicts as when everything of every rank is read at once.
 
-Two virtual clusters (flare_exporter.testing.virtual_cluster: every rank's page rendered by flare's own
+Two virtual clusters (flare_exporter.local.testing.virtual_cluster: every rank's page rendered by flare's own
 collectors) of different sizes, each its own run, scraped every second by one Prometheus.
 """
 
@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json, queries_sent
 
-from flare_exporter import cli, diagnosis, promql, rules, sources, spec
-from flare_exporter.prometheus_process import PrometheusProcess, wait_for
-from flare_exporter.testing import virtual_cluster as vc
+from flare_exporter import spec
+from flare_exporter.engine import cli, diagnosis, promql, sources
+from flare_exporter.local.prometheus import PrometheusProcess, wait_for
+from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.mixin import rules
 
 HANG_SECONDS = 30.0
 

@@ -11,14 +11,14 @@ import pytest
 from prometheus_client import generate_latest
 from test_golden import fixed_state
 
-from flare_exporter import sources
-from flare_exporter.agent import build_registry
 from flare_exporter.config import Config
-from flare_exporter.identity import RankIdentity
-from flare_exporter.incident import IncidentWriter, incident_path
-from flare_exporter.scrape import parse
-from flare_exporter.stall import StackSample, StallWatcher, innermost_frames, sample_thread
-from flare_exporter.state import FlareState
+from flare_exporter.engine import sources
+from flare_exporter.engine.scrape import parse
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.incident import IncidentWriter, incident_path
+from flare_exporter.rank.stall import StackSample, StallWatcher, innermost_frames, sample_thread
+from flare_exporter.rank.state import FlareState
 
 
 def make_state(tmp_path, **config) -> FlareState:

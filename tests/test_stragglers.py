@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 from conftest import await_page, flare_json
 
-from flare_exporter import alertmanager_process, cli, scrape
-from flare_exporter.alertmanager_process import AlertingStack
 from flare_exporter.config import Config
-from flare_exporter.health import ExporterHealth
-from flare_exporter.local_job import ObservedJob
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.stragglers import StepWindows, Window, WindowRing
-from flare_exporter.timing import CollectiveRecord
-from flare_exporter.workloads import train_ddp
+from flare_exporter.engine import cli, scrape
+from flare_exporter.local import alertmanager
+from flare_exporter.local.alertmanager import AlertingStack
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.straggler_windows import StepWindows, Window, WindowRing
+from flare_exporter.rank.timing import CollectiveRecord
 
 RANKS = 4
 SLOW_FROM = 40  # the step from which the slowed ranks compute longer
@@ -206,7 +207,7 @@ def shared(tmp_path_factory):
     targets = work / "targets"
     targets.mkdir()
     stack = None
-    if alertmanager_process.can_alert():
+    if alertmanager.can_alert():
         stack = AlertingStack(str(work / "alerting"), str(targets), hang_seconds=60, for_="5s")
         stack.wait_ready()
     yield work, targets, stack
@@ -218,7 +219,7 @@ def start_job(work: Path, targets: Path, run: str, *script_args: str, rank_env=N
     env = {
         "FLARE_FILE_SD_DIR": str(targets),
         "FLARE_TIMING_INTERVAL_SECONDS": "0.5",
-        "FLARE_NVML_MODULE": "flare_exporter.testing.fake_nvml",  # a fake GPU per rank: no GPU here
+        "FLARE_NVML_MODULE": "flare_exporter.local.testing.fake_nvml",  # a fake GPU per rank: no GPU here
         "FLARE_GPU_HEALTH_INTERVAL_SECONDS": "0.5",
     }
     (work / run).mkdir()

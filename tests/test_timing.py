@@ -10,9 +10,9 @@ import torch
 from conftest import torch_extension
 
 from flare_exporter import spec
-from flare_exporter.health import ExporterHealth
-from flare_exporter.prometheus_process import wait_for
-from flare_exporter.timing import (
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.timing import (
     CollectiveRecord,
     CudaEventTiming,
     FutureTiming,

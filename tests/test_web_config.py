@@ -22,14 +22,15 @@ import bcrypt
 import pytest
 from test_exposition import StepsCollector, make_registry
 
-from flare_exporter import cli, file_sd, scrape, web_config
-from flare_exporter.agent import build_registry
 from flare_exporter.config import Config, ConfigError
-from flare_exporter.exposition import serve
-from flare_exporter.identity import RankIdentity
-from flare_exporter.prometheus_process import PrometheusProcess, wait_for
-from flare_exporter.state import FlareState
-from flare_exporter.web_config import BasicAuth, WebConfigError
+from flare_exporter.engine import cli, scrape
+from flare_exporter.local.prometheus import PrometheusProcess, wait_for
+from flare_exporter.rank import file_sd, web_config
+from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.exposition import serve
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.state import FlareState
+from flare_exporter.rank.web_config import BasicAuth, WebConfigError
 
 PASSWORD = "s3cret-scrape"
 PASSWORD_HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()  # cheap for tests

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from prometheus_client import generate_latest
 
 import flare_exporter
-from flare_exporter import groups
-from flare_exporter.scrape import parse, value
+from flare_exporter.engine.scrape import parse, value
+from flare_exporter.rank import groups
 
 attachment = flare_exporter.attach()
 dist.init_process_group("gloo")

@@ -1,0 +1,281 @@
+"""A small, ordinary DDP training script; it knows nothing about flare-exporter.
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+        python flare_exporter/local/workloads/train_ddp.py
+
+--wait-for PATH keeps the ranks alive after training until PATH exists (tests scrape them then);
+--start-after PATH makes each rank, ready to train, create PATH.ready and wait for PATH before its first step
+  (benchmarks/instructions.py starts counting instructions then);
+--scrape-every N makes each rank GET its own exporter's /metrics every N steps (FLARE_PORT + LOCAL_RANK on
+  loopback, gzip accepted, as Prometheus asks) and read the answer before its next step, so that every
+  render covers the same N steps (benchmarks/instructions.py counts what a scrape costs);
+--report PATH writes this rank's step times as JSON (the overhead benchmark reads them): per step, the wall
+  time, the training thread's CPU time, the whole process's CPU time (every thread: gloo's, and an
+  attached exporter's) and when it ended (time.time()); and each Python thread's CPU time over the steps,
+  by name.
+--fault KIND --fault-rank R --fault-step S makes rank R misbehave at step S, the way real jobs do:
+  stuck     R loops in Python before its next collective, forever (a livelock in its own code);
+  mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
+  raise     R raises an exception out of the training loop and dies.
+  host-stall   R sleeps --stall-seconds in the middle of every step from step S (a GC storm, a slow
+               data loader): with --fake-kernels, between the two halves of the step's launches;
+  contention   R starts --contention-threads busy Python threads at step S (CPU and interpreter contention,
+               as a runaway logging or data thread causes): every op of R is slower to dispatch;
+  host-delay   every op R runs from step S is delayed by --host-delay-seconds (busy-waited on the host).
+--step-seconds T paces each step to at least T seconds (a steadier job to watch than a flat-out one): after
+  the backward pass (whose all-reduce every rank leaves together) each rank sleeps until T seconds after
+  it, so the ranks start each step together as in a real job (pacing from each rank's own start would keep
+  whatever phase offset the ranks started with, and a rank that starts late would wait least in every
+  collective, like a straggler).
+--slow-rank R --slowdown F --slow-from-step S: from step S, rank R (-1: every rank) computes F times longer
+  (busy extra compute of F x its own forward+backward time, measured before training), a fail-slow GPU;
+  with --slow-by sleep, F x a nominal 1 ms is slept instead (a slow input pipeline; no CPU used, and the
+  same on every rank, so that every rank of a job on a small machine can be slowed alike: a compute time
+  measured on a busy machine differs from rank to rank and would make one of them a real straggler).
+--fake-kernels K --fake-kernel-seconds D: each step also launches K kernels of D seconds on a fake device
+  (flare_exporter.rank.fake_device, a CPU thread standing in for a GPU) before its host work, and waits for
+  them at the end of the step, as a GPU job waits on its loss.
+--device cuda trains on the GPU numbered LOCAL_RANK (modulo the GPUs there are) over NCCL instead of on the
+  CPU over gloo, and each step waits for the GPU at its end, as a job reading its loss does; --width W sets
+  the model's width (default 256; a GPU wants thousands).
+Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+WIDTH = 256
+FAULTS = ("none", "stuck", "mismatch", "raise", "host-stall", "contention", "host-delay")
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of each Python thread alive, by name (an attached exporter's threads among them)."""
+    seconds: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            clock = time.pthread_getcpuclockid(thread.ident or 0)
+            seconds[thread.name] = seconds.get(thread.name, 0.0) + time.clock_gettime(clock)
+        except OSError:  # it ended meanwhile
+            pass
+    return seconds
+
+
+def make_model(width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+def stuck_in_compute() -> None:
+    """A rank's own code that never finishes (think: a retry loop around a dead file system)."""
+    total = 0
+    while True:
+        total += sum(range(1000))
+        time.sleep(0.01)
+
+
+NOMINAL_COMPUTE_SECONDS = 0.001  # the model's forward+backward at batch 64 on one core, about
+
+
+def compute_seconds(batch: int, repeats: int = 20) -> float:
+    """Median time of one forward+backward of the model on this rank alone (no collectives)."""
+    model = make_model()
+    inputs, targets = torch.randn(batch, WIDTH), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def busy_compute(seconds: float) -> None:
+    """Compute (small matrix products) for `seconds`: a slower GPU or a CPU burner next to the rank."""
+    matrix = torch.randn(64, 64)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        matrix = torch.tanh(matrix @ matrix)
+
+
+def sync_metric(value: torch.Tensor, rank: int, odd_rank: int) -> None:
+    """Average a metric over the ranks; the odd rank calls the wrong collective (a classic bug)."""
+    if rank == odd_rank:
+        dist.broadcast(value, src=0)
+    else:
+        dist.all_reduce(value)
+
+
+def busy_thread() -> None:
+    """Burns CPU in Python, holding the interpreter whenever it runs."""
+    total = 0
+    while True:
+        total = (total + 1) % 1_000_003
+
+
+def scrape_own_endpoint() -> None:
+    """GET this rank's /metrics from the exporter attached to it, and read the whole answer."""
+    port = int(os.environ["FLARE_PORT"]) + int(os.environ.get("LOCAL_RANK", "0"))
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # valgrind renders slowly
+    try:
+        connection.request("GET", "/metrics", headers={"Accept-Encoding": "gzip"})
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"the exporter answered /metrics with HTTP {response.status}")
+    finally:
+        connection.close()
+
+
+class HostDelay(TorchDispatchMode):
+    """Busy-waits `seconds` on the host before every op, as a slowed issue path would."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        until = time.perf_counter() + self.seconds
+        while time.perf_counter() < until:
+            pass
+        return func(*args, **(kwargs or {}))
+
+
+def launch_kernels(device, count: int, seconds: float, stall: float) -> None:  # type: ignore[no-untyped-def]
+    """Launch `count` fake kernels; a stall (if any) between the two halves lets the device queue drain."""
+    for index in range(count):
+        if stall and index == count // 2:
+            time.sleep(stall)
+        device.launch(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--wait-for", default="")
+    parser.add_argument("--start-after", default="")
+    parser.add_argument("--report", default="")
+    parser.add_argument("--scrape-every", type=int, default=0)
+    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=10)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--slow-rank", type=int, default=-2)  # -1: every rank; default: none
+    parser.add_argument("--slowdown", type=float, default=0.0)
+    parser.add_argument("--slow-from-step", type=int, default=0)
+    parser.add_argument("--slow-by", choices=("compute", "sleep"), default="compute")
+    parser.add_argument("--stall-seconds", type=float, default=0.02)
+    parser.add_argument("--contention-threads", type=int, default=2)
+    parser.add_argument("--host-delay-seconds", type=float, default=20e-6)
+    parser.add_argument("--fake-kernels", type=int, default=0)
+    parser.add_argument("--fake-kernel-seconds", type=float, default=0.001)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--width", type=int, default=WIDTH)
+    args = parser.parse_args()
+
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank = dist.get_rank()
+    tensor_device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model = nn.parallel.DistributedDataParallel(make_model(args.width).to(tensor_device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator(tensor_device).manual_seed(rank)
+    step_times = []
+    device = None
+    if args.fake_kernels:
+        from ...rank.fake_device import FakeDevice
+
+        device = FakeDevice()
+    faulty = rank == args.fault_rank
+    slowed = args.slowdown > 0 and args.slow_rank in (-1, rank)
+    if not slowed:
+        extra_compute = 0.0
+    elif args.slow_by == "sleep":
+        extra_compute = args.slowdown * NOMINAL_COMPUTE_SECONDS
+    else:
+        extra_compute = args.slowdown * compute_seconds(args.batch)
+    step_cpu, process_cpu, step_ends = [], [], []
+    if args.start_after:
+        open(f"{args.start_after}.ready", "w").close()
+        while not os.path.exists(args.start_after):
+            time.sleep(0.01)
+    threads_before = threads_cpu()
+    for step in range(args.steps):
+        started = time.perf_counter()
+        cpu_started, process_started = time.thread_time(), time.process_time()
+        if extra_compute and step >= args.slow_from_step:
+            (time.sleep if args.slow_by == "sleep" else busy_compute)(extra_compute)
+        if step == args.fault_step and faulty:
+            if args.fault == "contention":
+                for _ in range(args.contention_threads):
+                    threading.Thread(target=busy_thread, daemon=True).start()
+            if args.fault == "host-delay":
+                HostDelay(args.host_delay_seconds).__enter__()  # stays on for the rest of the run
+        stall = (
+            args.stall_seconds if args.fault == "host-stall" and faulty and step >= args.fault_step else 0.0
+        )
+        if device is not None:
+            launch_kernels(device, args.fake_kernels, args.fake_kernel_seconds, stall)
+        elif stall:
+            time.sleep(stall)
+        if step == args.fault_step:
+            if args.fault == "stuck" and rank == args.fault_rank:
+                stuck_in_compute()
+            if args.fault == "raise" and rank == args.fault_rank:
+                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+            if args.fault == "mismatch":
+                sync_metric(torch.ones(16), rank, args.fault_rank)
+        inputs = torch.randn(args.batch, args.width, generator=generator, device=tensor_device)
+        targets = torch.randint(0, 10, (args.batch,), generator=generator, device=tensor_device)
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        synced = time.perf_counter()  # DDP's all-reduce is done: every rank is here at about this time
+        optimizer.step()
+        if device is not None:
+            device.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
+        if args.step_seconds:
+            time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - synced)))
+        step_times.append(time.perf_counter() - started)
+        step_cpu.append(time.thread_time() - cpu_started)
+        process_cpu.append(time.process_time() - process_started)
+        step_ends.append(time.time())
+        if args.scrape_every and (step + 1) % args.scrape_every == 0:
+            scrape_own_endpoint()
+    if args.report:
+        threads_after = threads_cpu()
+        with open(args.report, "w") as out:
+            report = {
+                "rank": rank,
+                "step_times": step_times,
+                "step_cpu": step_cpu,
+                "process_cpu": process_cpu,
+                "step_ends": step_ends,
+                "cpus": sorted(os.sched_getaffinity(0)),  # where it may run (overhead.py --pin)
+                "threads_cpu": {
+                    name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after
+                },
+            }
+            json.dump(report, out)
+    dist.barrier()
+    while args.wait_for and not os.path.exists(args.wait_for):
+        time.sleep(0.05)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""attach(): start observing this process as one rank of a distributed job."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed
+from prometheus_client import CollectorRegistry
+
+from .. import config as config_module
+from . import file_sd, gpu_health, identity, process_group
+from .collectors import Collector
+from .collectors.collectives import CollectivesCollector
+from .collectors.exporter import ExporterCollector
+from .collectors.gpu_health import GpuHealthCollector
+from .collectors.identity import IdentityCollector
+from .collectors.ild import IldCollector
+from .collectors.in_flight import InFlightCollector
+from .collectors.progress import ProgressCollector
+from .collectors.stragglers import StragglersCollector
+from .exposition import FlareCollector, MetricsServer, serve
+from .groups import WORLD
+from .incident import IncidentWriter
+from .stall import StallWatcher
+from .state import FlareState
+
+log = logging.getLogger("flare_exporter")
+
+
+@dataclass
+class Attachment:
+    """A rank's running exporter: its state, registry, endpoint (None if not served) and target file."""
+
+    state: FlareState
+    registry: CollectorRegistry
+    server: MetricsServer | None
+    target_file: str | None
+    incidents: IncidentWriter
+    watcher: StallWatcher
+
+    def close(self) -> None:
+        """Stop the timing manager and the endpoint; withdraw the target file unless the rank is dying of an
+        exception (then Prometheus keeps the target, sees it down, and `up` names the rank)."""
+        self.watcher.stop()
+        self.state.steps.remove()
+        if self.state.ild is not None:
+            self.state.ild.remove()
+        self.state.manager.stop()
+        if self.state.gpu is not None:
+            self.state.gpu.stop()
+        if self.target_file and self.state.exception is None:  # first: Prometheus drops it before it fails
+            file_sd.remove_target(self.target_file)
+        if self.server is not None:
+            self.server.close()
+
+
+_attachment: Attachment | None = None
+
+
+@lru_cache(maxsize=1)  # the same str objects at every scrape, as the text format's kept labels want
+def rank_labels(rank: int, run: str) -> tuple[str, str]:
+    """The values of the labels every flare series carries: rank and run."""
+    return str(rank), run
+
+
+def build_registry(state: FlareState) -> CollectorRegistry:
+    """A registry exposing every collector over `state`, with the rank's rank/run labels."""
+    registry = CollectorRegistry()
+    collectors: list[Collector] = [
+        IdentityCollector(state),
+        CollectivesCollector(state),
+        InFlightCollector(state),
+        IldCollector(state),
+        ProgressCollector(state),
+        StragglersCollector(state),
+        GpuHealthCollector(state),
+        ExporterCollector(state),
+    ]
+    # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
+    # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
+    # close. The collectors read what the drain left. Before it, the scrape waits for the rank's next
+    # collective (up to scrape_wait_seconds), so that it renders while training waits for that collective.
+    wait_seconds = state.config.scrape_wait_seconds
+    registry.register(
+        FlareCollector(
+            collectors,
+            lambda: rank_labels(state.identity.rank, state.identity.run),
+            state.health,
+            prepare=lambda: state.manager.scrape_drain(wait_seconds),
+            prepare_component="timing_manager",
+        )
+    )
+    return registry
+
+
+def start_gpu_health(state: FlareState) -> None:
+    """Watch the rank's own GPU through NVML if enabled and available; its UUID and PCI bus id go into
+    flare_rank_info so that dcgm-exporter's series join to the rank."""
+    config = state.config
+    if not config.gpu_health:
+        return
+    nvml = gpu_health.load_nvml(config.nvml_module)
+    selector = gpu_health.device_selector(state.identity.local_rank, os.environ)
+    monitor = gpu_health.GpuHealthMonitor(nvml, selector, state.health, config.gpu_health_interval_seconds)
+    state.gpu = monitor
+    if monitor.open():
+        state.identity = dataclasses.replace(
+            state.identity, gpu_uuid=monitor.uuid, pci_bus_id=monitor.pci_bus_id
+        )
+        monitor.start()
+
+
+def attach(config: config_module.Config | None = None) -> Attachment:
+    """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
+
+    Call it before `torch.distributed.init_process_group` so that every group is seen. Without `config`,
+    the configuration comes from FLARE_CONFIG and the FLARE_* environment.
+    """
+    global _attachment
+    if _attachment is not None:
+        return _attachment
+    config = config or config_module.load()
+    state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
+    start_gpu_health(state)
+    registry = build_registry(state)
+
+    def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
+        if tracker_name != WORLD:
+            return
+        # The launcher may not have said who we are; the world group does. Created on the training
+        # thread, after torch.cuda.set_device() in a well-behaved script: the rank's GPU is current.
+        gpu_uuid, pci_bus_id = identity.gpu_identity(torch.cuda) if backend == "nccl" else ("", "")
+        if state.gpu is not None and gpu_uuid:
+            state.gpu.preferred_uuid = gpu_uuid  # torch's current device wins over the LOCAL_RANK guess
+        elif state.gpu is not None and state.gpu.uuid:
+            gpu_uuid, pci_bus_id = state.gpu.uuid, state.gpu.pci_bus_id
+        state.identity = dataclasses.replace(
+            state.identity,
+            rank=rank,
+            world_size=size,
+            backend=backend,
+            gpu_uuid=gpu_uuid,
+            pci_bus_id=pci_bus_id,
+        )
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        log.warning(
+            "flare-exporter: attach() after init_process_group: groups created so far are not observed"
+        )
+    process_group.install(
+        process_group.Wrapping(
+            state.groups, state.manager, state.health, config.max_groups, on_group, config.native_collectives
+        )
+    )
+    state.steps.install()
+    if state.ild is not None:
+        state.ild.install()
+    state.manager.start()
+    incidents = IncidentWriter(state)
+    incidents.install()
+    watcher = StallWatcher(state, threading.get_ident(), incidents.write)  # this thread trains
+    watcher.start()
+
+    server = None
+    target_file = None
+    if config.port:
+        port = config.port + state.identity.local_rank
+        server = serve(registry, config.addr, port, state.identity.rank, config.web_config_file, state.health)
+        if server is not None and config.file_sd_dir:
+            target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
+    _attachment = Attachment(state, registry, server, target_file, incidents, watcher)
+    atexit.register(_attachment.close)
+    return _attachment

@@ -1,0 +1,90 @@
+"""Rank identity: who this process is in the job, read from whatever launcher started it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError
+
+# Each launcher names the same facts differently; the first variable present wins.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+RUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid")
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """The facts flare_rank_info carries; `rank` and `run` also label every series."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    run: str
+    host: str
+    pid: int
+    backend: str = ""
+    gpu_uuid: str = ""
+    pci_bus_id: str = ""
+
+    def info_labels(self) -> dict[str, str]:
+        """Labels of flare_rank_info beyond rank and run."""
+        return {
+            "host": self.host,
+            "local_rank": str(self.local_rank),
+            "world_size": str(self.world_size),
+            "backend": self.backend,
+            "gpu_uuid": self.gpu_uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "pid": str(self.pid),
+        }
+
+
+def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        text = environ.get(name, "").strip()
+        if text:
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={text!r} is not an integer") from None
+    return default
+
+
+def from_environment(environ: Mapping[str, str], run: str = "", host: str = "") -> RankIdentity:
+    """The identity a launcher's environment gives; `run` and `host` override what it says."""
+    run_id = run or next((environ[name] for name in RUN_VARIABLES if environ.get(name)), "default")
+    if run_id == "none":  # torchrun's placeholder when no --rdzv-id is given
+        run_id = "default"
+    return RankIdentity(
+        rank=_first_int(environ, RANK_VARIABLES, 0),
+        local_rank=_first_int(environ, LOCAL_RANK_VARIABLES, 0),
+        world_size=_first_int(environ, WORLD_SIZE_VARIABLES, 1),
+        run=run_id,
+        host=host or socket.gethostname(),
+        pid=os.getpid(),
+    )
+
+
+def gpu_identity(cuda: Any) -> tuple[str, str]:
+    """(UUID, PCI bus id) of the current CUDA device, as NVML and dcgm-exporter write them; ('', '') if none.
+
+    `cuda` is `torch.cuda` (a fake in tests). Call it on the training thread: the current device is
+    per thread.
+    """
+    try:
+        if not cuda.is_available():
+            return "", ""
+        properties = cuda.get_device_properties(cuda.current_device())
+    except Exception:  # no driver, or a broken one: identity without a GPU is still identity
+        return "", ""
+    uuid = str(getattr(properties, "uuid", "") or "")
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = "GPU-" + uuid
+    pci = [getattr(properties, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    pci_bus_id = "" if None in pci else f"{pci[0]:08X}:{pci[1]:02X}:{pci[2]:02X}.0"
+    return uuid, pci_bus_id

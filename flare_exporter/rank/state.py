@@ -1,0 +1,58 @@
+"""The state one rank's exporter keeps; hooks write it, collectors read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config
+from . import shim
+from .exporter_health import ExporterHealth
+from .gpu_health import GpuHealthMonitor
+from .groups import GroupTracker
+from .identity import RankIdentity
+from .ild import IldState
+from .progress import StepTracker
+from .stall import StackSample
+from .straggler_windows import StepWindows
+from .timing import TimingManager
+
+
+@dataclass
+class FlareState:
+    """Everything the collectors read. `identity` may be replaced (never mutated) once the job starts."""
+
+    config: Config
+    identity: RankIdentity
+    health: ExporterHealth
+    manager: TimingManager
+    steps: StepTracker
+    windows: StepWindows  # straggler windows, advanced at every timing-manager drain
+    groups: dict[str, GroupTracker] = field(default_factory=dict)
+    gpu: GpuHealthMonitor | None = None  # the rank's own GPU (None: GPU health disabled)
+    stack: StackSample | None = None  # the training thread while it makes no progress (stall watcher)
+    exception: tuple[str, float] | None = None  # type and Unix time of the exception ending the rank
+    ild: IldState | None = None  # issue-latency distributions and their samplers
+
+    @classmethod
+    def create(cls, config: Config, identity: RankIdentity) -> FlareState:
+        health = ExporterHealth()
+        manager = TimingManager(health, config.queue_size, config.timing_interval_seconds)
+        steps = StepTracker(health)
+        manager.after_drain.append(steps.report_errors)
+        groups: dict[str, GroupTracker] = {}
+        windows = StepWindows(
+            steps, groups, health, config.straggler_window_steps, config.straggler_windows, manager.finished
+        )
+        manager.add_group(windows)  # its forget_finished() runs at the end of every drain
+        ild = IldState(config, health, manager, steps)
+        shim.attach(ild, manager, steps, health)  # reads the native shim's ring if it is preloaded
+        return cls(
+            config=config,
+            identity=identity,
+            health=health,
+            manager=manager,
+            steps=steps,
+            windows=windows,
+            groups=groups,
+            ild=ild,
+        )

@@ -1,0 +1,639 @@
+"""Collective timing: hooks record, backends notice completion, a manager thread turns both into metrics.
+
+The training thread only creates a CollectiveRecord and hands the work to a timing backend, which
+never waits. Backends behind one interface:
+
+- FutureTiming (CPU, gloo): the work's future marks the completion, on the backend's own thread;
+  duration = completion time - issue time. With flare's torch extension (op_timer.py) a C++ callback
+  stamps the time there without taking the GIL, and the manager reads the stamp at its next drain;
+  without it, a Python callback does (the GIL taken from training for every collective).
+- CudaEventTiming (GPU, NCCL): ProcessGroupNCCL records CUDA start/end events on the collective's own
+  stream when TORCH_NCCL_ENABLE_TIMING=1; the manager polls `is_completed()` and reads the event
+  duration, so no thread ever synchronizes with the device.
+- NativeTiming (CPU, gloo, with flare's torch extension): no Python hook at all. The extension's recording
+  backend (csrc/collectives.cpp) wraps the real gloo backend in C++, stamps issue and completion times
+  into the group's CollectiveLog, and the manager takes the log at every drain.
+
+Device events (kernel issue latency, ILD) go through a second interface, EventBackend: record an event
+on a stream (training thread, never waits), query it, read the host-clock time at which the device reached
+it (manager thread). Implementations: TorchCudaEvents (`torch.cuda.Event`), CupyEvents (`cupy.cuda.Event`,
+the `cupy` extra, imported lazily) and FakeDeviceEvents (fake_device.py: a CPU thread standing in for the
+device), each drawing its events from a bounded EventPool. The manager resolves them like collectives.
+
+The TimingManager drains completions into per-(group, op) statistics: on every scrape so that what a scrape
+shows is current, and on its own thread once `interval_seconds` passed without a drain (a rank scraped
+more often than that costs its thread one wake an interval, no drain). The two never drain at
+once (a lock that only they take; the training thread never touches it). A scrape's render holds the GIL
+for about a millisecond, which a training thread taking the GIL back after every op would wait for (and, in
+a synchronous job, every rank with it): so before it drains, a scrape first waits for the next collective of
+a recording backend (`scrape_drain`), and renders while the training thread waits for that collective.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .. import spec
+from .exporter_health import ExporterHealth
+from .histogram import Histogram
+
+
+class CollectiveRecord:
+    """One collective as the training thread issued it; `duration` is filled in when it completes."""
+
+    __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration", "started")
+
+    def __init__(self, group: Any, op: str, nbytes: int, seq: int, issued_at: float) -> None:
+        self.group = group
+        self.op = op
+        self.nbytes = nbytes
+        self.seq = seq  # 0 for point-to-point ops, which have no group-wide sequence
+        self.issued_at = issued_at
+        self.duration: float | None = None
+        self.started = False  # set by a backend that sees the collective start on the device
+
+
+class CollectiveFailed(Exception):
+    """A polled collective completed with an error (a backend's poll raises it)."""
+
+
+class CollectiveStats:
+    """Completed collectives of one (group, op): durations and bytes. Written by the manager only."""
+
+    __slots__ = ("durations", "bytes_total")
+
+    def __init__(self) -> None:
+        self.durations = Histogram(spec.COLLECTIVE_DURATION_BUCKETS)
+        self.bytes_total = 0
+
+
+# Once a backend that is polled (NCCL) is in use, the manager wakes this often, so that it holds a completed
+# collective's work, and so its tensors, only briefly; otherwise `interval_seconds` after the last drain.
+POLL_INTERVAL_SECONDS = 0.02
+# A scrape waits for the next collective only on a rank that issued one this recently: one that issued none
+# (its training done, hung, or between phases) is rendered at once.
+RECENT_COLLECTIVE_SECONDS = 1.0
+
+
+class TimingManager:
+    """Background thread that resolves collective completions into statistics."""
+
+    def __init__(self, health: ExporterHealth, queue_size: int, interval_seconds: float) -> None:
+        self.health = health
+        self.queue_size = queue_size
+        self.interval_seconds = interval_seconds
+        self.completed: deque[CollectiveRecord] = deque()  # appended by backend threads
+        self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
+        self.stats: dict[tuple[str, str], CollectiveStats] = {}
+        self.groups: list[Any] = []  # GroupTrackers, whose in-flight collectives each drain updates
+        # Device events awaiting the device (appended by launch hooks): (backend, event, host time, tag, sink)
+        self.events: deque[tuple[EventBackend, Any, float, int, EventSink]] = deque()
+        self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
+        self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
+        self.logs: list[tuple[NativeTiming, Any]] = []  # recording backends' logs, with their GroupTrackers
+        # (issued_at, duration, ...) of the collectives a drain accounted without a record in a pending queue
+        # (the recording backends'): the straggler windows take them in the same drain, which then clears them
+        self.finished: list[tuple] = []
+        self.polls_often = False
+        self.drained_at = time.monotonic()  # when the last drain ended, by any thread
+        self._stop = threading.Event()
+        self._draining = threading.Lock()  # manager thread vs scrape threads; never the training thread
+        self._thread = threading.Thread(target=self._run, name="flare-timing", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        try:
+            self.drain()
+        except Exception as error:
+            self.health.error("timing_manager", error)
+
+    def add_group(self, group: Any) -> None:
+        """Keep `group`'s in-flight collective current at every drain (a GroupTracker)."""
+        self.groups.append(group)
+
+    def add_log(self, timing: NativeTiming, group: Any) -> None:
+        """Take `timing`'s log into `group` (a GroupTracker, also added as a group) at every drain's start."""
+        self.logs.append((timing, group))
+
+    def complete(self, record: CollectiveRecord) -> None:
+        """Hand over a record whose duration is known (any thread; never blocks)."""
+        if len(self.completed) >= self.queue_size:
+            self.health.drop("completed_collectives")
+            return
+        self.completed.append(record)
+
+    def poll_later(self, record: CollectiveRecord, work: Any, backend: TimingBackend) -> None:
+        """Ask the manager to poll `work` until it completes (any thread; never blocks)."""
+        if len(self.polled) >= self.queue_size:
+            self.health.drop("polled_collectives")
+            return
+        self.polled.append((record, work, backend))
+
+    def watch(self, backend: EventBackend, event: Any, host_time: float, tag: int, sink: EventSink) -> None:
+        """Resolve `event` when the device reaches it: sink(tag, device time - host_time). Never blocks."""
+        if len(self.events) >= self.queue_size:
+            self.health.drop("device_events")
+            backend.release(event)
+            return
+        self.polls_often = True
+        self.events.append((backend, event, host_time, tag, sink))
+
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run `task` on the manager at its next drain (any thread; never blocks)."""
+        if len(self.tasks) >= self.queue_size:
+            self.health.drop("timing_tasks")
+            return
+        self.tasks.append(task)
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.0, self.drain_due_in())):
+            if self.drain_due_in() > 0:
+                continue  # another drain (a scrape's) came in between: the next is due later
+            try:
+                self.drain()
+            except Exception as error:  # the manager must outlive any bad record
+                self.health.error("timing_manager", error)
+
+    def drain_due_in(self) -> float:
+        """Seconds until the manager's own drain is due: `interval_seconds` (POLL_INTERVAL_SECONDS once a
+        polled backend is in use) after the last drain by any thread."""
+        interval = POLL_INTERVAL_SECONDS if self.polls_often else self.interval_seconds
+        return self.drained_at + interval - time.monotonic()
+
+    def drain(self, timeout: float = -1) -> None:
+        """Resolve what has completed so far (manager thread, scrapes, and once at stop).
+
+        With a `timeout`, give up (without draining) if another drain holds the lock that long.
+        """
+        if not self._draining.acquire(timeout=timeout):
+            return
+        try:
+            self._drain()
+        finally:
+            self.drained_at = time.monotonic()
+            self._draining.release()
+
+    def scrape_drain(self, wait_seconds: float) -> None:
+        """A scrape's drain: first await_collective(wait_seconds), then drain."""
+        self.await_collective(wait_seconds)
+        self.drain()
+
+    def await_collective(self, timeout: float) -> str:
+        """Wait up to `timeout` seconds, without the GIL, for a recording backend's next collective, so that
+        what follows runs while the training thread waits for that collective instead of delaying it.
+
+        Returns "issued", "timeout", or "at once": no wait without a recording backend (NCCL groups, the
+        Python hooks: nothing to wake us), with `timeout` 0, or when no collective was issued in the last
+        RECENT_COLLECTIVE_SECONDS.
+        """
+        logs = list(self.logs)
+        if timeout <= 0 or not logs:
+            return "at once"
+        newest = max(timing.log.last_issued_at for timing, _ in logs)
+        if time.perf_counter() - newest > RECENT_COLLECTIVE_SECONDS:
+            return "at once"
+        return "issued" if logs[0][0].extension.wait_for_collective(timeout) else "timeout"
+
+    def _drain(self) -> None:
+        for timing, group in list(self.logs):  # what the recording backend recorded since the last drain
+            timing.take(group)
+        for _ in range(len(self.polled)):
+            record, work, backend = self.polled.popleft()
+            try:
+                duration = backend.poll(work, record)
+            except CollectiveFailed:  # it did not complete: it stays in flight
+                self.health.drop("failed_collectives")
+                continue
+            if duration is None:
+                self.polled.append((record, work, backend))
+            else:  # NCCL works are not checked for failure: a failed NCCL collective aborts the job
+                record.duration = duration
+                self.completed.append(record)
+        while self.completed:
+            self._account(self.completed.popleft())
+        for group in list(self.groups):
+            group.forget_finished()
+        while self.tasks:
+            self._guarded("timing_tasks", self.tasks.popleft())
+        if self.events:
+            self._resolve_events()
+        self.finished.clear()
+        for hook in list(self.after_drain):
+            self._guarded("timing_after_drain", hook)
+
+    def _guarded(self, component: str, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except Exception as error:  # one bad task must not stop the rest of the drain
+            self.health.error(component, error)
+
+    def _resolve_events(self) -> None:
+        for _ in range(len(self.events)):
+            item = self.events.popleft()
+            backend, event, host_time, tag, sink = item
+            try:
+                if not backend.query(event):
+                    self.events.append(item)
+                    continue
+                sink(tag, backend.timestamp(event) - host_time)
+            except Exception as error:
+                self.health.error("device_events", error)
+            backend.release(event)
+
+    def _account(self, record: CollectiveRecord) -> None:
+        self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
+
+    def account(self, group: Any, op: str, nbytes: int, seq: int, duration: float) -> None:
+        """Count a completed collective of `group` (a GroupTracker); under the drain lock."""
+        stats = self._stats(group, op)
+        stats.durations.observe(duration)
+        stats.bytes_total += nbytes
+        if seq > group.last_completed_seq:
+            group.last_completed_seq = seq
+
+    def account_counted(self, group: Any, counted: list[tuple]) -> None:
+        """Count `group`'s collectives that the recording backend counted per op (CollectiveLog.take's
+        `counted`); under the drain lock."""
+        for op, _, nbytes, seconds, buckets, last_seq in counted:
+            stats = self._stats(group, op)
+            durations = stats.durations
+            for index, collectives in buckets:
+                durations.counts[index] += collectives
+            durations.sum += seconds
+            stats.bytes_total += nbytes
+            if last_seq > group.last_completed_seq:
+                group.last_completed_seq = last_seq
+
+    def _stats(self, group: Any, op: str) -> CollectiveStats:
+        key = (group.name, op)
+        stats = self.stats.get(key)
+        if stats is None:
+            stats = self.stats[key] = CollectiveStats()
+        return stats
+
+
+class TimingBackend:
+    """How one kind of process group tells the manager that a collective finished."""
+
+    recorder = "python"  # what records the collectives (label of flare_process_group_info): hooks in Python
+
+    def __init__(self, manager: TimingManager) -> None:
+        self.manager = manager
+
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
+        """Called on the training thread right after the collective was issued; must not wait. Returns the
+        work to hand to the caller."""
+        self.manager.poll_later(record, work, self)
+        return work
+
+    def poll(self, work: Any, record: CollectiveRecord) -> float | None:
+        """Duration in seconds if `work` has completed, else None; called on the manager thread."""
+        if not work.is_completed():
+            return None
+        return time.perf_counter() - record.issued_at
+
+    def last_issued_at(self, group: Any) -> float:
+        """perf_counter time of `group`'s newest collective issued (0: none yet); any thread."""
+        return float(group.last_progress_at)
+
+
+class FutureTiming(TimingBackend):
+    """CPU collectives: the work's future marks the completion time (gloo's own thread).
+
+    `extension` is flare's torch extension (op_timer.load()): its completion stamps are filled in from C++,
+    without the GIL; None: a Python callback on the future. A work without a future is polled (gloo's send
+    and recv), or handed back wrapped by `waited` (process_group.WaitedWork) when its completion only its
+    wait() shows (gloo's reduce_scatter).
+    """
+
+    def __init__(
+        self,
+        manager: TimingManager,
+        extension: Any = None,
+        waited: Callable[[Any, Callable[[bool], None]], Any] | None = None,
+    ) -> None:
+        super().__init__(manager)
+        self.stamp_completion = getattr(extension, "stamp_completion", None)
+        self.stamps = CompletionStamps(manager)
+        self.waited = waited  # waited(work, on_waited(failed)): a work that calls on_waited once waited for
+
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # no future: gloo's send and recv are polled; its reduce_scatter is waited for
+            if record.seq == 0 or self.waited is None:
+                return super().track(record, work)
+            return self.waited(work, lambda failed: self._completed(record, failed))
+        if self.stamp_completion is not None:
+            try:
+                stamp = self.stamp_completion(future)
+            except TypeError:  # not a torch Future (a custom backend's): a Python callback, below
+                pass
+            else:
+                self.manager.poll_later(record, stamp, self.stamps)
+                return work
+
+        def on_done(done: Any) -> None:
+            try:
+                done.value()
+            except Exception:
+                self._completed(record, failed=True)
+            else:
+                self._completed(record, failed=False)
+
+        future.add_done_callback(on_done)
+        return work
+
+    def _completed(self, record: CollectiveRecord, failed: bool) -> None:
+        if failed:  # a failed collective did not complete: it stays in flight
+            self.manager.health.drop("failed_collectives")
+            return
+        record.duration = time.perf_counter() - record.issued_at
+        self.manager.complete(record)
+
+
+class CompletionStamps(TimingBackend):
+    """The manager's side of FutureTiming's completion stamps: polled at every drain, they hold no tensors."""
+
+    def poll(self, stamp: Any, record: CollectiveRecord) -> float | None:
+        completed_at = stamp.completed_at
+        if completed_at is None:
+            return None
+        if stamp.failed:
+            raise CollectiveFailed
+        return completed_at - record.issued_at
+
+
+MAX_LOG_CAPACITY = 16384  # collectives a recording backend holds between two drains (48 bytes each)
+
+
+class NativeTiming(TimingBackend):
+    """gloo groups recorded by the extension's backend (csrc/collectives.cpp): no hook on the training thread.
+
+    The backend records each collective in `log` (a CollectiveLog) from C++. At the start of every drain the
+    manager takes the log: the collectives completed since are counted at once, without a record (their
+    issue times and durations go to the straggler windows through `TimingManager.finished`), and the oldest
+    one still in flight goes into the group's `pending` queue, as a hook would have queued it. That record
+    stays the same object until it completes, so the group's `in_flight` and the straggler windows follow it
+    as they follow a hook's record; the newer collectives in flight behind it are seen once they complete.
+    """
+
+    recorder = "cpp"
+
+    def __init__(self, manager: TimingManager, extension: Any) -> None:
+        super().__init__(manager)
+        self.extension = extension
+        self.log = extension.CollectiveLog(min(manager.queue_size, MAX_LOG_CAPACITY))
+
+    def wrap(self, inner: Any) -> Any:
+        """The recording backend around `inner` (a c10d Backend), recording into this log."""
+        return self.extension.wrap_backend(inner, self.log)
+
+    def track(self, record: CollectiveRecord, work: Any) -> Any:
+        raise TypeError("the recording backend records its collectives itself")
+
+    def take(self, group: Any) -> None:
+        """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's).
+
+        The log counts the collectives per op itself, so a drain does the same work however many collectives
+        completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, ...) tuples.
+        """
+        completed, counted, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take(
+            spec.COLLECTIVE_DURATION_BUCKETS
+        )
+        in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
+        seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
+        manager = self.manager
+        # Every record older than the one in flight was taken: if it completed, it is the first completed.
+        if completed and seen == (completed[0][4], completed[0][0]):
+            in_flight.duration = completed[0][1]  # the straggler windows follow it: they see its duration
+            manager.finished.extend(completed[1:])
+        else:
+            manager.finished.extend(completed)
+        manager.account_counted(group, counted)
+        if oldest is not None and oldest[2:] != seen:
+            group.remember(CollectiveRecord(group, *oldest))
+        group.last_issued_seq = last_issued_seq
+        group.last_progress_at = last_issued_at
+        if dropped:
+            self.manager.health.drop("in_flight_collectives", dropped)
+        if failed:
+            self.manager.health.drop("failed_collectives", failed)
+
+    def last_issued_at(self, group: Any) -> float:
+        return float(self.log.last_issued_at)  # live: the stall watcher reads it between drains
+
+
+class CudaEventTiming(TimingBackend):
+    """NCCL collectives: device duration from the CUDA events NCCL records on the collective's stream."""
+
+    def __init__(self, manager: TimingManager) -> None:
+        super().__init__(manager)
+        manager.polls_often = True
+
+    def poll(self, work: Any, record: CollectiveRecord) -> float | None:
+        if not work.is_completed():
+            return None
+        try:
+            milliseconds = work._get_duration()
+        except RuntimeError:  # timing not enabled for this group: fall back to host-observed completion
+            return time.perf_counter() - record.issued_at
+        return milliseconds / 1000.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device events (kernel issue latency)
+
+EventSink = Callable[[int, float], None]  # (tag, seconds from host launch to the device reaching the event)
+
+# A GPU reports only the time between two of its events, as a 32-bit float in milliseconds; events are
+# placed on the host clock through an anchor event, renewed this often so that the float stays sub-µs.
+ANCHOR_SECONDS = 5.0
+
+
+class EventPool:
+    """At most `size` reusable device events; empty -> None and a counted drop, never a wait.
+
+    The training thread acquires, the manager releases; deque appends and pops are atomic, so no lock.
+    """
+
+    def __init__(self, create: Callable[[], Any], size: int, health: ExporterHealth) -> None:
+        self.create = create
+        self.size = size
+        self.health = health
+        self.free: deque[Any] = deque()
+        self.created = 0
+
+    def acquire(self) -> Any | None:
+        try:
+            return self.free.pop()
+        except IndexError:
+            pass
+        if self.created >= self.size:
+            self.health.drop("ild_events")
+            return None
+        self.created += 1
+        return self.create()
+
+    def release(self, event: Any) -> None:
+        self.free.append(event)
+
+
+class EventBackend(ABC):
+    """Device events behind one interface, for the timing manager.
+
+    record() runs on the training thread and never waits; query(), timestamp() and elapsed() run on the
+    manager thread. timestamp() is the host `perf_counter` time at which the device reached the event.
+    """
+
+    name = "events"
+
+    def __init__(self, health: ExporterHealth, pool_size: int) -> None:
+        self.pool = EventPool(self._new_event, pool_size, health)
+
+    def record(self, stream: Any = None) -> Any | None:
+        """An event recorded on `stream` (None: the current stream), or None if the pool is empty."""
+        event = self.pool.acquire()
+        if event is not None:
+            try:
+                self._record(event, stream)
+            except BaseException:
+                self.pool.release(event)
+                raise
+        return event
+
+    def release(self, event: Any) -> None:
+        self.pool.release(event)
+
+    @abstractmethod
+    def query(self, event: Any) -> bool: ...
+
+    @abstractmethod
+    def timestamp(self, event: Any) -> float: ...
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds from `start` to `end` on the device (both completed)."""
+        return self.timestamp(end) - self.timestamp(start)
+
+    @abstractmethod
+    def _new_event(self) -> Any: ...
+
+    @abstractmethod
+    def _record(self, event: Any, stream: Any) -> None: ...
+
+
+class AnchoredEvents(EventBackend):
+    """GPU events, which only measure time between each other: an anchor event places them on the host clock.
+
+    The manager records the anchor on a private, idle stream and waits for it (on its own thread); the device
+    reaches it a launch latency after the host time read just before, so every timestamp carries that small
+    constant bias. The anchor is renewed every ANCHOR_SECONDS.
+    """
+
+    def __init__(self, health: ExporterHealth, pool_size: int) -> None:
+        super().__init__(health, pool_size)
+        self._anchor: tuple[float, Any] | None = None  # (host time, anchor event); manager thread only
+        self._anchored_at = 0.0
+
+    def timestamp(self, event: Any) -> float:
+        now = time.perf_counter()
+        if self._anchor is None or now - self._anchored_at > ANCHOR_SECONDS:
+            anchor = self._new_event()
+            stream = self._private_stream()
+            host_time = time.perf_counter()
+            self._record(anchor, stream)
+            self._synchronize(anchor)
+            self._anchor = (host_time, anchor)
+            self._anchored_at = now
+        host_time, anchor = self._anchor
+        return host_time + self._elapsed_ms(anchor, event) / 1000.0
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        return self._elapsed_ms(start, end) / 1000.0
+
+    @abstractmethod
+    def _private_stream(self) -> Any: ...
+
+    @abstractmethod
+    def _synchronize(self, event: Any) -> None: ...
+
+    @abstractmethod
+    def _elapsed_ms(self, start: Any, end: Any) -> float: ...
+
+
+class TorchCudaEvents(AnchoredEvents):
+    """CUDA events through torch (`torch.cuda.Event`); `cuda` replaces torch.cuda in tests."""
+
+    name = "torch_cuda"
+
+    def __init__(self, health: ExporterHealth, pool_size: int, cuda: Any = None) -> None:
+        if cuda is None:
+            import torch.cuda as cuda  # only where CUDA events are used
+        self.cuda = cuda
+        self._stream: Any = None
+        super().__init__(health, pool_size)
+
+    def _new_event(self) -> Any:
+        return self.cuda.Event(enable_timing=True)
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream if stream is not None else self.cuda.current_stream())
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def _private_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.cuda.Stream()
+        return self._stream
+
+    def _synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+
+class CupyEvents(AnchoredEvents):
+    """CUDA events through cupy (`cupy.cuda.Event`, the `cupy` extra), imported when first used."""
+
+    name = "cupy"
+
+    def __init__(self, health: ExporterHealth, pool_size: int, cupy: Any = None) -> None:
+        if cupy is None:
+            import cupy as cupy_module  # type: ignore[import-not-found,unused-ignore]  # the `cupy` extra
+
+            cupy = cupy_module
+        self.cupy = cupy
+        self._stream: Any = None
+        super().__init__(health, pool_size)
+
+    def _new_event(self) -> Any:
+        return self.cupy.cuda.Event()
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream if stream is not None else self.cupy.cuda.get_current_stream())
+
+    def query(self, event: Any) -> bool:
+        return bool(event.done)
+
+    def _private_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.cupy.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def _synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(self.cupy.cuda.get_elapsed_time(start, end))
