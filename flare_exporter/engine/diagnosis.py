@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from ..policies import IldPolicy, StragglerPolicy
 from ..spec import GPU_SLOWDOWN_REASONS
 
 # Verdict kinds, most severe first.
@@ -203,24 +204,6 @@ class Verdict:
             "summary": self.summary,
             "evidence": self.evidence,
         }
-
-
-@dataclass(frozen=True)
-class StragglerPolicy:
-    """When a rank that waits least counts as a straggler."""
-
-    min_ranks: int = 3
-    min_steps: float = 10
-    robust_z: float = 5.0  # distance below the median wait, in MADs (scaled to a standard deviation)
-    min_share_of_step: float = 0.25  # ... and at least this share of the median step time
-    # from the exported straggler windows (preferred when every rank exports them; see window_verdicts)
-    hold_windows: int = 3  # the last this many windows that every rank has closed
-    window_z: float = 2.0  # in each: the rank waits least, this many robust sigmas below the median share
-    window_gap: float = 0.01  # ... and this share of its step below it (load bursts decay, stragglers hold)
-    pooled_z: float = 4.0  # over all of them together: at least this many robust sigmas below ...
-    min_wait_gap: float = 0.03  # ... and at least this share of the step below the median wait share
-    job_slowdown: float = 0.5  # no straggler, every rank this much slower than its own best: job-wide
-    clock_below_max: float = 0.9  # an SM clock below this share of its max is a hardware reason
 
 
 @dataclass(frozen=True)
@@ -915,30 +898,6 @@ def cumulative_verdicts(snapshot: Snapshot, policy: StragglerPolicy) -> list[Ver
 
 # ---------------------------------------------------------------------------------------------------------
 # issue latency
-
-
-@dataclass(frozen=True)
-class IldPolicy:
-    """When a rank's issue-latency distribution counts as shifted from its own baseline."""
-
-    ks: float = 0.3  # Kolmogorov-Smirnov statistic (largest CDF difference) at or above which it shifted
-    min_wasserstein_seconds: float = 1e-7  # ... provided the shift moves it at least this far (W1)
-    # A partial shift (a share of the ops, e.g. those that wait for a contended core or interpreter) that
-    # moves far: KS at least partial_ks and W1 at least far_factor times the ranks' median W1 (3+ ranks).
-    partial_ks: float = 0.12
-    far_factor: float = 50.0
-    # Host dispatch: a delay added to every op, estimated from each op's fastest time (ild.py's per-op
-    # shift), at or above which it shifted whatever KS and W1 say. Healthy 3- and 4-rank jobs sharing this
-    # machine's 2 cores reached 128-263 ns beyond their peers' median; a per-op delay of 8 % of the
-    # benchmark's step moves it 515-601 ns.
-    op_shift_seconds: float = 4e-7
-
-    def floors(self) -> tuple[float, float, float]:
-        """(op shift, KS, W1): a drift counts as shifted (ild_shifted), whatever its peers', only if its op
-        shift reaches the first, or its KS reaches the second while its W1 is not below the third. A source
-        that finds no rank there need not read every rank's drift."""
-        ks = [bound for bound in (self.ks, self.partial_ks) if not math.isnan(bound)]  # NaN: never reached
-        return self.op_shift_seconds, min(ks, default=math.inf), self.min_wasserstein_seconds
 
 
 class IldDrift(NamedTuple):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import spec
-from ..engine.diagnosis import IldPolicy
+from ..policies import IldPolicy
 from . import rules
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dashboards"

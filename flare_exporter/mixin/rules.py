@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import config as config_module
 from .. import spec
-from ..engine.diagnosis import IldPolicy, StragglerPolicy
+from ..policies import IldPolicy, StragglerPolicy
 
 RUNBOOK_URL = "https://github.com/flare-exporter/flare-exporter/blob/main/docs/runbook.md"
 # The alerts that name a culprit rank (the group-level hang and the warnings name none).
