@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import sys
 
-from flare_exporter.rank import cpp_recorder
+from flare_exporter.rank import (  # noqa: F401
+    attach,
+    cpp_recorder,
+    dispatch,
+    exposition,
+    gpu_health,
+    http_server,
+)
 from flare_exporter.rank.launch import run_script
 
 

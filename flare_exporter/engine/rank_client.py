@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, TypeVar
 
-from .scrape import MAX_EXPOSITION_BYTES, Client, Sample, ScrapeError, parse
+from .rank_auth import Client
+from .samples import MAX_EXPOSITION_BYTES, Sample, ScrapeError, parse
 
 READ_BYTES = 65536
 ACCEPT = "text/plain;version=0.0.4"  # the text format; flare's endpoint and Prometheus's clients serve it

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import gzip
 import logging
-import re
 import ssl
 import sys
 import threading
@@ -28,6 +27,7 @@ from . import web_config
 from .collectors import Collector, Families
 from .exporter_health import ExporterHealth
 from .http_server import HttpServer
+from .sample_lines import NotPlain, is_legacy_name, sample_prefix
 from .web_config import BasicAuth, WebConfig, WebConfigError
 
 log = logging.getLogger("flare_exporter")
@@ -96,32 +96,7 @@ def _has_samples(family: Metric) -> bool:
     return bool(series) if series is not None else bool(family.samples)
 
 
-class NotPlain(Exception):
-    """A family render_text does not write itself (generate_latest does)."""
-
-
-_LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z").match
-_LABEL_NAMES: set[str] = set()  # label names seen to need no escaping
 _PLAIN_TYPES = {"counter": ("_total", "counter"), "gauge": ("", "gauge"), "info": ("_info", "gauge")}
-
-
-def _escape_value(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
-
-
-def sample_prefix(name: str, labels: dict[str, str]) -> str:
-    """`name{label="value",...} `: the line up to its value, label names checked, values escaped."""
-    if not labels:
-        return name + " "
-    if not _LABEL_NAMES.issuperset(labels):
-        for key in labels:
-            if not _LEGACY_NAME(key) or key.startswith("__"):
-                raise NotPlain(key)
-            _LABEL_NAMES.add(key)
-    text = ",".join(f'{key}="{_escape_value(value)}"' for key, value in sorted(labels.items()))
-    return f"{name}{{{text}}} "
 
 
 def _family_text(metric: Metric, output: list[str]) -> None:
@@ -130,7 +105,7 @@ def _family_text(metric: Metric, output: list[str]) -> None:
     if kind not in _PLAIN_TYPES and kind != "histogram":
         raise NotPlain(kind)
     name = metric.name + suffix
-    if not _LEGACY_NAME(name):
+    if not is_legacy_name(name):
         raise NotPlain(name)
     documentation = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
     output.append(f"# HELP {name} {documentation}\n# TYPE {name} {shown}\n")

@@ -36,11 +36,29 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .. import spec
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
+
+
+class UpdatedAtDrain(Protocol):
+    """Something whose finished collectives each drain lets go of (a GroupTracker, the straggler windows)."""
+
+    def forget_finished(self) -> None: ...
+
+
+class TrackedGroup(UpdatedAtDrain, Protocol):
+    """What the timing manager reads and writes of a process group it times (groups.GroupTracker)."""
+
+    name: str
+    last_issued_seq: int
+    last_completed_seq: int  # written by the timing manager only
+    last_progress_at: float
+    in_flight: CollectiveRecord | None
+
+    def remember(self, record: CollectiveRecord) -> None: ...
 
 
 class CollectiveRecord:
@@ -48,7 +66,7 @@ class CollectiveRecord:
 
     __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration", "started")
 
-    def __init__(self, group: Any, op: str, nbytes: int, seq: int, issued_at: float) -> None:
+    def __init__(self, group: TrackedGroup, op: str, nbytes: int, seq: int, issued_at: float) -> None:
         self.group = group
         self.op = op
         self.nbytes = nbytes
@@ -90,12 +108,16 @@ class TimingManager:
         self.completed: deque[CollectiveRecord] = deque()  # appended by backend threads
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
-        self.groups: list[Any] = []  # GroupTrackers, whose in-flight collectives each drain updates
+        self.groups: list[
+            UpdatedAtDrain
+        ] = []  # GroupTrackers, whose in-flight collectives each drain updates
         # Device events awaiting the device (appended by launch hooks): (backend, event, host time, tag, sink)
         self.events: deque[tuple[EventBackend, Any, float, int, EventSink]] = deque()
         self.tasks: deque[Callable[[], None]] = deque()  # work handed over by hooks, run at the next drain
         self.after_drain: list[Callable[[], None]] = []  # run at the end of every drain (ILD drift)
-        self.logs: list[tuple[NativeTiming, Any]] = []  # recording backends' logs, with their GroupTrackers
+        self.logs: list[
+            tuple[NativeTiming, TrackedGroup]
+        ] = []  # recording backends' logs, with their GroupTrackers
         # (issued_at, duration, ...) of the collectives a drain accounted without a record in a pending queue
         # (the recording backends'): the straggler windows take them in the same drain, which then clears them
         self.finished: list[tuple] = []
@@ -117,11 +139,11 @@ class TimingManager:
         except Exception as error:
             self.health.error("timing_manager", error)
 
-    def add_group(self, group: Any) -> None:
+    def add_group(self, group: UpdatedAtDrain) -> None:
         """Keep `group`'s in-flight collective current at every drain (a GroupTracker)."""
         self.groups.append(group)
 
-    def add_log(self, timing: NativeTiming, group: Any) -> None:
+    def add_log(self, timing: NativeTiming, group: TrackedGroup) -> None:
         """Take `timing`'s log into `group` (a GroupTracker, also added as a group) at every drain's start."""
         self.logs.append((timing, group))
 
@@ -221,8 +243,8 @@ class TimingManager:
                 self.completed.append(record)
         while self.completed:
             self._account(self.completed.popleft())
-        for group in list(self.groups):
-            group.forget_finished()
+        for drained in list(self.groups):
+            drained.forget_finished()
         while self.tasks:
             self._guarded("timing_tasks", self.tasks.popleft())
         if self.events:
@@ -253,7 +275,7 @@ class TimingManager:
     def _account(self, record: CollectiveRecord) -> None:
         self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
 
-    def account(self, group: Any, op: str, nbytes: int, seq: int, duration: float) -> None:
+    def account(self, group: TrackedGroup, op: str, nbytes: int, seq: int, duration: float) -> None:
         """Count a completed collective of `group` (a GroupTracker); under the drain lock."""
         stats = self._stats(group, op)
         stats.durations.observe(duration)
@@ -261,7 +283,7 @@ class TimingManager:
         if seq > group.last_completed_seq:
             group.last_completed_seq = seq
 
-    def account_counted(self, group: Any, counted: list[tuple]) -> None:
+    def account_counted(self, group: TrackedGroup, counted: list[tuple]) -> None:
         """Count `group`'s collectives that the recording backend counted per op (CollectiveLog.take's
         `counted`); under the drain lock."""
         for op, _, nbytes, seconds, buckets, last_seq in counted:
@@ -274,7 +296,7 @@ class TimingManager:
             if last_seq > group.last_completed_seq:
                 group.last_completed_seq = last_seq
 
-    def _stats(self, group: Any, op: str) -> CollectiveStats:
+    def _stats(self, group: TrackedGroup, op: str) -> CollectiveStats:
         key = (group.name, op)
         stats = self.stats.get(key)
         if stats is None:
@@ -302,7 +324,7 @@ class TimingBackend:
             return None
         return time.perf_counter() - record.issued_at
 
-    def last_issued_at(self, group: Any) -> float:
+    def last_issued_at(self, group: TrackedGroup) -> float:
         """perf_counter time of `group`'s newest collective issued (0: none yet); any thread."""
         return float(group.last_progress_at)
 
@@ -402,7 +424,7 @@ class NativeTiming(TimingBackend):
     def track(self, record: CollectiveRecord, work: Any) -> Any:
         raise TypeError("the recording backend records its collectives itself")
 
-    def take(self, group: Any) -> None:
+    def take(self, group: TrackedGroup) -> None:
         """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's).
 
         The log counts the collectives per op itself, so a drain does the same work however many collectives
@@ -415,7 +437,7 @@ class NativeTiming(TimingBackend):
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
         manager = self.manager
         # Every record older than the one in flight was taken: if it completed, it is the first completed.
-        if completed and seen == (completed[0][4], completed[0][0]):
+        if in_flight is not None and completed and seen == (completed[0][4], completed[0][0]):
             in_flight.duration = completed[0][1]  # the straggler windows follow it: they see its duration
             manager.finished.extend(completed[1:])
         else:
@@ -430,7 +452,7 @@ class NativeTiming(TimingBackend):
         if failed:
             self.manager.health.drop("failed_collectives", failed)
 
-    def last_issued_at(self, group: Any) -> float:
+    def last_issued_at(self, group: TrackedGroup) -> float:
         return float(self.log.last_issued_at)  # live: the stall watcher reads it between drains
 
 

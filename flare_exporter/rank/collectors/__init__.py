@@ -11,6 +11,7 @@ from prometheus_client.samples import Sample
 
 from ... import spec
 from ..histogram import Histogram, bucket_labels
+from ..sample_lines import NotPlain, sample_prefix
 
 
 class Collector(Protocol):
@@ -59,8 +60,6 @@ class Lines:
     __slots__ = ("names", "labels", "prefixes")
 
     def __init__(self, names: tuple[str, ...], labels: tuple[dict[str, str], ...]) -> None:
-        from ..exposition import NotPlain, sample_prefix
-
         self.names = names
         self.labels = labels
         try:

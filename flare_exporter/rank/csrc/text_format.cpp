@@ -46,7 +46,7 @@ PyObject* kSamples = nullptr;
 PyObject* kSeries = nullptr;  // a flare family's (collectors.SeriesFamily)
 PyObject* kPrefixes = nullptr;
 
-// [a-zA-Z_:][a-zA-Z0-9_:]*: exposition._LEGACY_NAME
+// [a-zA-Z_:][a-zA-Z0-9_:]*: sample_lines.is_legacy_name
 bool legacy_name(std::string_view name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
@@ -71,7 +71,7 @@ Result utf8(PyObject* text, std::string_view* out) {
   return Result::kOk;
 }
 
-// Backslash and newline escaped, and double quotes too in a label value (exposition._escape_value); HELP
+// Backslash and newline escaped, and double quotes too in a label value (sample_lines._escape_value); HELP
 // text keeps its quotes.
 void append_escaped(std::string& out, std::string_view text, bool quotes) {
   for (const char c : text) {

@@ -1,0 +1,177 @@
+"""The package's layout: no import cycles, and the rank wing loads nothing of the other wings.
+
+The graph counts every import the code makes: at the top of a module, inside a function, and under
+`if TYPE_CHECKING:` (a cycle hidden by typing is still a cycle a reader has to untangle).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "flare_exporter"
+RANK_MAY_NOT_IMPORT = ("engine", "mixin", "local")
+
+
+def module_files(root: Path, package: str) -> dict[str, Path]:
+    """Every module of the package under `root`, by dotted name (a package by its __init__'s)."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(module: str, path: Path, node: ast.ImportFrom, modules: dict[str, Path]) -> list[str]:
+    """The package's modules a `from ... import ...` names: the modules imported from, or the module."""
+    if node.level:
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        origin = ".".join([*base, *(node.module.split(".") if node.module else [])])
+    else:
+        origin = node.module or ""
+    named = [f"{origin}.{alias.name}" for alias in node.names if f"{origin}.{alias.name}" in modules]
+    everything_named = len(named) == len(node.names)
+    return named if everything_named or origin not in modules else [*named, origin]
+
+
+def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its code."""
+    modules = module_files(root, package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                targets = _imported(module, path, node, modules)
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names if alias.name in modules]
+            else:
+                continue
+            graph[module].update(target for target in targets if target != module and target != package)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def wing_violations(graph: dict[str, set[str]], package: str = PACKAGE) -> list[str]:
+    """`a -> b` for every import from the rank wing into a wing a training process must not load."""
+    rank = f"{package}.rank"
+    forbidden = tuple(f"{package}.{wing}" for wing in RANK_MAY_NOT_IMPORT)
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module == rank or module.startswith(rank + ".")
+        for target in targets
+        if target.startswith(forbidden)
+    )
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph(REPO)) == []
+
+
+def test_the_rank_wing_imports_nothing_of_the_engine_mixin_or_local_wings():
+    assert wing_violations(import_graph(REPO)) == []
+
+
+def test_every_wing_exists_and_holds_modules():
+    graph = import_graph(REPO)
+    for wing in ("rank", "engine", "mixin", "local"):
+        assert any(name.startswith(f"{PACKAGE}.{wing}.") for name in graph), wing
+
+
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_checker_finds_a_cycle_hidden_in_a_function_and_one_hidden_by_typing(tmp_path):
+    _write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "def f():\n    from . import b\n",
+            "b.py": "from .a import f\n",
+            "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n",
+            "d.py": "from . import c\nclass D: ...\n",
+            "e.py": "from . import a\n",  # imports into a cycle, is not part of one
+        },
+    )
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_the_checker_finds_a_rank_module_importing_another_wing(tmp_path):
+    _write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "spec.py": "",
+            "rank/__init__.py": "",
+            "rank/hook.py": "from .. import spec\ndef late():\n    from ..engine import rules\n",
+            "engine/__init__.py": "",
+            "engine/rules.py": "from ..rank import hook\n",
+        },
+    )
+    graph = import_graph(tmp_path, "pkg")
+    assert wing_violations(graph, "pkg") == ["pkg.rank.hook -> pkg.engine.rules"]
+    assert cycles(graph) == [["pkg.engine.rules", "pkg.rank.hook"]]
+
+
+@pytest.mark.parametrize("entry", ["flare_exporter.rank.attach", "flare_exporter.launch"])
+def test_a_training_process_loads_no_module_of_the_other_wings(entry):
+    probe = (
+        f"import importlib, json, sys; importlib.import_module({entry!r}); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('flare_exporter'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout)
+    assert f"{PACKAGE}.rank.attach" in loaded or entry == "flare_exporter.launch"
+    assert [
+        name for name in loaded if name.startswith(tuple(f"{PACKAGE}.{w}" for w in RANK_MAY_NOT_IMPORT))
+    ] == []
