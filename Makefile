@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo demo-fault test lint system-deps bench native op-timer
+.PHONY: demo demo-fault test test-fast lint system-deps bench cpp-recorder shim native op-timer
 FAULT ?= stuck
 FAULT_RANK ?= 2
 
@@ -19,24 +19,36 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 system-deps:
 	scripts/install-system-deps.sh
 
-# the native host-dispatch timer (a torch C++ extension, ~20 s once per torch version; see docs/ild.md)
-op-timer: $(VENV)/.installed
+# flare's C++ recorder, a torch extension (collectives, steps, host dispatch timing, the text format):
+# built once per torch version, about a minute; see docs/design.md
+cpp-recorder: $(VENV)/.installed
 	$(PY) -m flare_exporter.rank.cpp_recorder
 
-demo: $(VENV)/.installed system-deps op-timer
+op-timer: cpp-recorder  # the recorder's old name
+
+demo: $(VENV)/.installed system-deps cpp-recorder
 	$(PY) -m flare_exporter.local.demo
 
-demo-fault: $(VENV)/.installed system-deps op-timer
+demo-fault: $(VENV)/.installed system-deps cpp-recorder
 	$(PY) -m flare_exporter.local.demo --fault $(FAULT) --fault-rank $(FAULT_RANK)
 
-test: $(VENV)/.installed system-deps op-timer
+lint: $(VENV)/.installed
 	$(PY) -m ruff check
+	$(PY) -m ruff format --check
 	$(PY) -m mypy
+
+test: $(VENV)/.installed system-deps cpp-recorder lint
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed op-timer
+# the unit tests: no multi-rank job, no Prometheus; under a minute
+test-fast: $(VENV)/.installed cpp-recorder
+	$(PY) -m pytest -q -m "not multirank and not prometheus"
+
+bench: $(VENV)/.installed cpp-recorder
 	$(PY) benchmarks/overhead.py
 
-# the optional native launch shim (docs/native.md): cuda_hooks/build/libflare_hooks.so, for flare-run --native
-native:
+# the optional launch shim (docs/shim.md): cuda_hooks/build/libflare_hooks.so, for flare-run --shim
+shim:
 	$(MAKE) -C cuda_hooks
+
+native: shim  # the shim's old name

@@ -189,3 +189,18 @@ def text_format(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     native = torch_extension().render_text if request.param == "native" else None
     monkeypatch.setattr(exposition, "_native_text_format", lambda: native)
     return request.param
+
+
+# Fixtures that start a real multi-rank job or a real Prometheus: a test that uses one is marked so, and
+# `make test-fast` (-m "not multirank and not prometheus") leaves it out.
+SLOW_FIXTURES = {"ddp_job": "multirank", "clusters": "prometheus"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in SLOW_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+        for skip in item.iter_markers("skipif"):
+            if "prometheus" in str(skip.kwargs.get("reason", "")):
+                item.add_marker("prometheus")

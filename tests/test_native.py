@@ -370,19 +370,19 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
         "import json, os\n"
         "from flare_exporter.rank import shim\n"
         "print(json.dumps({'loaded': shim.shim_loaded(), 'preload': os.environ['LD_PRELOAD'],"
-        " 'marker': os.environ.get('FLARE_NATIVE_REEXEC')}))\n"
+        " 'marker': os.environ.get('FLARE_SHIM_REEXEC')}))\n"
     )
     other = built.fakes / "libcuda.so"  # any library already in LD_PRELOAD stays, after the shim
     environ = {
         **os.environ,
-        "FLARE_NATIVE_LIB": str(built.shim),
+        "FLARE_SHIM_LIB": str(built.shim),
         "LD_PRELOAD": str(other),
         "PYTHONPATH": str(REPO),
         "FLARE_GPU_HEALTH": "false",
         "OMP_NUM_THREADS": "1",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "flare_exporter.launch", "--native", "--port", "0", str(script)],
+        [sys.executable, "-m", "flare_exporter.launch", "--shim", "--port", "0", str(script)],
         env=environ,
         capture_output=True,
         text=True,

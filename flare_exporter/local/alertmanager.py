@@ -22,7 +22,7 @@ from ..mixin import rules
 from .prometheus import PrometheusProcess, ServerProcess
 from .prometheus import find_binary as find_prometheus
 
-EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "alerts" / "alertmanager" / "alertmanager.yml"
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "alerts" / "alertmanager" / "alertmanager.yml"
 BINARIES = ("prometheus-alertmanager", "alertmanager")  # Debian's name, then upstream's
 
 

@@ -1,14 +1,15 @@
-"""flare's torch extension (csrc/): built once per torch and Python, loaded if built.
+"""flare's C++ recorder, a torch extension (csrc/): built once per torch and Python, loaded if built.
 
     python -m flare_exporter.rank.cpp_recorder            # build it (a C++ compiler, about 30 s), print where
 
-It holds the native host dispatch timer (csrc/op_timer.cpp), a torch RecordFunction observer that times
+It holds the host dispatch timer (csrc/dispatch_timer.cpp), a torch RecordFunction observer that times
 every aten op in a sampling window for tens of ns per op, where the Python dispatch mode (dispatch.py)
 costs microseconds, and the per-op shift of its samples from their baseline (csrc/op_shift.cpp, ild.py);
 the recording backend (csrc/collectives.cpp), which records every collective of a
 gloo group in C++ (process_group.py); the optimizer step hook as a C function (csrc/steps.cpp,
 progress.py); and the text format a scrape serves (csrc/text_format.cpp, exposition.py). Built into a
-directory named after the sources, torch and Python versions, under `FLARE_OP_TIMER_DIR` (default:
+directory named after the sources, torch and Python versions, under `FLARE_CPP_RECORDER_DIR` (or the older
+`FLARE_OP_TIMER_DIR`; default:
 ~/.cache/flare-exporter), so a new torch needs a new build and never loads a stale one. Without a build the
 exporter uses the dispatch mode, Python hooks and the Python text format.
 """
@@ -32,25 +33,36 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # compiled together; their headers lie in SOURCE_DIR too
 SOURCES = [
     SOURCE_DIR / name
-    for name in ("op_timer.cpp", "op_shift.cpp", "collectives.cpp", "steps.cpp", "text_format.cpp")
+    for name in (
+        "module.cpp",
+        "dispatch_timer.cpp",
+        "op_shift.cpp",
+        "collectives.cpp",
+        "steps.cpp",
+        "text_format.cpp",
+    )
 ]
-MODULE_NAME = "flare_op_timer"
+MODULE_NAME = "flare_cpp_recorder"
+DIRECTORY_ENV = ("FLARE_CPP_RECORDER_DIR", "FLARE_OP_TIMER_DIR")  # the second: its name before the rename
 COMPILER_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-Wall"]
 
 _loaded: ModuleType | None = None
-load_error: str | None = None  # why load() found no timer, for the exporter's info and the docs
+load_error: str | None = None  # why load() found no recorder, for the exporter's info and the docs
 
 
 class BuildError(RuntimeError):
-    """The timer could not be compiled; the message names the command's first error line."""
+    """The recorder could not be compiled; the message names the command's first error line."""
 
 
 def build_directory() -> Path:
-    root = os.environ.get("FLARE_OP_TIMER_DIR") or Path.home() / ".cache" / "flare-exporter"
+    root = (
+        next(filter(None, map(os.environ.get, DIRECTORY_ENV)), None)
+        or Path.home() / ".cache" / "flare-exporter"
+    )
     sources = sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
     code = b"".join(path.read_bytes() for path in sources)
     identity = code + f"{torch.__version__} {sys.version} {sys.platform}".encode()
-    return Path(root) / f"op_timer-{hashlib.sha256(identity).hexdigest()[:16]}"
+    return Path(root) / f"cpp_recorder-{hashlib.sha256(identity).hexdigest()[:16]}"
 
 
 def library_path() -> Path:
@@ -80,7 +92,7 @@ def compile_command(output: Path) -> list[str]:
 
 
 def build() -> Path:
-    """Compile the timer into its build directory (atomically) and return the library's path."""
+    """Compile the recorder into its build directory (atomically) and return the library's path."""
     target = library_path()
     if target.exists():
         return target
@@ -101,7 +113,7 @@ def build() -> Path:
 
 
 def load() -> ModuleType | None:
-    """The built timer, or None (why: `load_error`). Never builds and never raises."""
+    """The built recorder, or None (why: `load_error`). Never builds and never raises."""
     global _loaded, load_error
     if _loaded is not None:
         return _loaded
@@ -131,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build()
     except (BuildError, OSError) as error:
-        print(f"flare op_timer: {error}", file=sys.stderr)
+        print(f"flare cpp_recorder: {error}", file=sys.stderr)
         return 1
     if load() is None:
-        print(f"flare op_timer: built but cannot load: {load_error}", file=sys.stderr)
+        print(f"flare cpp_recorder: built but cannot load: {load_error}", file=sys.stderr)
         return 1
     print(path)
     return 0

@@ -26,9 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_module.add_flags(parser)
     parser.add_argument(
-        "--native",
+        "--shim",
+        "--native",  # its name before the rename
+        dest="shim",
         action="store_true",
-        help="re-run this command with the native launch shim (cuda_hooks/, docs/shim.md) in LD_PRELOAD",
+        help="re-run this command with the launch shim (cuda_hooks/, docs/shim.md) in LD_PRELOAD",
     )
     parser.add_argument(
         "-m", dest="module", default=None, help="run a module (like python -m) instead of a script"
@@ -52,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print("flare-run: error: give a script to run (or -m module)", file=sys.stderr)
         return 2
-    if args.native:
-        problem = preload_native(argv)  # returns only if the shim is loaded already, or cannot be
+    if args.shim:
+        problem = preload_shim(argv)  # returns only if the shim is loaded already, or cannot be
         if problem:
             print(f"flare-run: {problem}", file=sys.stderr)
             return 2
@@ -81,21 +83,21 @@ def run_script(command: list[str]) -> None:
 
 
 # Set in the re-executed command, so that a shim that failed to load is reported rather than re-tried.
-NATIVE_REEXEC_ENV = "FLARE_NATIVE_REEXEC"
+SHIM_REEXEC_ENV = "FLARE_SHIM_REEXEC"
 
 
-def preload_native(argv: list[str] | None) -> str | None:
-    """Re-execute this command with the native shim in LD_PRELOAD; an error line if it cannot be loaded.
+def preload_shim(argv: list[str] | None) -> str | None:
+    """Re-execute this command with the launch shim in LD_PRELOAD; an error line if it cannot be loaded.
 
     Returns None without re-executing when the shim is already loaded (the re-executed command itself).
     """
     from . import shim
 
     if shim.shim_loaded():
-        os.environ.pop(NATIVE_REEXEC_ENV, None)
+        os.environ.pop(SHIM_REEXEC_ENV, None)
         return None
     library = shim.library_path().resolve()
-    if os.environ.get(NATIVE_REEXEC_ENV):
+    if os.environ.get(SHIM_REEXEC_ENV):
         return f"--shim: {library} was in LD_PRELOAD but did not load (see the dynamic loader's message)"
     if not library.is_file():
         return (
@@ -105,7 +107,7 @@ def preload_native(argv: list[str] | None) -> str | None:
     environ = dict(os.environ)
     existing = environ.get("LD_PRELOAD", "")
     environ["LD_PRELOAD"] = f"{library}:{existing}" if existing else str(library)
-    environ[NATIVE_REEXEC_ENV] = "1"
+    environ[SHIM_REEXEC_ENV] = "1"
     # The command as started (interpreter options, flare-run or -m, arguments), unless main() was handed
     # its arguments directly.
     if argv is None:

@@ -1,8 +1,8 @@
-"""The native launch shim (cuda_hooks/): find its library, read its ring buffer, feed the histograms.
+"""The launch shim (cuda_hooks/, LD_PRELOAD): find its library, read its ring buffer, feed the histograms.
 
 libflare_hooks.so, preloaded into a rank, samples kernel launches and NCCL calls below Python and
 publishes one record per sampled call into a shared-memory ring (format: cuda_hooks/flare_ring.h,
-docs/native.md). Here:
+docs/shim.md). Here:
 
 - `parse_header` / `parse_records`: pure functions from the ring's bytes to typed records;
 - `RingReader`: the thin I/O edge (an mmap of the ring file) that remembers its position, counts records
@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # ild and progress import torch; parsing a ring must not need
     from .progress import StepTracker
 
 LIBRARY_NAME = "libflare_hooks.so"
-LIBRARY_ENV = "FLARE_NATIVE_LIB"
+LIBRARY_ENV = "FLARE_SHIM_LIB"
+OLD_LIBRARY_ENV = "FLARE_NATIVE_LIB"  # its name before the rename, still read
 RING_DIR_ENV = "FLARE_SHIM_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm"
 DROPPED_QUEUE = "native_ring"  # sampled calls the shim could not time (pool or queue full, errors)
@@ -198,12 +199,12 @@ def step_at(steps: Sequence[int], times: Sequence[float], seconds: float, curren
 
 
 def library_path(environ: Mapping[str, str] | None = None) -> Path:
-    """The shim's library: $FLARE_NATIVE_LIB, else cuda_hooks/build/ next to the package."""
+    """The shim's library: $FLARE_SHIM_LIB (or $FLARE_NATIVE_LIB), else cuda_hooks/build/ in the checkout."""
     environ = os.environ if environ is None else environ
-    configured = environ.get(LIBRARY_ENV)
+    configured = environ.get(LIBRARY_ENV) or environ.get(OLD_LIBRARY_ENV)
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parent.parent / "cuda_hooks" / "build" / LIBRARY_NAME
+    return Path(__file__).resolve().parents[2] / "cuda_hooks" / "build" / LIBRARY_NAME
 
 
 def ring_path(pid: int | None = None, environ: Mapping[str, str] | None = None) -> Path:

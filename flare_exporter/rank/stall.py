@@ -28,8 +28,8 @@ from typing import Any
 
 FRAMES_KEPT = 3
 FRAMES_MAX_CHARS = 240
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_WORKLOADS_DIR = os.path.join(_PACKAGE_DIR, "workloads")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flare_exporter/
+_WORKLOADS_DIR = os.path.join(_PACKAGE_DIR, "local", "workloads")  # training scripts: their frames count
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-// flare's collective backend (collectives.cpp), added to the extension's module by op_timer.cpp.
+// flare's collective backend (collectives.cpp), added to the C++ recorder's module by module.cpp.
 #pragma once
 
 #include <pybind11/pybind11.h>

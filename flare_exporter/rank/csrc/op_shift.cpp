@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "op_timer.h"
+#include "dispatch_timer.h"
 
 namespace flare {
 namespace {

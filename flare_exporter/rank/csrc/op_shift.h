@@ -1,4 +1,4 @@
-// Host dispatch's per-op shift (op_shift.cpp), added to the extension's module by op_timer.cpp.
+// Host dispatch's per-op shift (op_shift.cpp), added to the C++ recorder's module by module.cpp.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -7,7 +7,7 @@
 // windows. The training thread is its only writer; readers (scrapes, the timing manager) read atomics, and
 // the boundaries through a per-slot sequence check, so no lock is shared with them.
 //
-// On CPU hosts the counter itself opens the host dispatch timer's window (op_timer.cpp) on one step in N and
+// On CPU hosts the counter itself opens the host dispatch timer's window (dispatch_timer.cpp) on one step in N and
 // closes it at the next (set_windows). Where the ILD sampler needs Python for its windows (a GPU without the
 // native shim: a dispatch mode that records CUDA events), it is the step's listener instead, called only on
 // the steps that concern it: every `every`-th step, and the step after any call that returned true. The other
@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "clock.h"
-#include "op_timer.h"
+#include "dispatch_timer.h"
 
 namespace flare {
 namespace {

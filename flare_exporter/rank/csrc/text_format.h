@@ -1,4 +1,4 @@
-// The text exposition format written in C++ (text_format.cpp), added to the extension's module by op_timer.cpp.
+// The text exposition format written in C++ (text_format.cpp), added to the C++ recorder's module by module.cpp.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -1,6 +1,9 @@
-// The host dispatch timer's windows (op_timer.cpp), opened and closed by the step counter (steps.cpp) too.
+// The host dispatch timer (dispatch_timer.cpp): its windows, opened and closed by the step counter (steps.cpp)
+// too, and its part of the C++ recorder's module.
 // Called with the GIL held, which keeps the opens and closes of all their callers in one order.
 #pragma once
+
+#include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <unordered_map>
@@ -22,5 +25,8 @@ struct StepCounts {
   std::vector<std::pair<int64_t, int64_t>> buckets;  // (bucket index, samples), for buckets with samples
   std::unordered_map<uint64_t, double> op_minimums;   // op (name hash) -> its shortest sample in the step
 };
+
+// The dispatch timer's functions and the completion stamps, added to the C++ recorder's module (module.cpp).
+void add_dispatch_timer(pybind11::module_& module);
 
 }  // namespace flare

@@ -31,11 +31,8 @@
 #include <unordered_map>
 
 #include "clock.h"
-#include "collectives.h"
 #include "op_shift.h"
-#include "op_timer.h"
-#include "steps.h"
-#include "text_format.h"
+#include "dispatch_timer.h"
 
 namespace {
 
@@ -230,8 +227,7 @@ std::shared_ptr<CompletionStamp> stamp_completion(const std::shared_ptr<torch::j
 
 }  // namespace
 
-PYBIND11_MODULE(flare_op_timer, m) {
-  m.doc() = "flare-exporter's torch extension: the host dispatch timer, the recording backend, completion stamps, the step counter, the text format";
+void flare::add_dispatch_timer(pybind11::module_& m) {
   m.def("open_window", &flare::open_window, "time every aten op from now on, tagged with the window's step");
   m.def("close_window", &flare::close_window, "stop timing ops");
   pybind11::class_<StepCounts>(m, "StepCounts")
@@ -251,8 +247,4 @@ PYBIND11_MODULE(flare_op_timer, m) {
       .def_property_readonly("failed", &CompletionStamp::has_failed, "the future completed with an error");
   m.def("stamp_completion", &stamp_completion,
         "a CompletionStamp that the future's completion fills in, from C++ on the completing thread");
-  flare::add_collectives(m);
-  flare::add_op_shift(m);
-  flare::add_steps(m);
-  flare::add_text_format(m);
 }
