@@ -292,9 +292,8 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per config key; their defaults are None so unset flags override nothing."""
     for name, spec in FIELDS.items():
-        parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, help=spec.metadata["help"]
-        )
+        help_text = spec.metadata["help"].replace("%", "%%")  # argparse formats help with %
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help_text)
 
 
 def load(

@@ -1,24 +1,105 @@
-"""The README's reference tables are generated from the spec and the config; they must not drift."""
+"""The docs stay true: docs/reference.md is generated, the README names what exists, links resolve."""
 
+import re
+import unicodedata
 from pathlib import Path
 
+import yaml
+
+from flare_exporter.engine import cli
 from flare_exporter.mixin import reference_tables
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+REFERENCE = ROOT / "docs" / "reference.md"
+REGENERATE = "run: python -m flare_exporter.mixin.reference_tables"
 
 
-def test_readme_metric_table_matches_the_spec():
-    assert reference_tables.metrics_table() in README, (
-        "run: python -m flare_exporter.mixin.reference_tables, and paste into README.md"
-    )
+def test_reference_page_is_the_generators_output():
+    assert REFERENCE.read_text() == reference_tables.reference_page(), REGENERATE
 
 
-def test_readme_config_table_matches_the_config():
-    assert reference_tables.config_table() in README, (
-        "run: python -m flare_exporter.mixin.reference_tables, and paste into README.md"
-    )
+def test_reference_metric_table_matches_the_spec():
+    assert reference_tables.metrics_table() in REFERENCE.read_text(), REGENERATE
+
+
+def test_reference_config_table_matches_the_config():
+    assert reference_tables.config_table() in REFERENCE.read_text(), REGENERATE
+
+
+def test_reference_check_flag_fails_on_a_stale_page(tmp_path, capsys):
+    page = tmp_path / "docs" / "reference.md"
+    assert reference_tables.main(["--check", "--out", str(page)]) == 1  # missing
+    assert reference_tables.main(["--out", str(page)]) == 0
+    assert page.read_text() == reference_tables.reference_page()
+    assert reference_tables.main(["--check", "--out", str(page)]) == 0
+    page.write_text(page.read_text().replace("`flare_rank_info`", "`flare_rank_inf`", 1))
+    assert reference_tables.main(["--check", "--out", str(page)]) == 1
+    assert "python -m flare_exporter.mixin.reference_tables" in capsys.readouterr().err
 
 
 def test_readme_opens_with_the_two_commands():
     head = README.split("## ")[0]
     assert "make demo" in head and "make test" in head
+
+
+def test_readme_is_short():
+    assert len(README.splitlines()) <= 200
+
+
+def test_readme_names_every_flare_subcommand():
+    (commands,) = [action for action in cli.build_parser()._actions if action.dest == "command"]
+    for name in commands.choices:
+        assert f"| `flare {name}` |" in README, f"README's command table lacks flare {name}"
+
+
+def test_readme_names_every_alert():
+    rules = yaml.safe_load((ROOT / "alerts" / "flare.rules.yml").read_text())
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule}
+    assert alerts
+    for alert in sorted(alerts):
+        assert f"| `{alert}` |" in README, f"README's alert table lacks {alert}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# links between the README and docs/*.md: every relative link names a file that exists, and a heading there
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    anchors: set[str] = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if not line.startswith("#"):
+            continue
+        text = line.lstrip("#").strip().lower()
+        slug = "".join(
+            char for char in text if char in " -_" or unicodedata.category(char)[0] in "LN"
+        ).replace(" ", "-")
+        candidate, number = slug, 0
+        while candidate in anchors:
+            number += 1
+            candidate = f"{slug}-{number}"
+        anchors.add(candidate)
+    return anchors
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in _pages():
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

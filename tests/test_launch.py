@@ -170,3 +170,11 @@ def test_attach_from_code_and_a_failing_hook_never_breaks_training():
     assert report["allreduce_count"] == 2  # the two collectives observed before the fault
     assert "collective_hook failed" in result.stderr  # said once, then counted
     assert result.stderr.count("collective_hook failed") == 1
+
+
+@pytest.mark.parametrize("module", ["flare_exporter.launch", "flare_exporter.engine.cli"])
+def test_every_entry_point_prints_its_help(module):
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
