@@ -19,7 +19,7 @@ import pytest
 from conftest import flare_json, queries_sent
 
 from flare_exporter import spec
-from flare_exporter.engine import cli, diagnosis, promql, sources
+from flare_exporter.engine import cli, diagnosis, prometheus_source, promql, records, sources
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.mixin import rules
@@ -261,7 +261,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
             ):
                 expected.add(rank)
     matchers = f'run="{cluster.run}"'
-    found = sources._fetch(
+    found = prometheus_source._fetch(
         clusters.prometheus.url, sources.ild_screen(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_screen", [])} == expected
@@ -273,7 +273,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
         if any(shift >= op_shift for shift in record.ild_op_shift.values())
         or any(drift_ks >= ks for drift_ks in record.ild_ks.values())
     }
-    found = sources._fetch(
+    found = prometheus_source._fetch(
         clusters.prometheus.url, sources.ild_candidates(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_candidates", [])} == candidates >= expected
@@ -288,7 +288,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
     matchers = f'run="{cluster.run}"'
     parts = []
     for queries in sources.recent_windows(diagnosis.StragglerPolicy()):
-        found = sources._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
+        found = prometheus_source._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
         parts.append(
             {(labels["rank"], labels["ago"], name) for name, rows in found.items() for labels, _ in rows}
         )
@@ -307,7 +307,9 @@ def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds
     sent: list[str] = []
     monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
     queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(diagnosis.StragglerPolicy())[0]}
-    sources._fetch("http://x", queries, sources._matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW)
+    prometheus_source._fetch(
+        "http://x", queries, prometheus_source._matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
+    )
     run = 'run="a{sel}{window}{sel_not_native}"'
     assert sorted(sent) == sorted(
         [
@@ -451,11 +453,11 @@ def named_in(matchers: str, label: str) -> set[str] | None:
 
 @pytest.fixture
 def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """sources._fetch answering from state["job"]; state["asked"] gets each round's query names and the
-    ranks it names (None: every rank)."""
+    """prometheus_source._fetch answering from state["job"]; state["asked"] gets each round's query names
+    and the ranks it names (None: every rank)."""
     state: dict = {"asked": []}
 
-    def fetch(base_url, queries, matchers, window, timeout, now):  # noqa: ARG001 (sources._fetch's)
+    def fetch(base_url, queries, matchers, window, timeout, now):  # noqa: ARG001 (prometheus_source._fetch's)
         named, groups = named_in(matchers, "rank"), named_in(matchers, "group")
         state["asked"].append((set(queries), named, groups))
         found: dict[str, list] = {}
@@ -468,8 +470,8 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
                 found.setdefault(metric, []).extend(rows)
         return found
 
-    monkeypatch.setattr(sources, "_fetch", fetch)
-    monkeypatch.setattr(sources.time, "time", lambda: NOW)
+    monkeypatch.setattr(prometheus_source, "_fetch", fetch)
+    monkeypatch.setattr(prometheus_source.time, "time", lambda: NOW)
     return state
 
 
@@ -490,7 +492,7 @@ def read(record: diagnosis.RankRecord, field: str, windows: Sequence[int] = ()) 
 
 
 FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
-# the faults round (sources._faults_round): every rank's starts, and at once its other faults
+# the faults round (prometheus_source._faults_round): every rank's starts, and at once its other faults
 STARTED_ROUND = ({sources.FLIGHT_STARTED}, None, None)
 OTHER_FAULTS_ROUND = (set(sources.FAULT_QUERIES) - {sources.FLIGHT_STARTED}, None, None)
 
@@ -782,7 +784,7 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
             (sources.ISSUED_AT, {"rank": r, "group": "b"}, NOW - 100) for r in range(3)
         ],  # b: nothing in flight
     )
-    groups = {rank: fields["groups"] for rank, fields in sources._group_fields(job, NOW).items()}
+    groups = {rank: fields["groups"] for rank, fields in records.group_fields(job, NOW).items()}
     late = {
         (rank, name)
         for rank, found in groups.items()
@@ -793,7 +795,7 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
 
 
 def test_a_rounds_fields_keep_the_group_indexes_built_unless_they_change_the_groups():
-    """sources._with_fields: a round that adds fields other than a record's groups, up and exception
+    """records.with_fields: a round that adds fields other than a record's groups, up and exception
     (detail, pace) keeps the snapshot's group indexes as built; one that changes them builds them anew."""
     started = sources.FLIGHT_STARTED
     job = series_of(
@@ -801,37 +803,37 @@ def test_a_rounds_fields_keep_the_group_indexes_built_unless_they_change_the_gro
         *[("up", {"rank": rank}, 1.0) for rank in range(3)],
         *[(started, {"rank": rank, "group": "world"}, NOW - 100 + rank) for rank in range(3)],
     )
-    faults = sources._snapshot(job, NOW, "r")
+    faults = prometheus_source._snapshot(job, NOW, "r")
     indexes = [faults.members, faults.live_states, faults.oldest_in_flight]
     assert faults.oldest_in_flight == {"world": 100.0}
-    detailed = sources._with_fields(faults, {1: {"steps": 7.0, "activity": "compute"}})
+    detailed = records.with_fields(faults, {1: {"steps": 7.0, "activity": "compute"}})
     assert detailed.ranks[1].steps == 7.0
     assert [vars(detailed).get(name) for name in diagnosis.GROUP_INDEXES] == indexes  # not built again
     for fields in ({"up": False}, {"exception": "RuntimeError"}, {"groups": {}}):
-        changed = sources._with_fields(detailed, {0: fields})
+        changed = records.with_fields(detailed, {0: fields})
         assert not any(name in vars(changed) for name in diagnosis.GROUP_INDEXES)
         assert changed.oldest_in_flight == ({"world": 100.0} if "exception" in fields else {"world": 99.0})
         assert changed.ranks[0].gone == ("groups" not in fields)
 
 
 def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung(fake_prometheus):
-    """sources._faults_round: told the hang threshold, the issued numbers of the groups in which a rank has
-    had a collective in flight for it are asked before the round's records are built (ReadAhead); not
-    where none has, nor without a threshold."""
+    """prometheus_source._faults_round: told the hang threshold, the issued numbers of the groups in which a
+    rank has had a collective in flight for it are asked before the round's records are built (ReadAhead);
+    not where none has, nor without a threshold."""
     fake_prometheus["job"] = front_job({3: 7}, {}, {})  # every rank in flight in group world since NOW - 400
 
     def fetch(queries: dict[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()) -> dict:
         assert not ranks
-        named = f', group=~"{sources._any_of(sorted(groups))}"' if groups else ""
-        return sources._fetch("http://x", queries, 'run="r"' + named, "5m", 10.0, NOW)
+        named = f', group=~"{prometheus_source._any_of(sorted(groups))}"' if groups else ""
+        return prometheus_source._fetch("http://x", queries, 'run="r"' + named, "5m", 10.0, NOW)
 
-    series, ahead = sources._faults_round(fetch, NOW, HANG_SECONDS)
+    series, ahead = prometheus_source._faults_round(fetch, NOW, HANG_SECONDS)
     assert {sources.FLIGHT_STARTED, "up", "flare_rank_info"} <= set(series)
     assert ahead is not None and ahead.groups == {"world"}
     numbers = ahead.answers.result()["flare_collective_last_issued_seq"]
     assert {labels["rank"]: value for labels, value in numbers} == {"0": 8.0, "1": 8.0, "2": 8.0, "3": 7.0}
-    assert sources._faults_round(fetch, NOW, 401.0)[1] is None  # in flight for 400 s: not hung yet
-    assert sources._faults_round(fetch, NOW, None)[1] is None
+    assert prometheus_source._faults_round(fetch, NOW, 401.0)[1] is None  # in flight for 400 s: not hung yet
+    assert prometheus_source._faults_round(fetch, NOW, None)[1] is None
 
 
 def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be_late():
@@ -855,10 +857,10 @@ def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be
 
 
 def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
-    """sources._late_scrapes: a rank at its group's top issued the collective the group waits in, however
-    late its scrape; only the ranks below it may be unjudged, and only they are asked, by name."""
+    """prometheus_source._late_scrapes: a rank at its group's top issued the collective the group waits in,
+    however late its scrape; only the ranks below it may be unjudged, and only they are asked, by name."""
     series = front_job({2: 7, 3: 6}, {}, {})  # ranks 2 and 3 below the top, 8
-    snapshot = sources._snapshot(series, NOW, "r")
+    snapshot = prometheus_source._snapshot(series, NOW, "r")
     # ranks 0 and 2 were last scraped before the hang; rank 0 is at the top all the same
     scraped = {0: NOW - 500, 1: NOW - 1, 2: NOW - 500, 3: NOW - 1}
     asked = []
@@ -869,14 +871,14 @@ def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
         rows = [({"rank": str(r), "group": "world"}, scraped[r]) for r in ranks if scraped[r] <= bound]
         return {sources.ISSUED_AT: rows}
 
-    assert sources._late_scrapes(snapshot, series, {"world"}, fetch)
+    assert prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch)
     assert asked == [({sources.ISSUED_AT}, [2, 3], {"world"})]
-    late = sources._with_fields(snapshot, sources._group_fields(series, NOW))
+    late = records.with_fields(snapshot, records.group_fields(series, NOW))
     assert [r for r, record in late.ranks.items() if record.groups["world"].seen_before_stall] == [2]
     (verdict,) = diagnosis.diagnose(late, HANG_SECONDS)
     assert (verdict.kind, verdict.ranks, verdict.evidence["seen_before_stall"]) == ("hang", (3,), [2])
     scraped[2] = NOW - 1  # none late: nothing to build again
-    assert not sources._late_scrapes(snapshot, series, {"world"}, fetch)
+    assert not prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch)
 
 
 def test_groups_are_named_to_prometheus_exactly(clusters):
@@ -887,7 +889,7 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
     counts = {item["metric"]["group"]: int(float(item["value"][1])) for item in answer}
     picked = sorted(name for name in counts if "-" in name)[:2] + ["world", 'no.such|group"\\']
     assert len(picked) == 4 and "world" in counts
-    selector = f'run="{run}", group=~"{sources._any_of(picked)}"'
+    selector = f'run="{run}", group=~"{prometheus_source._any_of(picked)}"'
     expr = f"count by (group) (flare_collective_last_issued_seq{{{selector}}})"
     found = {
         item["metric"]["group"]: int(float(item["value"][1])) for item in clusters.prometheus.query(expr)
@@ -929,8 +931,9 @@ def as_answer(figures: dict[tuple[str, str], float]) -> list[dict]:
     ],
 )
 def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(changed, stands):
-    """sources._window_summary: the figures as of the rules' last evaluation, the windows of the ranks they
-    name read at that time; None (every rank's windows read) where they do not stand for every live rank."""
+    """prometheus_source._window_summary: the figures as of the rules' last evaluation, the windows of the
+    ranks they name read at that time; None (every rank's windows read) where they do not stand for every
+    live rank."""
     figures = {key: value for key, value in (FIGURES | changed).items() if value is not None}
     asked, fetched = [], []
 
@@ -945,7 +948,7 @@ def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(cha
         return {"flare_straggler_last_window": [({"rank": "5"}, 12.0)]}
 
     faults = diagnosis.Snapshot({r: diagnosis.RankRecord(r) for r in range(SUMMARY_RANKS)}, NOW, "r")
-    found = sources._window_summary(answers, fetch, faults, diagnosis.StragglerPolicy())
+    found = prometheus_source._window_summary(answers, fetch, faults, diagnosis.StragglerPolicy())
     assert asked == [(["summary_at"], NOW), (["candidates", "figures"], NOW - 20)]
     if not stands:
         assert found is None and fetched == []

@@ -328,9 +328,34 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
 
 
 def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
+    """The verdict on a hung group, by the first hang rule that fits (the module docstring's 2 to 4): most
+    live members behind one rank's number, a mismatch; some behind, a hang of the ranks their chains end
+    at; none behind, a mismatch where the members have different collectives in flight, else a hang inside
+    the collective."""
     live = snapshot.live_states[hang.name]
     behind = behind_in(live, hang.max_issued)
     ahead = [rank for rank, state in live if state.last_issued == hang.max_issued]
+    evidence = _hang_evidence(hang, live, len(ahead))
+    if behind and len(behind) * 2 > len(live):
+        return _issued_alone_verdict(snapshot, hang, ahead, behind, evidence)
+    if behind:
+        return _chain_verdict(snapshot, hang, behind, evidence)
+    inside = {
+        rank: state.in_flight
+        for rank, state in live
+        if state.in_flight is not None and state.in_flight.seq == hang.max_issued
+    }
+    evidence["in_flight"] = _in_flight_evidence(snapshot, sorted(inside), hang.name)
+    signatures = Counter((flight.op, flight.nbytes) for flight in inside.values())
+    if len(signatures) > 1:
+        return _differing_collectives_verdict(hang, inside, signatures, evidence)
+    return _inside_collective_verdict(hang, inside, evidence)
+
+
+def _hang_evidence(hang: GroupHang, live: tuple[tuple[int, GroupState], ...], at_top: int) -> dict[str, Any]:
+    """What every verdict on a hung group shows: how long it has waited, its top issued number, the live
+    members' numbers below it and how many (`at_top`) are at it, and which members were not judged (their
+    number scraped before the group's newest issue)."""
     evidence: dict[str, Any] = {
         "oldest_in_flight_seconds": round(hang.oldest_age, 3),
         "max_issued_seq": hang.max_issued,
@@ -338,66 +363,92 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
         "last_issued_seq": {
             str(rank): state.last_issued for rank, state in live if state.last_issued != hang.max_issued
         },
-        "ranks_at_max_issued_seq": len(ahead),
+        "ranks_at_max_issued_seq": at_top,
     }
     unjudged = [
         rank for rank, state in live if state.seen_before_stall and state.last_issued < hang.max_issued
     ]
     if unjudged:
         evidence["seen_before_stall"] = unjudged
-    if behind and len(behind) * 2 > len(live):
-        evidence["in_flight"] = _in_flight_evidence(snapshot, ahead, hang.name)
-        return Verdict(
-            "mismatch",
-            tuple(ahead),
-            "rank",
-            f"rank {_names(ahead)} issued collective {hang.max_issued} in group {hang.name}, which the "
-            f"other {len(behind)} ranks never issued",
-            evidence,
-            hang.name,
-        )
-    if behind:
-        culprits, chain = follow_chain(snapshot, hang.name, behind)
-        evidence["chain"] = chain
-        if not culprits:  # every hop waits on another: a deadlock across groups; all of them are suspects
-            culprits = sorted({hop["rank"] for hop in chain})
-            evidence["deadlock"] = True
-        evidence["culprits"] = {str(rank): _rank_evidence(snapshot, rank) for rank in culprits}
-        where = _where(snapshot, culprits[0])
-        return Verdict(
-            "hang",
-            tuple(culprits),
-            "rank",
-            f"group {hang.name} has waited {hang.oldest_age:.0f} s for collective {hang.max_issued}; "
-            f"rank {_names(culprits)} never issued it{where}",
-            evidence,
-            hang.name,
-        )
-    at_seq = {
-        rank: state.in_flight
-        for rank, state in live
-        if state.in_flight is not None and state.in_flight.seq == hang.max_issued
-    }
-    evidence["in_flight"] = _in_flight_evidence(snapshot, sorted(at_seq), hang.name)
-    signatures = Counter((flight.op, flight.nbytes) for flight in at_seq.values())
-    if len(signatures) > 1:
-        (majority, count), (_, runner_up) = signatures.most_common(2)
-        odd = sorted(rank for rank, flight in at_seq.items() if (flight.op, flight.nbytes) != majority)
-        if count == runner_up:
-            odd = sorted(at_seq)  # no majority: every rank is a suspect
-        issued_by_odd = ", ".join(
-            f"rank {rank}: {at_seq[rank].op} of {at_seq[rank].nbytes} bytes" for rank in odd
-        )
-        return Verdict(
-            "mismatch",
-            tuple(odd),
-            "rank" if count != runner_up else "group",
-            f"collective {hang.max_issued} in group {hang.name} differs across ranks: {count} ranks issued "
-            f"{majority[0]} of {majority[1]} bytes, but {issued_by_odd}",
-            evidence,
-            hang.name,
-        )
-    states = {rank: flight.state for rank, flight in at_seq.items()}
+    return evidence
+
+
+def _issued_alone_verdict(
+    snapshot: Snapshot, hang: GroupHang, ahead: list[int], behind: list[int], evidence: dict[str, Any]
+) -> Verdict:
+    """Most live members `behind` the ranks `ahead`: those issued a collective the others never will ->
+    `mismatch`, with them as culprits."""
+    evidence["in_flight"] = _in_flight_evidence(snapshot, ahead, hang.name)
+    return Verdict(
+        "mismatch",
+        tuple(ahead),
+        "rank",
+        f"rank {_names(ahead)} issued collective {hang.max_issued} in group {hang.name}, which the "
+        f"other {len(behind)} ranks never issued",
+        evidence,
+        hang.name,
+    )
+
+
+def _chain_verdict(
+    snapshot: Snapshot, hang: GroupHang, behind: list[int], evidence: dict[str, Any]
+) -> Verdict:
+    """Some live members `behind` the group's top number never reached the collective -> `hang`, with the
+    ranks their chains end at as culprits (follow_chain), or every rank of the chain where each waits on
+    another (a deadlock across groups)."""
+    culprits, chain = follow_chain(snapshot, hang.name, behind)
+    evidence["chain"] = chain
+    if not culprits:  # every hop waits on another: a deadlock across groups; all of them are suspects
+        culprits = sorted({hop["rank"] for hop in chain})
+        evidence["deadlock"] = True
+    evidence["culprits"] = {str(rank): _rank_evidence(snapshot, rank) for rank in culprits}
+    where = _where(snapshot, culprits[0])
+    return Verdict(
+        "hang",
+        tuple(culprits),
+        "rank",
+        f"group {hang.name} has waited {hang.oldest_age:.0f} s for collective {hang.max_issued}; "
+        f"rank {_names(culprits)} never issued it{where}",
+        evidence,
+        hang.name,
+    )
+
+
+def _differing_collectives_verdict(
+    hang: GroupHang,
+    inside: Mapping[int, InFlight],
+    signatures: Counter[tuple[str, int]],
+    evidence: dict[str, Any],
+) -> Verdict:
+    """No live member behind, but the collectives in flight at the top number (`inside`: rank -> its
+    collective) differ in op or size (`signatures`: how many ranks have each) -> `mismatch`, with the odd
+    ones out by majority as culprits; where no op and size has a majority, every rank, domain group."""
+    (majority, count), (_, runner_up) = signatures.most_common(2)
+    odd = sorted(rank for rank, flight in inside.items() if (flight.op, flight.nbytes) != majority)
+    if count == runner_up:
+        odd = sorted(inside)  # no majority: every rank is a suspect
+    issued_by_odd = ", ".join(
+        f"rank {rank}: {inside[rank].op} of {inside[rank].nbytes} bytes" for rank in odd
+    )
+    return Verdict(
+        "mismatch",
+        tuple(odd),
+        "rank" if count != runner_up else "group",
+        f"collective {hang.max_issued} in group {hang.name} differs across ranks: {count} ranks issued "
+        f"{majority[0]} of {majority[1]} bytes, but {issued_by_odd}",
+        evidence,
+        hang.name,
+    )
+
+
+def _inside_collective_verdict(
+    hang: GroupHang, inside: Mapping[int, InFlight], evidence: dict[str, Any]
+) -> Verdict:
+    """No live member behind, and the same collective in flight at the top number on each (`inside`: rank ->
+    its collective): where it has started on the device on some and not on others -> `hang`, with those it
+    has not started on as culprits (their stream blocked by their own earlier work); otherwise a
+    communication fault in the group -> `hang`, domain group, no culprit."""
+    states = {rank: flight.state for rank, flight in inside.items()}
     not_started = sorted(rank for rank, state in states.items() if state == "issued")
     if "started" in states.values() and not_started:
         return Verdict(

@@ -1,0 +1,683 @@
+"""Snapshots from the Prometheus HTTP API, in rounds of PromQL queries.
+
+Each round asks a fixed set of queries, whatever the number of ranks: a query names ranks only where it
+names few (MAX_NAMED_RANKS), and the rounds that follow a hang's chain from group to group stop after
+MAX_CHAIN_ROUNDS. Rounds are asked only where the rules need what they read (see from_prometheus).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .. import spec
+from ..mixin import rules
+from . import diagnosis, promql
+from .diagnosis import Snapshot
+from .records import (
+    FLIGHT_INFO,
+    FLIGHT_NUMBERS,
+    FLIGHT_STARTED,
+    GPU_HEALTH_METRICS,
+    ILD_METRICS,
+    ISSUED_AT,
+    PROGRESS_METRICS,
+    STRAGGLER_METRICS,
+    Liveness,
+    Series,
+    build_snapshot,
+    group_fields,
+    one_run,
+    with_detail,
+    with_fields,
+    with_pace,
+)
+
+# The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
+# series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
+# A query's answer is named by its key (or by `__name__` where it keeps one). Placeholders: `{sel}` the
+# selector of the run (or of its named ranks), `{sel, more="matchers"}` it with more matchers,
+# `{sel_not_native}` it without the native shim's collectives, `{window}` the lookback.
+# Identity, groups and exceptions look back (a dead rank's last word); the rest is the current state.
+
+
+def _current(names: Iterable[str], labels: str) -> dict[str, str]:
+    """A query per metric in `names` for its current value, one series per (rank, `labels`). Each alone:
+    one query over several metrics (`{__name__=~"a|b"}` grouped by `__name__`) took Prometheus twice as
+    long as the queries of its metrics together (6,144 ranks: 0.94 s against 0.46 s for the windows)."""
+    return {name: f"max by (rank{labels}) ({name}{{sel}})" for name in names}
+
+
+# Is a rank gone, is a group hung, and who is behind in it: every rank.
+FAULT_QUERIES = {
+    "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
+    "flare_rank_exception_info": (
+        "max by (rank, type) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
+    ),
+    "flare_rank_exception_timestamp_seconds": (
+        "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
+    ),
+    "up": "max by (rank) (up{sel})",
+    **_current([FLIGHT_STARTED], ", group"),
+}
+# The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
+# the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
+PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
+# Who is in each group and who is behind in it: every rank (asked when a collective has been in flight for
+# the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
+# the groups the hang rules read (diagnosis.what_hang_rules_read) when told the threshold.
+GROUP_QUERIES = {
+    "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
+    # when each number was scraped: one scraped at or before its group's newest issue (the latest start the
+    # faults round read) is late (diagnosis.GroupState.seen_before_stall). Compared here, not in
+    # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
+    ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
+}
+# The issued numbers alone: a hang's rounds ask the scrape times after them, of the few ranks they could
+# leave unjudged (_late_scrapes).
+NUMBER_QUERIES = {name: query for name, query in GROUP_QUERIES.items() if name != ISSUED_AT}
+# Which collective each rank of the hung groups whose verdicts weigh it has in flight, and how large. At a
+# hang of thousands of ranks, half of what the faults round would read.
+FLIGHT_QUERIES = {
+    FLIGHT_INFO: f"max by (rank, group, op, state) ({FLIGHT_INFO}{{sel}})",
+    **_current(FLIGHT_NUMBERS, ", group"),
+}
+# The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
+# a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
+# of every rank's group info would be the slowest query of the round.
+GONE_GROUP_QUERIES = {
+    "flare_process_group_info": (
+        "max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
+        " unless on (rank, group) flare_collective_last_issued_seq{sel}"
+    ),
+}
+# Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
+# stragglers and ILD only then). The straggler windows are most of the series of the round: the rounds
+# read the last few of each rank first (see recent_windows).
+PACE_QUERIES = {
+    **_current(STRAGGLER_METRICS, ", ago"),
+    "flare_step_duration_seconds_count": (
+        "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
+    ),
+}
+WINDOW_METRICS = ("flare_straggler_window_step_seconds", "flare_straggler_window_wait_seconds")
+
+
+def recent_windows(policy: diagnosis.StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
+    """The straggler windows' queries in two parts: each rank's last `hold_windows` (label ago below it),
+    which the rules read when every rank closed the same last window (diagnosis.decided_by_last_windows),
+    and the older ones, read only when they do not: a quarter of the pace round's series at 6,144 ranks."""
+    recent = "|".join(str(ago) for ago in range(policy.hold_windows))
+
+    def windows(match: str) -> dict[str, str]:
+        return {name: f'max by (rank, ago) ({name}{{sel, ago{match}"{recent}"}})' for name in WINDOW_METRICS}
+
+    return windows("=~"), windows("!~")
+
+
+# At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
+# (rules.straggler_summary_rules; diagnosis.WindowSummary), read in place of them where it stands for them:
+# the time of the rules' last evaluation, then the figures at that time and the ranks that could be named.
+SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({rules.SUMMARY_AT}{{sel}}))"}
+SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
+SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
+
+
+def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
+    """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
+    and min_wait_gap of the step; diagnosis.WindowScores.stands_out) that the rules could name them."""
+    pooled, figure = rules.SUMMARY_POOLED, rules.POOLED_SHARE
+    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {diagnosis.MIN_SHARE_SPREAD!r})"
+    distance = (
+        f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
+    )
+    return f"max by (rank) ({pooled}{{sel}} <= on (run) group_left () ({figure}:median{{sel}} - {distance}))"
+
+
+# Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
+# only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
+ILD_QUERIES = _current(ILD_METRICS, ", distribution")
+
+
+def ild_screen(policy: diagnosis.IldPolicy) -> dict[str, str]:
+    """The query for the ranks whose drift could count as shifted under `policy` (IldPolicy.floors), one
+    series each, without the drift itself (key `ild_screen`, which no record reads)."""
+    op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
+    return {
+        "ild_screen": (
+            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
+            f" or (flare_ild_drift_ks{{sel}} >= {ks} unless on (rank, distribution)"
+            f" flare_ild_drift_wasserstein_seconds{{sel}} < {wasserstein}))"
+        )
+    }
+
+
+def ild_candidates(policy: diagnosis.IldPolicy) -> dict[str, str]:
+    """The ranks ild_screen may name and more (key `ild_candidates`): its floors without the W1 one, so
+    that the pace round need not read every rank's W1 (a third of the screen's series); ild_screen is
+    asked of them only when there are any."""
+    op_shift, ks, _ = (repr(float(bound)) for bound in policy.floors())
+    return {
+        "ild_candidates": (
+            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
+            f" or flare_ild_drift_ks{{sel}} >= {ks})"
+        )
+    }
+
+
+# The same from the cumulative step and collective times: every rank (asked when not every rank exports
+# straggler windows; see diagnosis.judged_by_windows).
+CUMULATIVE_QUERIES = {
+    "flare_step_duration_seconds_sum": (
+        "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
+    ),
+    "flare_collective_duration_seconds_sum": (
+        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
+    ),
+}
+# What explains a verdict without deciding it, of every rank (the views).
+DETAIL_QUERIES = {
+    **PROGRESS_QUERIES,
+    "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
+    **_current(GPU_HEALTH_METRICS, ""),
+    # only the clock events that are active: the others would be most of the answer
+    "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
+}
+# The same of the few ranks a verdict names, in three queries instead of fifteen: the one-value metrics in
+# one query (each row named by its __name__). Of a few ranks Prometheus finds them at once; the per-metric
+# queries of every rank are faster apart (_current).
+DETAIL_VALUES = (*PROGRESS_METRICS, *GPU_HEALTH_METRICS)
+NAMED_DETAIL_QUERIES = {
+    "detail_values": f'max by (__name__, rank) ({{sel, __name__=~"{"|".join(DETAIL_VALUES)}"}})',
+    **{name: query for name, query in DETAIL_QUERIES.items() if name not in DETAIL_VALUES},
+}
+# What only a view shows (`flare hang`): every rank.
+VIEW_QUERIES = {
+    "flare_collective_last_completed_seq": "max by (rank, group) (flare_collective_last_completed_seq{sel})",
+}
+PROMETHEUS_QUERIES = {
+    **FAULT_QUERIES,
+    **GROUP_QUERIES,
+    **FLIGHT_QUERIES,
+    **GONE_GROUP_QUERIES,
+    **PACE_QUERIES,
+    **ILD_QUERIES,
+    **CUMULATIVE_QUERIES,
+    **DETAIL_QUERIES,
+    **VIEW_QUERIES,
+}
+
+MAX_NAMED_RANKS = 256  # named in a selector up to this many (a URL that any proxy takes); beyond, every rank
+MAX_CHAIN_ROUNDS = 8  # rounds of groups a hang's chain names; beyond, every group at once
+
+
+Fetch = Callable[..., dict[str, Series]]  # PrometheusRun.fetch, or what stands for it
+Answers = Callable[..., list[list[dict[str, Any]]]]  # PrometheusRun.answers
+
+
+def from_prometheus(
+    base_url: str,
+    run: str = "",
+    window: str = "5m",
+    timeout: float = 10.0,
+    detail_for: Callable[[Snapshot], Iterable[int]] | None = None,
+    hang_seconds: float | None = None,
+    ild: diagnosis.IldPolicy | None = None,
+    stragglers: diagnosis.StragglerPolicy | None = None,
+) -> Snapshot:
+    """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries.
+
+    Without `detail_for`, everything of every rank at once (PROMETHEUS_QUERIES). With it (the rules: the
+    ranks their verdicts name), in rounds, each only where the rules need what it reads: every rank's
+    faults; the progress of the ranks that raised; the groups the hang rules read, where a collective has
+    been in flight for `hang_seconds` (every group where it is None); where the verdicts then name no rank,
+    every rank's pace, as the rules' `stragglers` and `ild` policies weigh it; last, the detail of the ranks
+    named. At thousands of ranks, most of a snapshot is what no verdict needs. Each round adds fields to the
+    records of the rounds before (the same records as build_snapshot makes of all the answers at once),
+    without building them again.
+    """
+    now = time.time()
+    run = run or _the_run(base_url, window, timeout, now)
+    prometheus = PrometheusRun(base_url, _matcher(run), window, timeout, now)
+    fetch = prometheus.fetch
+    if detail_for is None:
+        return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
+    series, ahead = _faults_round(fetch, now, hang_seconds)
+    _restarts_round(fetch, series)
+    faults = _snapshot(series, now, run)
+    if hang_seconds is None:
+        snapshot = _every_group_round(fetch, faults, series)
+    else:
+        snapshot = _hang_groups_round(fetch, faults, series, hang_seconds, ahead)
+    named = sorted(set(detail_for(snapshot)))
+    if not named:  # nothing gone or hung: the rules weigh every rank's pace
+        stragglers = stragglers or diagnosis.StragglerPolicy()
+        snapshot = _pace_rounds(prometheus, snapshot, ild or diagnosis.IldPolicy(), stragglers)
+        named = sorted(set(detail_for(snapshot)))
+    return _detail_round(fetch, snapshot, named)
+
+
+@dataclass(frozen=True)
+class PrometheusRun:
+    """Where the rounds ask their queries: one run's series at one Prometheus, as of `now`."""
+
+    base_url: str
+    matchers: str  # the run's matchers in a selector (_matcher)
+    window: str
+    timeout: float
+    now: float
+
+    def fetch(
+        self,
+        queries: Mapping[str, str],
+        ranks: Sequence[int] = (),
+        groups: Iterable[str] = (),
+        at: float | None = None,
+    ) -> dict[str, Series]:
+        """The answers to `queries`, of the ranks named (of every rank if none), in the groups named (all),
+        at `at` (now)."""
+        named = f', rank=~"{"|".join(map(str, ranks))}"' if ranks else ""
+        if groups:
+            named += f', group=~"{_any_of(sorted(groups))}"'
+        return _fetch(self.base_url, queries, self.matchers + named, self.window, self.timeout, self._at(at))
+
+    def answers(self, queries: Mapping[str, str], at: float | None = None) -> list[list[dict[str, Any]]]:
+        """Prometheus's answers to `queries` of every rank, at `at` (now), as it gives them."""
+        return _answers(self.base_url, queries, self.matchers, self.window, self.timeout, self._at(at))
+
+    def _at(self, at: float | None) -> float:
+        return self.now if at is None else at
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rounds, in the order from_prometheus asks them
+
+
+class ReadAhead(NamedTuple):
+    """The issued numbers of `groups`, asked before the faults round's records were built (_faults_round)."""
+
+    groups: set[str]
+    answers: Future[dict[str, Series]]
+
+
+def _faults_round(
+    fetch: Fetch, now: float, hang_seconds: float | None
+) -> tuple[dict[str, Series], ReadAhead | None]:
+    """Every rank's faults (FAULT_QUERIES, 5 queries: is a rank gone, is a group hung, who is behind); and,
+    told the hang threshold, the issued numbers of the groups in which some rank has had a collective in
+    flight for it (NUMBER_QUERIES, 1 query of those groups: the hung groups, or more where that rank is not
+    up), asked as soon as the starts are in: while the round's other answers come and its records are
+    built. At a hang of thousands of ranks, both rounds' answers take Prometheus hundreds of ms; the records,
+    about 100 ms."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        rest = pool.submit(
+            fetch, {name: query for name, query in FAULT_QUERIES.items() if name != FLIGHT_STARTED}
+        )
+        series = fetch({FLIGHT_STARTED: FAULT_QUERIES[FLIGHT_STARTED]})
+        ahead = None
+        if hang_seconds is not None:
+            groups = {
+                labels["group"]
+                for labels, started in series.get(FLIGHT_STARTED, [])
+                if now - started >= hang_seconds
+            }
+            if groups:
+                ahead = ReadAhead(groups, pool.submit(fetch, NUMBER_QUERIES, groups=groups))
+        series |= rest.result()
+    finally:
+        pool.shutdown(wait=False)  # a read-ahead no hung group needs after all goes on alone
+    return series, ahead
+
+
+def _restarts_round(fetch: Fetch, series: dict[str, Series]) -> None:
+    """The progress of the ranks that raised (PROGRESS_QUERIES, 2 queries), added to `series`: whether each
+    restarted since decides whether it is gone, so it is asked before the records are built. Nothing is
+    asked where no rank raised."""
+    raised = sorted({int(labels["rank"]) for labels, _ in series.get("flare_rank_exception_info", [])})
+    if raised:
+        series.update(fetch(PROGRESS_QUERIES, _selectable(raised)))
+
+
+def _gone_groups_round(fetch: Fetch, faults: Snapshot, series: dict[str, Series]) -> None:
+    """The groups the ranks that are down were in (GONE_GROUP_QUERIES, 1 query of those ranks), added to
+    `series`: a rank that is down has no current series to say so. Nothing is asked where every rank is up."""
+    down = [rank for rank, record in faults.ranks.items() if not record.up]
+    if down:
+        series.update(fetch(GONE_GROUP_QUERIES, _selectable(down)))
+
+
+def _every_group_round(fetch: Fetch, faults: Snapshot, series: dict[str, Series]) -> Snapshot:
+    """`faults` with every rank's groups, where from_prometheus is not told the hang threshold: every rank's
+    numbers and flights (GROUP_QUERIES and FLIGHT_QUERIES, 5 queries), added to `series`, after the
+    groups of the ranks that are down (_gone_groups_round)."""
+    _gone_groups_round(fetch, faults, series)
+    series.update(fetch(GROUP_QUERIES | FLIGHT_QUERIES))
+    return with_fields(faults, group_fields(series, faults.now))
+
+
+def _hang_groups_round(
+    fetch: Fetch, faults: Snapshot, series: dict[str, Series], hang_seconds: float, ahead: ReadAhead | None
+) -> Snapshot:
+    """`faults` with the groups the hang rules read, where some group is hung (a live rank has had a
+    collective in flight in it for `hang_seconds`): the groups of the ranks that are down
+    (_gone_groups_round), the numbers of the hung groups and of those their chains lead to
+    (_with_hang_groups), then which collective each member has in flight in the groups whose verdicts
+    weigh it (FLIGHT_QUERIES, 3 queries of those groups), all added to `series`. Nothing is asked where no
+    group is hung."""
+    hung = {name for name, age in faults.oldest_in_flight.items() if age >= hang_seconds}
+    if not hung:
+        return faults
+    _gone_groups_round(fetch, faults, series)
+    snapshot, weighed = _with_hang_groups(faults, series, hung, hang_seconds, fetch, faults.now, ahead)
+    if weighed:
+        series.update(fetch(FLIGHT_QUERIES, groups=weighed))
+        snapshot = with_fields(snapshot, group_fields(series, faults.now))
+    return snapshot
+
+
+def _with_hang_groups(
+    faults: Snapshot,
+    series: dict[str, Series],
+    hung: set[str],
+    hang_seconds: float,
+    fetch: Fetch,
+    now: float,
+    ahead: ReadAhead | None,
+) -> tuple[Snapshot, set[str]]:
+    """`faults` with the groups the hang rules read: the hung groups' issued numbers first (those `ahead`
+    asked, and any other), then those of the groups their chains lead to, as the rules name them, until
+    they name none unread (at thousands of ranks in tensor-, pipeline- and data-parallel groups, most
+    groups have nothing to do with a hang), each group's late scrapes asked once its numbers are in
+    (_late_scrapes); and the groups of which the rules weigh what each member has in flight
+    (diagnosis.what_hang_rules_read). Each round of the chain costs 2 queries at most (the numbers of the
+    groups unread, NUMBER_QUERIES; their late scrapes), for at most MAX_CHAIN_ROUNDS rounds; a longer chain
+    than that, GROUP_QUERIES (2 queries) of every group."""
+    read: set[str] = set()
+    if ahead is not None:
+        _extend(series, ahead.answers.result())
+        read = set(ahead.groups)
+    timed: set[str] = set()  # the groups whose late scrapes were asked
+    needed = hung
+    for _ in range(MAX_CHAIN_ROUNDS):
+        unread = needed - read
+        if unread:
+            _extend(series, fetch(NUMBER_QUERIES, groups=unread))
+        read |= needed
+        snapshot = with_fields(faults, group_fields(series, now))
+        if _late_scrapes(snapshot, series, read - timed, fetch):
+            snapshot = with_fields(faults, group_fields(series, now))
+        timed = set(read)
+        reads = diagnosis.what_hang_rules_read(snapshot, hang_seconds)
+        if reads.numbers <= read:
+            return snapshot, reads.flights
+        needed = reads.numbers
+    series |= fetch(GROUP_QUERIES)  # a chain longer than any job's: every group
+    snapshot = with_fields(faults, group_fields(series, now))
+    return snapshot, diagnosis.what_hang_rules_read(snapshot, hang_seconds).flights
+
+
+def _late_scrapes(snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Fetch) -> bool:
+    """Asks the scrape times that could be late (late_scrape_queries) in `groups` of their members below
+    the group's top, the only ranks a late scrape leaves unjudged (diagnosis.below_top): at a hang, the few
+    behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
+    numbers). 1 query; none where no member is below the top or nothing is in flight. True where some were
+    late: `series` holds them."""
+    below = sorted({rank for group in groups for rank in diagnosis.below_top(snapshot, group)})
+    queries = late_scrape_queries(series, groups)
+    if not below or not queries:
+        return False
+    found = fetch(queries, _selectable(below), groups=groups)
+    _extend(series, found)
+    return bool(found.get(ISSUED_AT))
+
+
+def late_scrape_queries(series: Mapping[str, Series], groups: Iterable[str]) -> dict[str, str]:
+    """The query of the scrape times of the issued numbers in `groups` that could be late: those scraped at
+    or before the newest start in `groups` that `series` hold; none where nothing is in flight in them.
+    Each group's own newest start decides (records.group_fields); the late scrapes are few, a row each."""
+    groups = set(groups)
+    newest = max(
+        (started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups),
+        default=None,
+    )
+    if newest is None:
+        return {}
+    query = GROUP_QUERIES[ISSUED_AT]
+    return {ISSUED_AT: f"{query} <= {newest!r}" if math.isfinite(newest) else query}
+
+
+def _pace_rounds(
+    prometheus: PrometheusRun,
+    faults: Snapshot,
+    ild: diagnosis.IldPolicy,
+    stragglers: diagnosis.StragglerPolicy,
+) -> Snapshot:
+    """`faults` with every rank's pace, where no rank is gone or hung (the rules weigh stragglers and ILD
+    only then), in the rounds the rules need: the last straggler windows (_recent_pace_round), the ILD drift
+    where a rank's could count as shifted (_ild_round), the older windows where the last ones do not decide
+    (_older_windows_round), the cumulative times where not every rank exports windows
+    (_cumulative_round)."""
+    summary, pace = _recent_pace_round(prometheus, faults, ild, stragglers)
+    _ild_round(prometheus.fetch, pace, ild)
+    snapshot = with_pace(faults, pace)
+    if summary is not None:
+        snapshot = snapshot.replaced(True, window_summary=summary)
+    elif not diagnosis.decided_by_last_windows(snapshot, stragglers):
+        snapshot = _older_windows_round(prometheus.fetch, faults, pace, stragglers)
+    if not diagnosis.judged_by_windows(snapshot):
+        snapshot = _cumulative_round(prometheus.fetch, faults, pace)
+    return snapshot
+
+
+def _recent_pace_round(
+    prometheus: PrometheusRun,
+    faults: Snapshot,
+    ild: diagnosis.IldPolicy,
+    stragglers: diagnosis.StragglerPolicy,
+) -> tuple[diagnosis.WindowSummary | None, dict[str, Series]]:
+    """Every rank's pace as the rules weigh it first, and the summary of its windows that stands for them
+    (None where none is read): the last straggler windows (PACE_QUERIES and the recent part of
+    recent_windows, 7 queries) and the ranks whose ILD drift could count as shifted (ild_candidates,
+    1 query), at once. Beyond LEAVE_ONE_OUT_RANKS, what the recording rules say of every rank's windows
+    (_window_summary) in their place where it stands for them, the candidates asked meanwhile."""
+    recent, _ = recent_windows(stragglers)
+    if faults.ranks_seen <= diagnosis.LEAVE_ONE_OUT_RANKS:
+        return None, prometheus.fetch(PACE_QUERIES | recent | ild_candidates(ild))
+    summary: diagnosis.WindowSummary | None = None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        screened = pool.submit(prometheus.fetch, ild_candidates(ild))
+        summarised = _window_summary(prometheus.answers, prometheus.fetch, faults, stragglers)
+        if summarised is None:
+            pace = prometheus.fetch(PACE_QUERIES | recent)
+        else:
+            summary, pace = summarised
+        pace |= screened.result()
+    return summary, pace
+
+
+def _window_summary(
+    answers: Answers,
+    fetch: Fetch,
+    faults: Snapshot,
+    policy: diagnosis.StragglerPolicy,
+) -> tuple[diagnosis.WindowSummary, dict[str, Series]] | None:
+    """What Prometheus's recording rules say of every rank's straggler windows, and the windows of the ranks
+    they could name, all as of the rules' last evaluation; None where the figures do not stand for every
+    live rank's windows (diagnosis.WindowSummary): no rules, not every live rank with each of the windows
+    and a best step time, windows not closed alike, a job-wide slowdown, more ranks to name than a
+    selector names. 3 queries (the evaluation time, then the figures and the ranks they could name), and
+    PACE_QUERIES (5 queries) of those ranks where there are any."""
+    (at_answer,) = answers(SUMMARY_AT_QUERY)
+    if not at_answer:
+        return None
+    at = float(at_answer[0]["value"][1])
+    queries = {"figures": SUMMARY_FIGURES, "candidates": summary_candidates(policy)}
+    found, named = answers(queries, at)
+    figures = {
+        (item["metric"].get("__name__", ""), item["metric"].get("ago", "")): float(item["value"][1])
+        for item in found
+    }
+    agos = [str(ago) for ago in reversed(range(policy.hold_windows))]  # the oldest window first
+    counts = [figures.get((rules.WINDOW_RANKS, ago)) for ago in agos]
+    counts.append(figures.get((rules.BEST_STEP_RANKS, "")))
+    first = figures.get((f"{rules.LAST_WINDOW}:min", ""))
+    last = figures.get((f"{rules.LAST_WINDOW}:max", ""))
+    slowest = figures.get((rules.SUMMARY_AT, ""))
+    candidates = sorted({int(item["metric"]["rank"]) for item in named if "rank" in item["metric"]})
+    if (
+        any(count != faults.ranks_seen for count in counts)
+        or first is None
+        or first != last
+        or slowest is None
+        or round(slowest, 4) >= 1 + policy.job_slowdown
+        or len(candidates) > MAX_NAMED_RANKS
+    ):
+        return None
+
+    def robust(prefix: str, ago: str = "") -> tuple[float, float]:
+        median, mad = (figures.get((f"{prefix}:{stat}", ago), math.nan) for stat in ("median", "mad"))
+        return median, 1.4826 * mad
+
+    per_window = tuple(robust(rules.WINDOW_SHARE, ago) for ago in agos)
+    pooled = robust(rules.POOLED_SHARE)
+    if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
+        return None
+    newest = int(last)
+    summary = diagnosis.WindowSummary(
+        tuple(range(newest - policy.hold_windows + 1, newest + 1)), faults.ranks_seen, per_window, pooled, at
+    )
+    return summary, (fetch(PACE_QUERIES, candidates, at=at) if candidates else {})
+
+
+def _ild_round(fetch: Fetch, pace: dict[str, Series], ild: diagnosis.IldPolicy) -> None:
+    """Every rank's ILD drift (ILD_QUERIES, 3 queries), added to `pace`, where a candidate of the recent pace
+    round (its `ild_candidates`, taken out) could count as shifted under `ild` (ild_screen, 1 query of the
+    candidates): its peers' medians decide. Most of the time no rank is a candidate and nothing is asked."""
+    candidates = sorted({int(labels["rank"]) for labels, _ in pace.pop("ild_candidates", [])})
+    if candidates and fetch(ild_screen(ild), _selectable(candidates)).get("ild_screen"):
+        pace.update(fetch(ILD_QUERIES))
+
+
+def _older_windows_round(
+    fetch: Fetch, faults: Snapshot, pace: dict[str, Series], stragglers: diagnosis.StragglerPolicy
+) -> Snapshot:
+    """`faults` with the pace read and every rank's older straggler windows (the older part of
+    recent_windows, 2 queries), added to `pace`: asked where the last windows do not decide
+    (diagnosis.decided_by_last_windows)."""
+    _, older = recent_windows(stragglers)
+    _extend(pace, fetch(older))
+    return with_pace(faults, pace)
+
+
+def _cumulative_round(fetch: Fetch, faults: Snapshot, pace: dict[str, Series]) -> Snapshot:
+    """`faults` with the pace read and every rank's cumulative step and collective times
+    (CUMULATIVE_QUERIES, 2 queries), added to `pace`: asked where not every rank exports straggler windows
+    (diagnosis.judged_by_windows)."""
+    pace.update(fetch(CUMULATIVE_QUERIES))
+    return with_pace(faults, pace)
+
+
+def _detail_round(fetch: Fetch, snapshot: Snapshot, named: Sequence[int]) -> Snapshot:
+    """`snapshot` with what explains the verdicts of the ranks `named` (progress, stack, GPU health):
+    NAMED_DETAIL_QUERIES of them, 3 queries; DETAIL_QUERIES of every rank, 15 queries, where more are named
+    than a selector names. Nothing is asked where no rank is named."""
+    if not named:
+        return snapshot
+    if len(named) > MAX_NAMED_RANKS:
+        return with_detail(snapshot, fetch(DETAIL_QUERIES))
+    return with_detail(snapshot, fetch(NAMED_DETAIL_QUERIES, named))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# asking Prometheus
+
+
+def _the_run(base_url: str, window: str, timeout: float, now: float) -> str:
+    """The one run whose ranks Prometheus scraped within `window` before `now`. Its index answers first (no
+    sample read: the query reads every rank's `window` of flare_rank_info, 0.1 to 0.3 s at 6,144 ranks);
+    where it names other than one run (it may name runs scraped before the window), the query decides: 1
+    request, or 2."""
+    where = f"Prometheus at {base_url}"
+    start = now - rules.duration_seconds(window, "flag --window")
+    named = promql.label_values(base_url, "run", "flare_rank_info", start, now, timeout)
+    if len(named) == 1 and named[0]:
+        return named[0]
+    runs = promql.query(base_url, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
+    return one_run([item["metric"].get("run", "") for item in runs], "", where)
+
+
+def _matcher(run: str) -> str:
+    """The matcher of `run` in a selector."""
+    escaped = run.replace("\\", "\\\\").replace('"', '\\"')
+    return f'run="{escaped}"'
+
+
+def _selectable(ranks: Sequence[int]) -> Sequence[int]:
+    """`ranks` to name in a selector; none (every rank) where they are more than MAX_NAMED_RANKS."""
+    return ranks if len(ranks) <= MAX_NAMED_RANKS else []
+
+
+def _extend(series: dict[str, Series], more: Mapping[str, Series]) -> None:
+    """`more` added to `series`, which may hold other series of the same metrics (other groups, windows)."""
+    for name, found in more.items():
+        series.setdefault(name, []).extend(found)
+
+
+REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$-")
+
+
+def _any_of(names: Sequence[str]) -> str:
+    """A PromQL regular expression (in a double-quoted string) that matches exactly the names given."""
+    escaped = ("".join("\\" + char if char in REGEX_SPECIAL else char for char in name) for name in names)
+    return "|".join(escaped).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
+    """build_snapshot over Prometheus's answers: a rank is up if Prometheus scrapes it and `up` is 1."""
+    liveness = {
+        int(labels["rank"]): Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
+        for labels, value in series.get("up", [])
+    }
+    for labels, _ in series.get("flare_rank_info", []):
+        liveness.setdefault(int(labels["rank"]), Liveness(False, "no longer scraped by Prometheus"))
+    return build_snapshot(series, liveness, now, run)
+
+
+PLACEHOLDERS = re.compile(r"\{sel_not_native\}|\{sel|\{window\}")
+
+
+def _fetch(
+    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+) -> dict[str, Series]:
+    """The answers to `queries` over the series that `matchers` select, at `now`, as series by metric name."""
+    series: dict[str, Series] = defaultdict(list)
+    for name, answer in zip(
+        queries, _answers(base_url, queries, matchers, window, timeout, now), strict=True
+    ):
+        for item in answer:
+            labels = item["metric"]
+            if "rank" in labels:
+                series[labels.pop("__name__", name)].append((labels, float(item["value"][1])))
+    return series
+
+
+def _answers(
+    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+) -> list[list[dict[str, Any]]]:
+    """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
+    values = {
+        "{sel_not_native}": f'{{{matchers}, group!="{spec.NATIVE_GROUP}"}}',
+        "{sel": f"{{{matchers}",  # `{sel}`, or `{sel, more="matchers"}`
+        "{window}": window,
+    }
+    # in one pass: a run's name may hold a placeholder's text
+    exprs = [PLACEHOLDERS.sub(lambda found: values[found.group()], template) for template in queries.values()]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs))

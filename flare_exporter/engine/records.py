@@ -1,0 +1,327 @@
+"""RankRecords from series by metric name (labels, value): what both sources of a Snapshot reduce to.
+
+The Prometheus source (prometheus_source) adds to the records round by round, each round's fields without
+building the records again (with_pace, with_detail); the direct scrape (scrape_source) builds them at once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from .. import spec
+from . import diagnosis
+from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
+
+Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
+ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
+
+# Since when each rank has had a collective in flight in each group: is a group hung? (every rank, faults)
+FLIGHT_STARTED = "flare_collective_in_flight_started_timestamp_seconds"
+# Which collective (op and state; its number and bytes): what a hang's verdict weighs only where no member
+# of the group is behind, or most are (diagnosis.what_hang_rules_read).
+FLIGHT_INFO = "flare_collective_in_flight_info"
+FLIGHT_NUMBERS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
+STRAGGLER_METRICS = (
+    "flare_straggler_last_window",
+    "flare_straggler_best_step_seconds",
+    "flare_straggler_window_step_seconds",
+    "flare_straggler_window_wait_seconds",
+)
+PROGRESS_METRICS = ("flare_heartbeat_timestamp_seconds", "flare_steps_total")
+ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds", "flare_ild_op_shift_seconds")
+
+
+class SourceError(RuntimeError):
+    """The source answered, but not with one run we can diagnose (no ranks, or several runs)."""
+
+
+class Liveness(NamedTuple):
+    up: bool
+    reason: str = ""
+    host: str = ""
+
+
+def build_snapshot(
+    series: Mapping[str, Series], liveness: Mapping[int, Liveness], now: float, run: str
+) -> Snapshot:
+    """RankRecords from series of one run; `liveness` says which ranks answered (others: only from series)."""
+    info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
+    world_size = max((int(labels.get("world_size", 0) or 0) for labels in info.values()), default=0)
+    ranks = set(info) | set(liveness) | set(range(world_size))
+    per_rank_groups = group_fields(series, now)
+    exceptions = {
+        int(labels["rank"]): labels["type"] for labels, _ in series.get("flare_rank_exception_info", [])
+    }
+    exception_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
+    heartbeat = _progress(series)["heartbeat"]
+    pace_fields = _pace_fields(series)
+    detail_fields = _detail_fields(series)
+
+    records = {}
+    for rank in sorted(ranks):
+        alive = liveness.get(rank)
+        if alive is None:
+            alive = Liveness(rank in info, "" if rank in info else "no endpoint answered for this rank")
+        exception, died_at = exceptions.get(rank, ""), exception_at.get(rank)
+        if (
+            exception
+            and alive.up
+            and died_at is not None
+            and died_at + 1.0 < heartbeat.get(rank, 0.0) <= now + 60
+        ):
+            # a restarted rank (same rank id): Prometheus's lookback still holds the exception its previous
+            # process died of, but the process answering now has made progress since (by more than clock
+            # jitter; a heartbeat from the future is no evidence); it is not gone
+            exception, died_at = "", None
+        records[rank] = RankRecord(
+            rank=rank,
+            up=alive.up,
+            down_reason=alive.reason,
+            host=info.get(rank, {}).get("host", "") or alive.host,
+            exception=exception,
+            exception_at=died_at,
+            **per_rank_groups.get(rank, {}),
+            **pace_fields.get(rank, {}),
+            **detail_fields.get(rank, {}),
+        )
+    return Snapshot(records, now, run, world_size)
+
+
+def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str, Any]]:
+    """Per rank, its process groups: sequence numbers issued and completed, the collective in flight.
+
+    At a hang of thousands of ranks this runs on the way to the verdict, once per round that reads groups,
+    over a series per member: each (rank, group) is looked up only in the series a round read."""
+
+    def per_group(name: str) -> dict[tuple[int, str], float]:
+        return {(int(labels["rank"]), labels["group"]): value for labels, value in series.get(name, [])}
+
+    issued = per_group("flare_collective_last_issued_seq")
+    completed = per_group("flare_collective_last_completed_seq")
+    flight_started = per_group(FLIGHT_STARTED)
+    # in flight since when, always; which collective (op and state, number and bytes) where read
+    flights = {key: InFlight("", 0, 0, "issued", started) for key, started in flight_started.items()}
+    if FLIGHT_INFO in series or any(name in series for name in FLIGHT_NUMBERS):
+        flight_seq, flight_bytes = (per_group(name) for name in FLIGHT_NUMBERS)
+        flight_info = {
+            (int(labels["rank"]), labels["group"]): labels for labels, _ in series.get(FLIGHT_INFO, [])
+        }
+        flights = {
+            key: InFlight(
+                (info := flight_info.get(key, {})).get("op", ""),
+                int(flight_seq.get(key, 0)),
+                int(flight_bytes.get(key, 0)),
+                info.get("state", "issued"),
+                flight_started.get(key, now),
+            )
+            for key in flight_started.keys() | flight_info.keys()
+        }
+    group_keys = issued.keys() | completed.keys() | flights.keys()
+    group_keys |= {
+        (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
+    }
+    newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
+    for (_, group), started in flight_started.items():
+        newest_issue[group] = max(started, newest_issue.get(group, started))
+    seen_before_stall = {
+        key
+        for key, at in per_group(ISSUED_AT).items()
+        if key[1] in newest_issue and at <= newest_issue[key[1]]
+    }
+    groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
+    for key in group_keys:
+        groups[key[0]][key[1]] = GroupState(
+            int(issued.get(key, 0)), int(completed.get(key, 0)), flights.get(key), key in seen_before_stall
+        )
+    return {rank: {"groups": found} for rank, found in groups.items()}
+
+
+def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
+    """RankRecord attribute (steps, heartbeat) -> rank -> its value (one series per rank; two rounds may
+    both have read it)."""
+    return {
+        attribute: {int(labels["rank"]): value for labels, value in series.get(name, [])}
+        for attribute, name in (
+            ("steps", "flare_steps_total"),
+            ("heartbeat", "flare_heartbeat_timestamp_seconds"),
+        )
+    }
+
+
+def _per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
+    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others)."""
+    values: dict[int, float] = defaultdict(float)
+    for labels, value in series.get(name, []):
+        if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
+            values[int(labels["rank"])] += value
+    return values
+
+
+# RankRecord field -> the metric it is read from, per distribution (label `distribution`)
+ILD_FIELDS = {
+    "ild_ks": "flare_ild_drift_ks",
+    "ild_wasserstein": "flare_ild_drift_wasserstein_seconds",
+    "ild_op_shift": "flare_ild_op_shift_seconds",
+}
+
+
+def _pace_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
+    """Per rank, the RankRecord fields that say how fast it goes (what the straggler and ILD rules weigh):
+    step and collective times over the window, straggler windows, ILD drift. A rank none of these series
+    name keeps the fields' defaults."""
+    fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    collective_seconds = _per_rank(series, "flare_collective_duration_seconds_sum")
+    step_seconds = _per_rank(series, "flare_step_duration_seconds_sum")
+    step_count = _per_rank(series, "flare_step_duration_seconds_count")
+    for rank in collective_seconds.keys() | step_seconds.keys() | step_count.keys():
+        fields[rank].update(
+            collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),
+            step_seconds=step_seconds.get(rank),
+            step_count=step_count.get(rank),
+        )
+    for field, name in ILD_FIELDS.items():
+        for labels, value in series.get(name, []):
+            fields[int(labels["rank"])].setdefault(field, {})[labels.get("distribution", "")] = value
+    for rank, found in _straggler_fields(series).items():
+        fields[rank].update(found)
+    return fields
+
+
+def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
+    """Per rank, the RankRecord fields of its straggler windows (numbered) and its best window."""
+    fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    last = {
+        int(labels["rank"]): int(value) for labels, value in series.get("flare_straggler_last_window", [])
+    }
+    waits = {
+        (int(labels["rank"]), labels.get("ago", "")): value
+        for labels, value in series.get("flare_straggler_window_wait_seconds", [])
+    }
+    for labels, step in series.get("flare_straggler_window_step_seconds", []):
+        rank, ago = int(labels["rank"]), labels.get("ago", "")
+        if rank in last and ago.isdigit() and (rank, ago) in waits:
+            fields[rank].setdefault("step_windows", {})[last[rank] - int(ago)] = (step, waits[rank, ago])
+    for labels, value in series.get("flare_straggler_best_step_seconds", []):
+        fields[int(labels["rank"])]["best_step_seconds"] = value
+    return fields
+
+
+# GpuState attribute -> the metric it is read from (besides flare_gpu_health_up and the clock events)
+GPU_METRICS = {
+    "sm_clock_hertz": "flare_gpu_sm_clock_hertz",
+    "sm_clock_max_hertz": "flare_gpu_sm_clock_max_hertz",
+    "pcie_link_generation": "flare_gpu_pcie_link_generation",
+    "pcie_link_generation_max": "flare_gpu_pcie_link_generation_max",
+    "pcie_link_width": "flare_gpu_pcie_link_width",
+    "pcie_link_width_max": "flare_gpu_pcie_link_width_max",
+    "temperature_celsius": "flare_gpu_temperature_celsius",
+    "xid_events": "flare_gpu_xid_events_total",
+    "last_xid": "flare_gpu_last_xid",
+    "row_remap_failed": "flare_gpu_row_remap_failed",
+}
+GPU_HEALTH_METRICS = ("flare_gpu_health_up", *GPU_METRICS.values())
+
+
+def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
+    """Per rank, the RankRecord fields that explain a verdict: its progress (steps, heartbeat), what it is
+    doing (its stack sample) and its GPU's health. Of these, only the heartbeat of a rank with an exception
+    decides anything (whether it restarted, which rank went first): the Prometheus source reads those first
+    (prometheus_source.PROGRESS_QUERIES)."""
+    fields: dict[int, dict[str, Any]] = defaultdict(dict)
+    for attribute, values in _progress(series).items():
+        for rank, value in values.items():
+            fields[rank][attribute] = value
+    for labels, _ in series.get("flare_rank_stack_info", []):
+        fields[int(labels["rank"])].update(
+            activity=labels.get("activity", ""), frames=labels.get("frames", "")
+        )
+
+    def gpu_values(name: str) -> dict[int, float]:
+        return {int(labels["rank"]): value for labels, value in series.get(name, [])}
+
+    events: dict[int, list[str]] = defaultdict(list)
+    for labels, value in series.get("flare_gpu_clock_event_active", []):
+        if value == 1:
+            events[int(labels["rank"])].append(labels.get("reason", ""))
+    scalars = {attribute: gpu_values(name) for attribute, name in GPU_METRICS.items()}
+    for rank, value in gpu_values("flare_gpu_health_up").items():
+        fields[rank]["gpu"] = GpuState(
+            up=value == 1,
+            clock_events=tuple(sorted(events.get(rank, []))),
+            **{attribute: values.get(rank) for attribute, values in scalars.items()},
+        )
+    return fields
+
+
+def with_detail(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
+    """The snapshot with the detail fields (see _detail_fields) that `series` holds of its ranks."""
+    return with_fields(snapshot, _detail_fields(series))
+
+
+def with_pace(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
+    """The snapshot with the pace fields (see _pace_fields) that `series` holds of its ranks: the same
+    records as build_snapshot makes from all the series at once, without building them again."""
+    return with_fields(snapshot, _pace_fields(series))
+
+
+def with_fields(snapshot: Snapshot, found: Mapping[int, Mapping[str, Any]]) -> Snapshot:
+    """The snapshot with the fields `found` of each rank replaced in its record; its group indexes kept
+    where no field they are built of changed (Snapshot.replaced)."""
+    ranks = {
+        rank: _replaced(record, found[rank]) if rank in found else record
+        for rank, record in snapshot.ranks.items()
+    }
+    groups_kept = not any(diagnosis.GROUP_INDEX_FIELDS.intersection(fields) for fields in found.values())
+    return snapshot.replaced(groups_kept, ranks=ranks)
+
+
+def _replaced(record: RankRecord, fields: Mapping[str, Any]) -> RankRecord:
+    """A copy of `record` with `fields` replaced, made as copy.copy makes one (its attributes set before
+    anyone sees it): 5 ms a round at 6,144 ranks, against 20 ms for RankRecord(**...) and more for
+    dataclasses.replace, which looks at every field anew."""
+    copied = object.__new__(RankRecord)
+    copied.__dict__.update(vars(record))
+    copied.__dict__.update(fields)
+    return copied
+
+
+def one_run(runs: Iterable[str], run: str, where: str) -> str:
+    """`run` if given, else the one run `runs` name; SourceError (of `where`) where they name none or
+    several."""
+    found = sorted(set(runs))
+    if run:
+        return run
+    if not found:
+        raise SourceError(f"{where}: no flare-exporter rank answered")
+    if len(found) > 1:
+        raise SourceError(f"{where}: several runs ({', '.join(found)}); choose one with --run")
+    return found[0]
+
+
+# Every metric build_snapshot reads (a direct scrape asks the ranks for these alone, and parses only these);
+# the Prometheus source's queries ask for each.
+SNAPSHOT_METRICS = frozenset(
+    [
+        "flare_rank_info",
+        "flare_process_group_info",
+        "flare_rank_exception_info",
+        "flare_rank_exception_timestamp_seconds",
+        "flare_heartbeat_timestamp_seconds",
+        "flare_collective_last_issued_seq",
+        "flare_collective_last_completed_seq",
+        FLIGHT_STARTED,
+        FLIGHT_INFO,
+        *FLIGHT_NUMBERS,
+        *STRAGGLER_METRICS,
+        *ILD_METRICS,
+        "flare_step_duration_seconds_count",
+        "flare_step_duration_seconds_sum",
+        "flare_collective_duration_seconds_sum",
+        "flare_rank_stack_info",
+        "flare_steps_total",
+        *GPU_HEALTH_METRICS,
+        "flare_gpu_clock_event_active",
+    ]
+)
