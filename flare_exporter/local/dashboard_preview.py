@@ -31,7 +31,7 @@ from .jobs import ObservedJob
 from .prometheus import PrometheusProcess, wait_for
 from .workloads import train_ddp
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "dashboards"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "dashboards"
 RANKS = 4
 RUN = "flare-preview"
 HANG_SECONDS = 4.0
@@ -253,84 +253,135 @@ def _style(axes: Any, title: str) -> None:
 def _draw_panel(
     axes: Any, panel: Mapping[str, Any], url: str, window: Window, values: Mapping[str, str], title: str
 ) -> None:
+    """Draw what the panel's queries return over `window` into `axes`, as the panel's kind shows it."""
     _style(axes, title)
+    results = _results(panel, url, window, values)
+    kind = panel["type"]
+    if not results:
+        _no_data(axes)
+    elif kind == "timeseries":
+        _draw_timeseries(axes, panel, results, window)
+    elif kind == "heatmap":
+        _heatmap(axes, results, window)
+    elif kind == "state-timeline":
+        _draw_state_timeline(axes, panel, results, window)
+    elif kind in ("stat", "gauge", "bargauge"):
+        _draw_last_values(axes, panel, results)
+    elif kind == "table":
+        _draw_table(axes, panel, results)
+
+
+def _results(
+    panel: Mapping[str, Any], url: str, window: Window, values: Mapping[str, str]
+) -> list[tuple[str, Series]]:
+    """Every series the panel's queries return, each with its legend."""
     results: list[tuple[str, Series]] = []
     for target in panel["targets"]:
         expr = dashboards.substitute(target["expr"], values)
         for series in evaluate(url, expr, bool(target.get("instant")), window):
             results.append((_legend(target.get("legendFormat", ""), series.labels), series))
-    kind = panel["type"]
-    unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
-    if not results:
-        axes.text(0.5, 0.5, "No data", color="#8e8e8e", ha="center", va="center", transform=axes.transAxes)
-        axes.set_xticks([])
-        axes.set_yticks([])
-    elif kind == "timeseries":
-        for label, series in results:
-            times = [t - window.start for t, _ in series.points]
-            axes.plot(times, [v for _, v in series.points], label=label, linewidth=1.2)
-        axes.set_xlabel("seconds into the run", color="#ccccdc", fontsize=7)
-        if unit:
-            axes.set_ylabel(unit, color="#ccccdc", fontsize=7)
-        axes.legend(fontsize=6, loc="upper left", ncols=2, framealpha=0.3)
-    elif kind == "heatmap":
-        _heatmap(axes, results, window)
-    elif kind == "state-timeline":
-        for row, (_, series) in enumerate(results):
-            for t, v in series.points:
-                axes.barh(row, window.step, left=t - window.start, color=_color(panel, v), height=0.8)
-        axes.set_yticks(range(len(results)), [label for label, _ in results], fontsize=7)
-        axes.set_xlabel("seconds into the run", color="#ccccdc", fontsize=7)
-    elif kind in ("stat", "gauge", "bargauge"):
-        labels = [label or "value" for label, _ in results]
-        numbers = [series.points[-1][1] for _, series in results]
-        if kind == "stat" and len(results) == 1:
-            axes.text(
-                0.5,
-                0.45,
-                _number(numbers[0], unit),
-                color="#73bf69",
-                fontsize=26,
-                ha="center",
-                va="center",
-                transform=axes.transAxes,
-            )
-            axes.set_xticks([])
-            axes.set_yticks([])
-        else:
-            axes.barh(range(len(numbers)), numbers, color=[_color(panel, n) for n in numbers])
-            axes.set_yticks(range(len(numbers)), labels, fontsize=7)
-            axes.invert_yaxis()
-            for row, number in enumerate(numbers):
-                axes.text(number, row, " " + _number(number, unit), color="white", fontsize=7, va="center")
-    elif kind == "table":
-        hidden = set()
-        for transformation in panel.get("transformations", []):
-            hidden |= set(transformation.get("options", {}).get("excludeByName", {}))
-        columns = sorted({key for _, series in results for key in series.labels} - hidden)
-        if "Value" not in hidden:
-            columns.append("Value")
-        rows = [
-            [
-                series.labels.get(column, "") if column != "Value" else _number(series.points[-1][1], unit)
-                for column in columns
-            ]
-            for _, series in results
-        ]
-        axes.set_xticks([])
-        axes.set_yticks([])
-        table = axes.table(
-            cellText=[[cell[:60] for cell in row] for row in rows],
-            colLabels=columns,
-            loc="upper left",
-            cellLoc="left",
+    return results
+
+
+def _unit(panel: Mapping[str, Any]) -> str:
+    return str(panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""))
+
+
+def _hide_ticks(axes: Any) -> None:
+    axes.set_xticks([])
+    axes.set_yticks([])
+
+
+def _no_data(axes: Any) -> None:
+    axes.text(0.5, 0.5, "No data", color="#8e8e8e", ha="center", va="center", transform=axes.transAxes)
+    _hide_ticks(axes)
+
+
+def _draw_timeseries(
+    axes: Any, panel: Mapping[str, Any], results: list[tuple[str, Series]], window: Window
+) -> None:
+    """One line per series, over the seconds into the run."""
+    for label, series in results:
+        times = [t - window.start for t, _ in series.points]
+        axes.plot(times, [v for _, v in series.points], label=label, linewidth=1.2)
+    axes.set_xlabel("seconds into the run", color="#ccccdc", fontsize=7)
+    if _unit(panel):
+        axes.set_ylabel(_unit(panel), color="#ccccdc", fontsize=7)
+    axes.legend(fontsize=6, loc="upper left", ncols=2, framealpha=0.3)
+
+
+def _draw_state_timeline(
+    axes: Any, panel: Mapping[str, Any], results: list[tuple[str, Series]], window: Window
+) -> None:
+    """One band per series, each step colored by the panel's thresholds."""
+    for row, (_, series) in enumerate(results):
+        for t, v in series.points:
+            axes.barh(row, window.step, left=t - window.start, color=_color(panel, v), height=0.8)
+    axes.set_yticks(range(len(results)), [label for label, _ in results], fontsize=7)
+    axes.set_xlabel("seconds into the run", color="#ccccdc", fontsize=7)
+
+
+def _draw_last_values(axes: Any, panel: Mapping[str, Any], results: list[tuple[str, Series]]) -> None:
+    """Each series' last value: a stat's one value as a big number, else as colored bars."""
+    unit = _unit(panel)
+    numbers = [series.points[-1][1] for _, series in results]
+    if panel["type"] == "stat" and len(results) == 1:
+        axes.text(
+            0.5,
+            0.45,
+            _number(numbers[0], unit),
+            color="#73bf69",
+            fontsize=26,
+            ha="center",
+            va="center",
+            transform=axes.transAxes,
         )
-        table.auto_set_font_size(False)
-        table.set_fontsize(7)
-        for cell in table.get_celld().values():
-            cell.set_facecolor("#181b1f")
-            cell.set_edgecolor("#2c3235")
-            cell.get_text().set_color("white")
+        _hide_ticks(axes)
+        return
+    axes.barh(range(len(numbers)), numbers, color=[_color(panel, n) for n in numbers])
+    axes.set_yticks(range(len(numbers)), [label or "value" for label, _ in results], fontsize=7)
+    axes.invert_yaxis()
+    for row, number in enumerate(numbers):
+        axes.text(number, row, " " + _number(number, unit), color="white", fontsize=7, va="center")
+
+
+def _draw_table(axes: Any, panel: Mapping[str, Any], results: list[tuple[str, Series]]) -> None:
+    """One row per series: its labels and last value, but the columns the panel hides."""
+    columns, rows = _table_cells(panel, results)
+    _hide_ticks(axes)
+    table = axes.table(
+        cellText=[[cell[:60] for cell in row] for row in rows],
+        colLabels=columns,
+        loc="upper left",
+        cellLoc="left",
+    )
+    table.auto_set_font_size(False)
+    table.set_fontsize(7)
+    for cell in table.get_celld().values():
+        cell.set_facecolor("#181b1f")
+        cell.set_edgecolor("#2c3235")
+        cell.get_text().set_color("white")
+
+
+def _table_cells(
+    panel: Mapping[str, Any], results: list[tuple[str, Series]]
+) -> tuple[list[str], list[list[str]]]:
+    """The table's columns (labels, then Value) and its rows, without the hidden columns."""
+    hidden: set[str] = set()
+    for transformation in panel.get("transformations", []):
+        hidden |= set(transformation.get("options", {}).get("excludeByName", {}))
+    columns = sorted({key for _, series in results for key in series.labels} - hidden)
+    if "Value" not in hidden:
+        columns.append("Value")
+    unit = _unit(panel)
+    rows = [
+        [
+            series.labels.get(column, "") if column != "Value" else _number(series.points[-1][1], unit)
+            for column in columns
+        ]
+        for _, series in results
+    ]
+    return columns, rows
 
 
 def _heatmap(axes: Any, results: list[tuple[str, Series]], window: Window) -> None:
