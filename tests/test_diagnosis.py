@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from flare_exporter import causes
 from flare_exporter.engine.diagnosis import (
     KINDS,
     LEAVE_ONE_OUT_RANKS,
@@ -471,7 +472,8 @@ def test_to_json_keys_and_serialisable():
     verdicts = _many_faults()
     for verdict in verdicts:
         data = verdict.to_json()
-        assert set(data) == {"kind", "ranks", "domain", "group", "summary", "evidence"}
+        assert set(data) == {"kind", "cause", "ranks", "domain", "group", "summary", "evidence"}
+        assert data["cause"] in causes.CAUSES and data["cause"] != "unknown"
         assert json.loads(json.dumps(data)) == data
     assert verdicts[0].to_json()["ranks"] == [13, 14]
     assert verdicts[0].to_json()["group"] == "c-host"

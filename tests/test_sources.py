@@ -308,7 +308,7 @@ def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds
     monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
     queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(diagnosis.StragglerPolicy())[0]}
     prometheus_source._fetch(
-        "http://x", queries, prometheus_source._matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
+        "http://x", queries, prometheus_source.matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
     )
     run = 'run="a{sel}{window}{sel_not_native}"'
     assert sorted(sent) == sorted(

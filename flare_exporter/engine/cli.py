@@ -1,14 +1,19 @@
 """The `flare` command: which rank, and why?
 
-    flare diagnose   (--prometheus URL | --targets FILE|DIR) [--run RUN] [--json] [--hang-seconds S]
+    flare diagnose   (--prometheus URL | --targets FILE|DIR | --incidents DIR) [--run RUN] [--json] [--at T]
     flare ranks      ...   one line per rank: step, heartbeat age, in-flight op and its state
     flare hang       ...   each process group: in flight, how long, who is behind
     flare stragglers ...   each rank's step time, collective wait per step and straggler score
+    flare report     [--prometheus URL] [--targets FILE|DIR] [--incidents DIR] [--out FILE] [--json]
+                           the incident report of a run that is gone: who went first, why, and when
     flare rules [--for D] [--selector M] [--scrape-interval D]   the Prometheus rules for this config
 
 `--prometheus` reads the Prometheus HTTP API (a fixed number of queries, whatever the rank count);
 `--targets` scrapes the ranks' /metrics directly: a file of host:port lines, a file_sd JSON file, or a
-directory of them (what FLARE_FILE_SD_DIR holds). The hang threshold is --hang-seconds, else
+directory of them (what FLARE_FILE_SD_DIR holds); `--incidents` reads the incident files the ranks left.
+When no rank of the run answers, the run is gone: the verdict comes from each rank's last word instead
+(post_mortem.py), from Prometheus's history within --window before --at (default: now), or from the
+incident files beside the targets (their `incidents` subdirectory). The hang threshold is --hang-seconds, else
 FLARE_HANG_SECONDS / the config file's hang_seconds, else 300 s; the per-op shift that counts as an ILD
 regression likewise (--ild-op-shift-seconds, FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
 
@@ -19,6 +24,7 @@ rank answered, or several runs and no --run).
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -28,7 +34,7 @@ from typing import Any
 
 from .. import config as config_module
 from ..mixin import rules
-from . import diagnosis, scrape, sources
+from . import diagnosis, history_source, incident_source, post_mortem, report, scrape, sources
 from .diagnosis import Snapshot, Verdict
 from .promql import PrometheusError
 from .targets import TargetsError, read_targets
@@ -156,7 +162,8 @@ def format_verdicts(verdicts: list[Verdict]) -> list[str]:
     for verdict in verdicts:
         culprits = f"rank {_ranks(list(verdict.ranks))}" if verdict.ranks else "no single rank"
         group = f" [group {verdict.group}]" if verdict.group else ""
-        lines.append(f"{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}: {verdict.summary}")
+        head = f"{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
+        lines.append(f"{head}: {verdict.summary}")
     return lines
 
 
@@ -211,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="FILE|DIR",
             help="scrape the ranks directly: host:port lines, a file_sd JSON file, or a directory of them",
         )
+        source.add_argument("--incidents", metavar="DIR", help="the incident files of a run that is gone")
+        _add_post_mortem_arguments(command)
         command.add_argument("--run", default="", help="the run to diagnose (needed when several are seen)")
         command.add_argument("--json", action="store_true", help="print one JSON object for programs")
         rules.add_engine_arguments(command)
@@ -234,11 +243,37 @@ def build_parser() -> argparse.ArgumentParser:
             default="",
             help=f"user for basic auth; the password is read from {PASSWORD_ENV}",
         )
+    _add_report_command(commands)
     rules_command = commands.add_parser(
         "rules", help="print the Prometheus recording and alert rules", description=rules.__doc__
     )
     rules.add_arguments(rules_command)
     return parser
+
+
+def _add_post_mortem_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--at",
+        metavar="TIME",
+        default=None,
+        help="a past incident: Prometheus's history as of TIME (Unix seconds or ISO 8601; UTC if no zone)",
+    )
+
+
+def _add_report_command(commands: Any) -> None:
+    text = "the incident report of a run that is gone: the originating rank, the cause, a timeline"
+    command = commands.add_parser("report", help=text, description=text)
+    command.add_argument("--prometheus", metavar="URL", help="read the run's history from this Prometheus")
+    command.add_argument(
+        "--targets", metavar="FILE|DIR", help="the file_sd targets: the incident files beside"
+    )
+    command.add_argument("--incidents", metavar="DIR", help="the directory of the ranks' incident files")
+    command.add_argument("--run", default="", help="the run (needed when several are seen)")
+    command.add_argument("--window", default="10m", help="Prometheus lookback before --at (default 10m)")
+    _add_post_mortem_arguments(command)
+    command.add_argument("--timeout", type=float, default=5.0, help="seconds per query (default 5)")
+    command.add_argument("--out", metavar="FILE", default="", help="write the Markdown report here")
+    command.add_argument("--json", action="store_true", help="print one JSON object for programs")
 
 
 PASSWORD_ENV = "FLARE_BASIC_AUTH_PASSWORD"
@@ -286,37 +321,146 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """A diagnosis command (diagnose, ranks, hang, stragglers) with its parsed `args`: main's exit code."""
+    """A diagnosis command (diagnose, ranks, hang, stragglers, report) with its parsed `args`: main's exit
+    code."""
     try:
+        if args.command == "report":
+            return _report(args)
         config = rules.engine_config(args)
-        hang_seconds = config.hang_seconds
         ild = diagnosis.IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
-        if not 0 < args.timeout <= 3600:  # also refuses nan
-            raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
-        if args.prometheus:
-            rules.duration_seconds(args.window, "flag --window")
-            snapshot = sources.from_prometheus(
-                args.prometheus,
-                args.run,
-                args.window,
-                args.timeout,
-                _detail_for(args.command, hang_seconds, ild),
-                hang_seconds,
-                ild,
-            )
-            source = f"prometheus {args.prometheus}"
-        else:
-            snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
-            source = f"targets {args.targets}"
-    except (config_module.ConfigError, TargetsError, PrometheusError, scrape.ScrapeError) as error:
+        _check_common(args)
+        if args.incidents or args.at is not None:
+            return _print_dead_run(args, _dead_run(args))
+        snapshot, source = _snapshot(args, config.hang_seconds, ild)
+        if snapshot.ranks_seen == 0:
+            return _print_dead_run(args, _dead_run(args))
+    except ENGINE_ERRORS as error:
         print(f"flare: {error}", file=sys.stderr)
         return EXIT_USAGE
     except sources.SourceError as error:
         print(f"flare: cannot decide: {error}", file=sys.stderr)
         return EXIT_UNDECIDED
-    if snapshot.ranks_seen == 0:
-        print(f"flare: cannot decide: no rank of run {snapshot.run!r} answered ({source})", file=sys.stderr)
-        return EXIT_UNDECIDED
+    return _print_snapshot(args, snapshot, source, config.hang_seconds, ild)
+
+
+ENGINE_ERRORS = (
+    config_module.ConfigError,
+    TargetsError,
+    PrometheusError,
+    scrape.ScrapeError,
+    incident_source.IncidentError,
+)
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag if --timeout, --window or --at is not usable."""
+    if not 0 < args.timeout <= 3600:  # also refuses nan
+        raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
+    rules.duration_seconds(args.window, "flag --window")
+    args.at = parse_time(args.at) if isinstance(args.at, str) else args.at
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds from `text`: a number, or ISO 8601 (UTC where it names no zone)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            moment = datetime.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise config_module.ConfigError(
+                f"flag --at: {text!r} is neither Unix seconds nor an ISO 8601 time (2026-12-05T03:30:00Z)"
+            ) from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=datetime.timezone.utc)
+        seconds = moment.timestamp()
+    if not 0 < seconds < 2**33:
+        raise config_module.ConfigError(f"flag --at: {text!r} is not a time after 1970 and before 2242")
+    return seconds
+
+
+def _snapshot(
+    args: argparse.Namespace, hang_seconds: float, ild: diagnosis.IldPolicy
+) -> tuple[Snapshot, str]:
+    """The live snapshot the source flags name, and the source's name."""
+    if args.prometheus:
+        detail_for = _detail_for(args.command, hang_seconds, ild)
+        snapshot = sources.from_prometheus(
+            args.prometheus, args.run, args.window, args.timeout, detail_for, hang_seconds, ild
+        )
+        return snapshot, f"prometheus {args.prometheus}"
+    snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
+    return snapshot, f"targets {args.targets}"
+
+
+def _dead_run(args: argparse.Namespace) -> post_mortem.DeadRun:
+    """Every rank's last word, from the sources the flags name (Prometheus's history, incident files)."""
+    found = []
+    if args.prometheus:
+        found.append(
+            history_source.dead_run_from_prometheus(
+                args.prometheus, args.run, args.window, args.timeout, args.at
+            )
+        )
+    for directory in (args.incidents, args.targets):
+        if directory and (args.incidents or _has_incidents(directory)):
+            run = args.run or (found[0].run if found else "")
+            found.append(incident_source.dead_run_from_incidents(directory, run))
+    if not found:
+        what = args.targets or args.incidents or args.prometheus
+        raise sources.SourceError(f"no rank answered and no incident file lies in {what}")
+    return post_mortem.merge_runs(found)
+
+
+def _has_incidents(path: str) -> bool:
+    directory = incident_source.incident_directory(path)
+    return os.path.isdir(directory) and any(name.endswith(".json") for name in os.listdir(directory))
+
+
+def _print_dead_run(args: argparse.Namespace, run: post_mortem.DeadRun) -> int:
+    """A dead run's verdict, as diagnose prints a live one (JSON with the same keys, and the timeline)."""
+    found = report.incident_report(run)
+    if args.json:
+        result = {
+            "run": run.run,
+            "source": run.source,
+            "timestamp_seconds": found["ended_timestamp_seconds"],
+            "world_size": run.world_size,
+            "ranks_seen": 0,
+            "post_mortem": True,
+            "verdicts": found["verdicts"],
+            "timeline": found["timeline"],
+        }
+        print(json.dumps(result, indent=2))
+    else:
+        heard = f"post-mortem of {len(run.ranks)} ranks' last words"
+        header = f"run {run.run}: no rank answers; {heard} ({run.source})"
+        lines = report.verdict_lines(found["verdicts"]) or ["no rank ended the run: no anomaly found"]
+        events = [f"  {event['rank']:>5}  {event['event']}" for event in found["timeline"]]
+        print("\n".join([header, *lines, "", "timeline:", *events]))
+    return EXIT_ANOMALY if found["verdicts"] else EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    """`flare report`: the incident report of a dead run, as Markdown (--out) and/or JSON (--json)."""
+    if not (args.prometheus or args.targets or args.incidents):
+        raise config_module.ConfigError("flare report: name a source: --prometheus, --targets or --incidents")
+    _check_common(args)
+    found = report.incident_report(_dead_run(args))
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(report.markdown(found))
+    if args.json:
+        print(json.dumps(found, indent=2))
+    elif not args.out:
+        print(report.markdown(found), end="")
+    return EXIT_ANOMALY if found["verdicts"] else EXIT_OK
+
+
+def _print_snapshot(
+    args: argparse.Namespace, snapshot: Snapshot, source: str, hang_seconds: float, ild: diagnosis.IldPolicy
+) -> int:
+    """The live verdicts of a snapshot, and the command's view."""
     verdicts = diagnosis.diagnose(snapshot, hang_seconds, ild=ild)
     _, counts = COMMANDS[args.command]
     shown = [verdict for verdict in verdicts if counts(verdict)]

@@ -38,10 +38,11 @@ from typing import Any, NamedTuple
 
 from ..policies import IldPolicy, StragglerPolicy
 from ..spec import GPU_SLOWDOWN_REASONS
+from .verdict_causes import cause_of
 
 # Verdict kinds, most severe first.
 KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regression")
-DOMAINS = ("rank", "host", "group", "job")
+DOMAINS = ("rank", "host", "switch", "rack", "group", "job")
 
 
 # InFlight and GroupState are NamedTuples, not frozen dataclasses: a source builds one of each per rank and
@@ -82,6 +83,7 @@ class RankRecord:
     frames: str = ""
     exception: str = ""  # type of the exception that ended the rank
     exception_at: float | None = None
+    exception_cause: str = ""  # its cause, as the rank classified it (flare_exporter.causes)
     collective_seconds: float | None = None  # time in collectives over the window (stragglers)
     step_seconds: float | None = None  # time in steps over the window
     step_count: float | None = None  # steps over the window
@@ -194,10 +196,12 @@ class Verdict:
     summary: str
     evidence: dict[str, Any]
     group: str | None = None
+    cause: str = "unknown"  # one of flare_exporter.causes.CAUSES (verdict_causes.py sets it)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
+            "cause": self.cause,
             "ranks": list(self.ranks),
             "domain": self.domain,
             "group": self.group,
@@ -236,8 +240,16 @@ def diagnose(
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
         verdicts.extend(ild_verdicts(snapshot, ild or IldPolicy()))
-    verdicts = [host_verdict(snapshot, verdict) for verdict in verdicts]
+    verdicts = [host_verdict(snapshot, with_cause(snapshot, verdict)) for verdict in verdicts]
     return sorted(_unique(verdicts), key=lambda verdict: KINDS.index(verdict.kind))
+
+
+def with_cause(snapshot: Snapshot, verdict: Verdict) -> Verdict:
+    """`verdict` with its cause set, where it has none yet (verdict_causes.py)."""
+    if verdict.cause != "unknown":
+        return verdict
+    culprits = [snapshot.ranks[rank] for rank in verdict.ranks if rank in snapshot.ranks]
+    return dataclasses.replace(verdict, cause=cause_of(verdict.kind, verdict.domain, culprits))
 
 
 def _unique(verdicts: list[Verdict]) -> list[Verdict]:
@@ -1122,6 +1134,7 @@ def host_verdict(snapshot: Snapshot, verdict: Verdict) -> Verdict:
         f"host {host}: {verdict.summary}",
         {"host": host, "ranks_on_host": on_host, "kind": verdict.kind, "because": verdict.evidence},
         verdict.group,
+        verdict.cause,
     )
 
 

@@ -58,7 +58,7 @@ def _current(names: Iterable[str], labels: str) -> dict[str, str]:
 FAULT_QUERIES = {
     "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
     "flare_rank_exception_info": (
-        "max by (rank, type) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
+        "max by (rank, type, cause) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
     ),
     "flare_rank_exception_timestamp_seconds": (
         "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
@@ -243,8 +243,8 @@ def from_prometheus(
     without building them again.
     """
     now = time.time()
-    run = run or _the_run(base_url, window, timeout, now)
-    prometheus = PrometheusRun(base_url, _matcher(run), window, timeout, now)
+    run = run or the_run(base_url, window, timeout, now)
+    prometheus = PrometheusRun(base_url, matcher(run), window, timeout, now)
     fetch = prometheus.fetch
     if detail_for is None:
         return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
@@ -268,7 +268,7 @@ class PrometheusRun:
     """Where the rounds ask their queries: one run's series at one Prometheus, as of `now`."""
 
     base_url: str
-    matchers: str  # the run's matchers in a selector (_matcher)
+    matchers: str  # the run's matchers in a selector (matcher)
     window: str
     timeout: float
     now: float
@@ -599,7 +599,7 @@ def _detail_round(fetch: Fetch, snapshot: Snapshot, named: Sequence[int]) -> Sna
 # asking Prometheus
 
 
-def _the_run(base_url: str, window: str, timeout: float, now: float) -> str:
+def the_run(base_url: str, window: str, timeout: float, now: float) -> str:
     """The one run whose ranks Prometheus scraped within `window` before `now`. Its index answers first (no
     sample read: the query reads every rank's `window` of flare_rank_info, 0.1 to 0.3 s at 6,144 ranks);
     where it names other than one run (it may name runs scraped before the window), the query decides: 1
@@ -613,7 +613,7 @@ def _the_run(base_url: str, window: str, timeout: float, now: float) -> str:
     return one_run([item["metric"].get("run", "") for item in runs], "", where)
 
 
-def _matcher(run: str) -> str:
+def matcher(run: str) -> str:
     """The matcher of `run` in a selector."""
     escaped = run.replace("\\", "\\\\").replace('"', '\\"')
     return f'run="{escaped}"'

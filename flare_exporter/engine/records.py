@@ -51,9 +51,10 @@ def build_snapshot(
     world_size = max((int(labels.get("world_size", 0) or 0) for labels in info.values()), default=0)
     ranks = set(info) | set(liveness) | set(range(world_size))
     per_rank_groups = group_fields(series, now)
-    exceptions = {
-        int(labels["rank"]): labels["type"] for labels, _ in series.get("flare_rank_exception_info", [])
+    exception_info = {
+        int(labels["rank"]): labels for labels, _ in series.get("flare_rank_exception_info", [])
     }
+    exceptions = {rank: labels["type"] for rank, labels in exception_info.items()}
     exception_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
     heartbeat = _progress(series)["heartbeat"]
     pace_fields = _pace_fields(series)
@@ -82,6 +83,7 @@ def build_snapshot(
             host=info.get(rank, {}).get("host", "") or alive.host,
             exception=exception,
             exception_at=died_at,
+            exception_cause=exception_info.get(rank, {}).get("cause", "") if exception else "",
             **per_rank_groups.get(rank, {}),
             **pace_fields.get(rank, {}),
             **detail_fields.get(rank, {}),

@@ -1,0 +1,141 @@
+"""A dead run's last words from Prometheus's history: what each rank exported last before it vanished.
+
+One round of queries (HISTORY_QUERIES, 13, whatever the rank count), evaluated at `at` (now, or a past
+incident's time) over `window` before it. Values look back (`last_over_time`); when a rank was last scraped
+comes from the timestamps of its own samples (`timestamp()` in a subquery whose step is at most a second
+per window/600, so no scrape falls between two steps at the scrape intervals flare's ranks are scraped at).
+A collective counts as in flight at the end only if the rank's last scrape still held it: a series that
+vanished earlier (it completed) has an older last timestamp than the rank's last scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+
+from ..mixin import rules
+from . import prometheus_source
+from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
+from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields
+
+LAST_SEEN = "last_seen"  # when each rank was last scraped
+FLIGHT_SEEN = "flight_seen"  # when each (rank, group)'s in-flight collective was last scraped
+TERMINATED = "flare_rank_terminated_timestamp_seconds"
+
+
+def history_queries(step: str) -> dict[str, str]:
+    """The queries of one round; `step` is the subquery resolution of the last-scrape times."""
+    last = "last_over_time({name}{{sel}}[{{window}}])"
+
+    def looked_back(name: str, labels: str = "") -> str:
+        return f"max by (rank{labels}) ({last.format(name=name)})"
+
+    def last_scraped(name: str, labels: str) -> str:
+        return f"max by (rank{labels}) (max_over_time(timestamp({name}{{sel}})[{{window}}:{step}]))"
+
+    return {
+        "flare_rank_info": looked_back("flare_rank_info", ", host, world_size, switch, rack"),
+        LAST_SEEN: last_scraped("flare_rank_info", ""),
+        "flare_rank_exception_info": looked_back("flare_rank_exception_info", ", type, cause"),
+        "flare_rank_exception_timestamp_seconds": looked_back("flare_rank_exception_timestamp_seconds"),
+        TERMINATED: looked_back(TERMINATED, ", signal, sender"),
+        "flare_heartbeat_timestamp_seconds": looked_back("flare_heartbeat_timestamp_seconds"),
+        "flare_steps_total": looked_back("flare_steps_total"),
+        "flare_collective_last_issued_seq": looked_back("flare_collective_last_issued_seq", ", group"),
+        "flare_collective_last_completed_seq": looked_back("flare_collective_last_completed_seq", ", group"),
+        FLIGHT_STARTED: looked_back(FLIGHT_STARTED, ", group"),
+        FLIGHT_SEEN: last_scraped(FLIGHT_STARTED, ", group"),
+        FLIGHT_INFO: looked_back(FLIGHT_INFO, ", group, op, state"),
+        **{name: looked_back(name, ", group") for name in FLIGHT_NUMBERS},
+    }
+
+
+def subquery_step(window_seconds: float) -> str:
+    """At least one step per second of the window up to 600 steps, then window/600 (whole seconds)."""
+    return f"{max(1, round(window_seconds / 600))}s"
+
+
+def dead_run_from_prometheus(
+    base_url: str, run: str = "", window: str = "10m", timeout: float = 10.0, at: float | None = None
+) -> DeadRun:
+    """Every rank's last word of `run` (the one run seen within `window`, if not given) as of `at` (now)."""
+    now = time.time() if at is None else at
+    seconds = rules.duration_seconds(window, "flag --window")
+    run = run or prometheus_source.the_run(base_url, window, timeout, now)
+    prometheus = prometheus_source.PrometheusRun(
+        base_url, prometheus_source.matcher(run), window, timeout, now
+    )
+    series = prometheus.fetch(history_queries(subquery_step(seconds)))
+    if not series.get("flare_rank_info"):
+        raise SourceError(
+            f"Prometheus at {base_url}: no rank of run {run!r} was scraped in the {window} before "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(now))} UTC (widen --window or set --at)"
+        )
+    return dead_run(series, run, f"prometheus {base_url}", now)
+
+
+def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) -> DeadRun:
+    """The DeadRun Prometheus's answers describe (pure: the answers in, the last words out)."""
+    info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
+    last_seen = _per_rank(series, LAST_SEEN)
+    groups = group_fields(_at_the_end(series, last_seen), now)
+    exceptions = _exceptions(series)
+    terminations = {
+        int(labels["rank"]): Termination(labels.get("signal", ""), labels.get("sender", "unknown"), value)
+        for labels, value in series.get(TERMINATED, [])
+    }
+    heartbeat = _per_rank(series, "flare_heartbeat_timestamp_seconds")
+    steps = _per_rank(series, "flare_steps_total")
+    words = {
+        rank: LastWord(
+            rank,
+            host=labels.get("host", ""),
+            topology={key: labels[key] for key in ("switch", "rack") if labels.get(key)},
+            last_seen=last_seen.get(rank),
+            heartbeat=heartbeat.get(rank),
+            steps=steps.get(rank),
+            groups=groups.get(rank, {}).get("groups", {}),
+            exception=exceptions.get(rank),
+            terminated=terminations.get(rank),
+            sources=("prometheus",),
+        )
+        for rank, labels in info.items()
+    }
+    world_size = max((int(labels.get("world_size") or 0) for labels in info.values()), default=0)
+    return DeadRun(run, world_size, words, source)
+
+
+def _per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
+    return {int(labels["rank"]): value for labels, value in series.get(name, [])}
+
+
+def _exceptions(series: Mapping[str, Series]) -> dict[int, ExceptionWord]:
+    raised_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
+    return {
+        int(labels["rank"]): ExceptionWord(
+            labels.get("type", ""),
+            labels.get("cause", "") or "software_exception",
+            raised_at.get(int(labels["rank"])),
+        )
+        for labels, _ in series.get("flare_rank_exception_info", [])
+    }
+
+
+def _at_the_end(series: Mapping[str, Series], last_seen: Mapping[int, float]) -> dict[str, Series]:
+    """`series` with only the in-flight collectives each rank's last scrape still held."""
+    held = {
+        _rank_group(labels)
+        for labels, value in series.get(FLIGHT_SEEN, [])
+        if value >= last_seen.get(int(labels["rank"]), 0.0) - 1e-3
+    }
+    kept: dict[str, Series] = defaultdict(list, series)
+    for name in (FLIGHT_STARTED, FLIGHT_INFO, *FLIGHT_NUMBERS):
+        kept[name] = [
+            item for item in series.get(name, []) if (int(item[0]["rank"]), item[0]["group"]) in held
+        ]
+    return kept
+
+
+def _rank_group(labels: Mapping[str, str]) -> tuple[int, str]:
+    return int(labels["rank"]), labels["group"]

@@ -1,0 +1,65 @@
+"""The cause every verdict carries: the rules engine's verdict kinds mapped to flare_exporter.causes.
+
+Rules, in order (versioned with flare_exporter.causes.CAUSE_RULES_VERSION):
+- a verdict that has a cause already keeps it (the post-mortem rules set theirs);
+- mismatch -> collective_mismatch; straggler -> straggler; an ILD shift on a rank or host -> straggler (a
+  slow host), on the whole job -> unknown (software, driver or configuration, not one rank);
+- rank_down (and a host_fault over it): a culprit that vanished without a word -> node_failure; else the
+  cause its exception was classified as, where the rank exported one (a survivor's: communication);
+  else software_exception;
+- hang in a group whose members are all inside the collective -> communication; a culprit stalled
+  waiting for its input (activity `data`) -> data_stall; otherwise a rank never reached the collective the
+  others wait in -> deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from .. import causes
+
+
+class Culprit(Protocol):
+    """What the cause rules read of a culprit's record (diagnosis.RankRecord)."""
+
+    @property
+    def exception(self) -> str: ...
+
+    @property
+    def exception_cause(self) -> str: ...
+
+    @property
+    def activity(self) -> str: ...
+
+
+def cause_of(kind: str, domain: str, culprits: Sequence[Culprit]) -> str:
+    """The cause of a verdict of `kind` over `domain` that names `culprits` (their records)."""
+    if kind == "mismatch":
+        return "collective_mismatch"
+    if kind == "straggler":
+        return "straggler"
+    if kind == "ild_regression":
+        return "straggler" if domain in ("rank", "host") else "unknown"
+    if kind in ("rank_down", "host_fault"):
+        return _gone_cause(culprits)
+    if kind == "hang":
+        return _hang_cause(domain, culprits)
+    return "unknown"
+
+
+def _gone_cause(records: Sequence[Culprit]) -> str:
+    if not records or any(not record.exception for record in records):
+        return "node_failure"
+    found = {record.exception_cause for record in records if record.exception_cause in causes.CAUSES}
+    primary = sorted(found - causes.SECONDARY_CAUSES)
+    if primary:
+        return primary[0]
+    return "communication" if found else "software_exception"
+
+
+def _hang_cause(domain: str, records: Sequence[Culprit]) -> str:
+    if domain == "group":
+        return "communication"
+    activities = {record.activity for record in records}
+    return "data_stall" if activities == {"data"} else "deadlock"
