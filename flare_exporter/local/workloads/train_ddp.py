@@ -17,6 +17,9 @@
   stuck     R loops in Python before its next collective, forever (a livelock in its own code);
   mismatch  every rank syncs a metric with one extra collective, R with broadcast instead of all_reduce;
   raise     R raises an exception out of the training loop and dies.
+  oom       R runs out of memory in its forward pass (torch.OutOfMemoryError, as a too-large batch raises).
+  estale    R's DataLoader worker fails to read its input (OSError ESTALE, a stale NFS handle): needs
+            --data-workers N, which reads the inputs through a real DataLoader with N worker processes.
   host-stall   R sleeps --stall-seconds in the middle of every step from step S (a GC storm, a slow
                data loader): with --fake-kernels, between the two halves of the step's launches;
   contention   R starts --contention-threads busy Python threads at step S (CPU and interpreter contention,
@@ -38,23 +41,31 @@
 --device cuda trains on the GPU numbered LOCAL_RANK (modulo the GPUs there are) over NCCL instead of on the
   CPU over gloo, and each step waits for the GPU at its end, as a job reading its loss does; --width W sets
   the model's width (default 256; a GPU wants thousands).
+--pg-timeout S sets the process group's collective timeout (a mismatched collective fails after S seconds
+  instead of the default 30 minutes).
 Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
 """
 
 import argparse
+import datetime
+import errno
+import functools
 import http.client
 import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, Dataset
 
 WIDTH = 256
-FAULTS = ("none", "stuck", "mismatch", "raise", "host-stall", "contention", "host-delay")
+FAULTS = ("none", "stuck", "mismatch", "raise", "oom", "estale", "host-stall", "contention", "host-delay")
 
 
 def threads_cpu() -> dict[str, float]:
@@ -158,7 +169,7 @@ def launch_kernels(device, count: int, seconds: float, stall: float) -> None:  #
         device.launch(seconds)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
@@ -181,96 +192,186 @@ def main() -> None:
     parser.add_argument("--fake-kernel-seconds", type=float, default=0.001)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--width", type=int, default=WIDTH)
-    args = parser.parse_args()
+    parser.add_argument("--data-workers", type=int, default=0)
+    parser.add_argument("--pg-timeout", type=float, default=0.0)
+    return parser.parse_args(argv)
 
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank = dist.get_rank()
-    tensor_device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    model = nn.parallel.DistributedDataParallel(make_model(args.width).to(tensor_device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator(tensor_device).manual_seed(rank)
-    step_times = []
-    device = None
-    if args.fake_kernels:
-        from ...rank.fake_device import FakeDevice
 
-        device = FakeDevice()
-    faulty = rank == args.fault_rank
-    slowed = args.slowdown > 0 and args.slow_rank in (-1, rank)
-    if not slowed:
-        extra_compute = 0.0
-    elif args.slow_by == "sleep":
-        extra_compute = args.slowdown * NOMINAL_COMPUTE_SECONDS
-    else:
-        extra_compute = args.slowdown * compute_seconds(args.batch)
-    step_cpu, process_cpu, step_ends = [], [], []
-    if args.start_after:
-        open(f"{args.start_after}.ready", "w").close()
-        while not os.path.exists(args.start_after):
-            time.sleep(0.01)
-    threads_before = threads_cpu()
-    for step in range(args.steps):
-        started = time.perf_counter()
-        cpu_started, process_started = time.thread_time(), time.process_time()
-        if extra_compute and step >= args.slow_from_step:
-            (time.sleep if args.slow_by == "sleep" else busy_compute)(extra_compute)
-        if step == args.fault_step and faulty:
+class SyntheticData(Dataset):
+    """Random samples; on the faulty rank, the sample of the fault step fails to read (a stale NFS handle)."""
+
+    def __init__(self, width: int, batch: int, seed: int, fail_at_batch: int) -> None:
+        self.width, self.batch, self.seed, self.fail_at_batch = width, batch, seed, fail_at_batch
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index // self.batch == self.fail_at_batch:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), "/mnt/dataset/shard-00017.bin")
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randn(self.width, generator=generator), torch.randint(0, 10, (), generator=generator)
+
+
+class Training:
+    """One rank's job: its process group, model, optimizer and input, and the faults it was told to play."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.on_gpu = args.device == "cuda"
+        if self.on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=args.pg_timeout) if args.pg_timeout else None
+        dist.init_process_group("nccl" if self.on_gpu else "gloo", timeout=timeout)
+        self.rank = dist.get_rank()
+        cuda = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
+        self.tensor_device = cuda or torch.device("cpu")
+        self.model = nn.parallel.DistributedDataParallel(make_model(args.width).to(self.tensor_device))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.generator = torch.Generator(self.tensor_device).manual_seed(self.rank)
+        self.faulty = self.rank == args.fault_rank
+        self.device = None
+        if args.fake_kernels:
+            from flare_exporter.rank.fake_device import FakeDevice  # a script: no relative import
+
+            self.device = FakeDevice()
+        self.extra_compute = self._extra_compute()
+        self.batches = self._loader()
+
+    def _extra_compute(self) -> float:
+        args = self.args
+        if not (args.slowdown > 0 and args.slow_rank in (-1, self.rank)):
+            return 0.0
+        if args.slow_by == "sleep":
+            return args.slowdown * NOMINAL_COMPUTE_SECONDS
+        return args.slowdown * compute_seconds(args.batch)
+
+    def _loader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]] | None:
+        """A real DataLoader with worker processes (--data-workers), or None: inputs drawn in the step."""
+        args = self.args
+        if not args.data_workers:
+            return None
+        fail_at = args.fault_step if args.fault == "estale" and self.faulty else -1
+        data = SyntheticData(args.width, args.batch, self.rank, fail_at)
+        return iter(DataLoader(data, batch_size=args.batch, num_workers=args.data_workers))
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batches is not None:
+            inputs, targets = next(self.batches)
+            return inputs.to(self.tensor_device), targets.to(self.tensor_device)
+        args, device, generator = self.args, self.tensor_device, self.generator
+        inputs = torch.randn(args.batch, args.width, generator=generator, device=device)
+        return inputs, torch.randint(0, 10, (args.batch,), generator=generator, device=device)
+
+    def before_step(self, step: int) -> None:
+        """The faults that act before a step's compute (contention, delays, stalls, fake kernels)."""
+        args = self.args
+        if self.extra_compute and step >= args.slow_from_step:
+            (time.sleep if args.slow_by == "sleep" else busy_compute)(self.extra_compute)
+        if step == args.fault_step and self.faulty:
             if args.fault == "contention":
                 for _ in range(args.contention_threads):
                     threading.Thread(target=busy_thread, daemon=True).start()
             if args.fault == "host-delay":
                 HostDelay(args.host_delay_seconds).__enter__()  # stays on for the rest of the run
-        stall = (
-            args.stall_seconds if args.fault == "host-stall" and faulty and step >= args.fault_step else 0.0
-        )
-        if device is not None:
-            launch_kernels(device, args.fake_kernels, args.fake_kernel_seconds, stall)
+        stalled = args.fault == "host-stall" and self.faulty and step >= args.fault_step
+        stall = args.stall_seconds if stalled else 0.0
+        if self.device is not None:
+            launch_kernels(self.device, args.fake_kernels, args.fake_kernel_seconds, stall)
         elif stall:
             time.sleep(stall)
-        if step == args.fault_step:
-            if args.fault == "stuck" and rank == args.fault_rank:
-                stuck_in_compute()
-            if args.fault == "raise" and rank == args.fault_rank:
-                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-            if args.fault == "mismatch":
-                sync_metric(torch.ones(16), rank, args.fault_rank)
-        inputs = torch.randn(args.batch, args.width, generator=generator, device=tensor_device)
-        targets = torch.randint(0, 10, (args.batch,), generator=generator, device=tensor_device)
-        loss = nn.functional.cross_entropy(model(inputs), targets)
-        optimizer.zero_grad()
+
+    def at_fault_step(self, step: int) -> None:
+        """The faults that strike at the fault step itself, before its forward pass."""
+        args = self.args
+        if step != args.fault_step:
+            return
+        if args.fault == "stuck" and self.faulty:
+            stuck_in_compute()
+        if args.fault == "raise" and self.faulty:
+            raise RuntimeError(f"injected fault on rank {self.rank} at step {step}")
+        if args.fault == "oom" and self.faulty:
+            self.model.register_forward_pre_hook(out_of_memory)  # raised inside the forward pass
+        if args.fault == "mismatch":
+            sync_metric(torch.ones(16), self.rank, args.fault_rank)
+
+    def step(self, step: int) -> float:
+        """One training step; returns when DDP's all-reduce finished (perf_counter)."""
+        self.before_step(step)
+        self.at_fault_step(step)
+        inputs, targets = self.batch()
+        loss = nn.functional.cross_entropy(self.model(inputs), targets)
+        self.optimizer.zero_grad()
         loss.backward()
         synced = time.perf_counter()  # DDP's all-reduce is done: every rank is here at about this time
-        optimizer.step()
-        if device is not None:
-            device.synchronize()
-        if on_gpu:
+        self.optimizer.step()
+        if self.device is not None:
+            self.device.synchronize()
+        if self.on_gpu:
             torch.cuda.synchronize()
-        if args.step_seconds:
-            time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - synced)))
-        step_times.append(time.perf_counter() - started)
-        step_cpu.append(time.thread_time() - cpu_started)
-        process_cpu.append(time.process_time() - process_started)
-        step_ends.append(time.time())
+        if self.args.step_seconds:
+            time.sleep(max(0.0, self.args.step_seconds - (time.perf_counter() - synced)))
+        return synced
+
+
+def out_of_memory(module: nn.Module, inputs: Any) -> None:
+    """A forward pre-hook that runs out of device memory, as a too-large batch does."""
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+        "1.25 GiB is free."
+    )
+
+
+class StepReport:
+    """Each step's wall time, the training thread's and the process's CPU time, and when it ended."""
+
+    def __init__(self) -> None:
+        self.step_times: list[float] = []
+        self.step_cpu: list[float] = []
+        self.process_cpu: list[float] = []
+        self.step_ends: list[float] = []
+        self.threads_before = threads_cpu()
+
+    def measure(self, run_step: Callable[[], object]) -> None:
+        started = time.perf_counter()
+        cpu_started, process_started = time.thread_time(), time.process_time()
+        run_step()
+        self.step_times.append(time.perf_counter() - started)
+        self.step_cpu.append(time.thread_time() - cpu_started)
+        self.process_cpu.append(time.process_time() - process_started)
+        self.step_ends.append(time.time())
+
+    def write(self, path: str, rank: int) -> None:
+        threads_after = threads_cpu()
+        report = {
+            "rank": rank,
+            "step_times": self.step_times,
+            "step_cpu": self.step_cpu,
+            "process_cpu": self.process_cpu,
+            "step_ends": self.step_ends,
+            "cpus": sorted(os.sched_getaffinity(0)),  # where it may run (overhead.py --pin)
+            "threads_cpu": {
+                name: threads_after[name] - self.threads_before.get(name, 0.0) for name in threads_after
+            },
+        }
+        with open(path, "w") as out:
+            json.dump(report, out)
+
+
+def main() -> None:
+    args = parse_args()
+    training = Training(args)
+    if args.start_after:
+        open(f"{args.start_after}.ready", "w").close()
+        while not os.path.exists(args.start_after):
+            time.sleep(0.01)
+    report = StepReport()
+    for step in range(args.steps):
+        report.measure(functools.partial(training.step, step))
         if args.scrape_every and (step + 1) % args.scrape_every == 0:
             scrape_own_endpoint()
     if args.report:
-        threads_after = threads_cpu()
-        with open(args.report, "w") as out:
-            report = {
-                "rank": rank,
-                "step_times": step_times,
-                "step_cpu": step_cpu,
-                "process_cpu": process_cpu,
-                "step_ends": step_ends,
-                "cpus": sorted(os.sched_getaffinity(0)),  # where it may run (overhead.py --pin)
-                "threads_cpu": {
-                    name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after
-                },
-            }
-            json.dump(report, out)
+        report.write(args.report, training.rank)
     dist.barrier()
     while args.wait_for and not os.path.exists(args.wait_for):
         time.sleep(0.05)
