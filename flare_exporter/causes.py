@@ -123,10 +123,18 @@ def chain(exception: BaseException, limit: int = 8) -> list[Raised]:
     while current is not None and id(current) not in seen and len(found) < limit:
         seen.add(id(current))
         code = getattr(current, "errno", None)
-        message = str(current)[:MAX_MESSAGE_CHARS]
+        message = _message(current)
         found.append(Raised(type(current).__name__, message, code if isinstance(code, int) else None))
         current = current.__cause__ or current.__context__
     return found
+
+
+def _message(exception: BaseException) -> str:
+    """The exception's text, bounded; its type's name where its __str__ fails (any object may raise)."""
+    try:
+        return str(exception)[:MAX_MESSAGE_CHARS]
+    except Exception:
+        return f"<{type(exception).__name__}: unprintable>"
 
 
 def root_cause(raised_chain: list[Raised]) -> Raised:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,41 @@ def _between(low: float, high: float) -> tuple[Callable[[Any], bool], str]:
 
 def _label_safe(value: str) -> bool:
     return len(value) <= 128 and "\n" not in value
+
+
+TOPOLOGY_KEYS = ("switch", "rack")  # the shared fault domains above a host, labels of flare_rank_info
+_TOPOLOGY_VALUE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+TOPOLOGY_RULE = (
+    "comma-separated key=value pairs, keys switch and rack, each value 1 to 64 characters of "
+    "[A-Za-z0-9_.:-], e.g. switch=leaf-07,rack=r12"
+)
+
+
+def parse_topology(text: str) -> dict[str, str]:
+    """The topology a `switch=...,rack=...` value names; ValueError (saying what is wrong) if it is bad."""
+    found: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or key not in TOPOLOGY_KEYS or key in found:
+            raise ValueError(f"{item.strip()!r}: expected one of {', '.join(TOPOLOGY_KEYS)}=VALUE, once each")
+        if not _TOPOLOGY_VALUE.fullmatch(value):
+            raise ValueError(f"{key}={value!r}: expected 1 to 64 characters of [A-Za-z0-9_.:-]")
+        found[key] = value
+    return found
+
+
+def _topology_ok(value: str) -> bool:
+    try:
+        parse_topology(value)
+    except ValueError:
+        return False
+    return True
+
+
+INCIDENTS_SUBDIRECTORY = "incidents"  # under file_sd_dir, where Prometheus' *.json glob does not look
+INCIDENTS_OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -107,15 +143,31 @@ class Config:
     )
     incident_dir: str = _setting(
         "",
-        "Directory in which each rank writes its incident file (all thread stacks, in-flight state, "
-        "heartbeat) when it dies or hangs; empty: none written.",
+        "Directory in which each rank writes its incident file (`<run>-rank<N>.json`: why it ended, the "
+        "exception and its root cause, a termination signal, thread stacks, in-flight state, recent GPU "
+        "readings) when it dies, hangs or exits. Empty: `<file_sd_dir>/incidents` when file_sd_dir is set, "
+        "else none written; `off`: none written.",
     )
-
+    last_word_seconds: float = _setting(
+        30.0,
+        "Longest a rank dying of an exception or a termination signal waits, still serving /metrics, for a "
+        "scrape that starts after its death began to complete (at most twice the observed scrape interval "
+        "plus a second; no wait if it was never scraped), so that Prometheus holds why it died; 0: no wait.",
+        *_between(0, 3600),
+    )
     linger_seconds: float = _setting(
         0.0,
-        "Seconds a rank dying of an exception keeps serving /metrics (with flare_rank_exception_info) before "
-        "it exits, so that Prometheus or `flare` sees why; set it above the scrape interval.",
+        "Seconds a rank dying of an exception keeps serving /metrics (with flare_rank_exception_info) after "
+        "its last word (last_word_seconds), whatever was scraped: a fixed extra wait.",
         *_between(0, 3600),
+    )
+    topology: str = _setting(
+        "",
+        "Where the rank's host sits, as `switch=NAME,rack=NAME` (either or both): labels switch and rack of "
+        "flare_rank_info and the incident file's identity, so that ranks failing together name the shared "
+        "switch or rack.",
+        _topology_ok,
+        TOPOLOGY_RULE,
     )
 
     straggler_window_steps: int = _setting(
@@ -199,6 +251,17 @@ class Config:
         *_between(1, 1_000_000),
     )
 
+    @property
+    def incident_directory(self) -> str:
+        """Where incident files are written ('' for nowhere): incident_dir if set (`off`: nowhere), else
+        `<file_sd_dir>/incidents` when file_sd_dir is set, else nowhere."""
+        explicit = self.incident_dir.strip()
+        if explicit:
+            return "" if explicit == INCIDENTS_OFF else self.incident_dir
+        if self.file_sd_dir:
+            return os.path.join(self.file_sd_dir, INCIDENTS_SUBDIRECTORY)
+        return ""
+
     def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Config:
         """This config with `overrides` (already typed) applied, each checked; errors name `source`."""
         checked = {name: _check(name, value, source) for name, value in overrides.items()}
@@ -224,7 +287,8 @@ def _check(name: str, value: Any, source: str) -> Any:
         )
     metadata = FIELDS[name].metadata
     if not metadata["check"](value):
-        raise ConfigError(f"key {name!r} in {source}: {value!r} is out of range ({metadata['rule']})")
+        problem = "is not valid" if isinstance(value, str) else "is out of range"
+        raise ConfigError(f"key {name!r} in {source}: {value!r} {problem} ({metadata['rule']})")
     return value
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .causes import EXCEPTION_CAUSES
+
 COMMON_LABELS = ("rank", "run")
 
 COUNTER, GAUGE, HISTOGRAM, INFO = "counter", "gauge", "histogram", "info"
@@ -95,6 +97,8 @@ GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
 # the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
 NATIVE_GROUP = "native"
 IN_FLIGHT_STATES = ("issued", "started")
+TERMINATION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+SIGNAL_SENDERS = ("launcher", "unknown")
 ACTIVITIES = ("collective", "data", "compute")
 
 COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
@@ -108,7 +112,8 @@ METRICS: tuple[MetricSpec, ...] = (
         INFO,
         "",
         "Identity of this rank (join on rank with group_left).",
-        ("host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"),
+        ("host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid", "switch", "rack"),
+        detail="switch and rack: the `topology` config key (empty when unset).",
     ),
     MetricSpec(
         "flare_process_group_info",
@@ -198,9 +203,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_rank_exception_info",
         INFO,
         "",
-        "The exception (its type only) that is ending this rank.",
-        ("type",),
-        detail="Present from the moment it is raised out of the training script.",
+        "The exception (type and cause) that is ending this rank.",
+        ("type", "cause"),
+        detail=(
+            "Present from the moment it is raised out of the training script. type: the exception's class "
+            "name (at most 64 characters); cause: one of " + ", ".join(EXCEPTION_CAUSES) + ", from its root "
+            "cause (flare_exporter/causes.py: a DataLoader worker's exception, or the innermost of its "
+            "chain); communication is what a survivor of a lost peer raises (secondary)."
+        ),
     ),
     MetricSpec(
         "flare_rank_exception_timestamp_seconds",
@@ -208,6 +218,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "seconds",
         "Unix time the exception ending this rank was raised.",
         detail="Raised out of the training script.",
+    ),
+    MetricSpec(
+        "flare_rank_terminated_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time this rank received a signal that ends it.",
+        ("signal", "sender"),
+        detail=(
+            "signal: " + ", ".join(TERMINATION_SIGNALS) + " (where the default action would end the rank; "
+            "a handler of the script's own is left alone). sender: launcher when the rank runs under "
+            "torchrun's elastic agent or Slurm's srun (which stop the survivors of a failed rank this way), "
+            "else unknown."
+        ),
     ),
     # issue latency (ILD)
     MetricSpec(

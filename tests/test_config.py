@@ -214,3 +214,48 @@ def test_web_config_file_key():
     assert config.load(flags={}, environ={}).web_config_file == ""
     loaded = config.load(flags={"web_config_file": "/etc/flare/web.yml"}, environ={})
     assert loaded.web_config_file == "/etc/flare/web.yml"
+
+
+def test_incident_directory_is_explicit_else_beside_the_file_sd_targets_else_none():
+    assert Config().incident_directory == ""
+    assert Config(file_sd_dir="/sd").incident_directory == "/sd/incidents"  # not read by file_sd's *.json
+    assert Config(incident_dir="/inc", file_sd_dir="/sd").incident_directory == "/inc"
+    assert Config(incident_dir="off", file_sd_dir="/sd").incident_directory == ""
+    environ = {"FLARE_FILE_SD_DIR": "/sd", "FLARE_INCIDENT_DIR": "off"}
+    assert config.load(flags={}, environ=environ).incident_directory == ""
+    assert config.load(flags={"incident_dir": "/x"}, environ=environ).incident_directory == "/x"
+
+
+def test_last_word_seconds():
+    assert Config().last_word_seconds == 30.0
+    assert config.load(flags={}, environ={"FLARE_LAST_WORD_SECONDS": "0"}).last_word_seconds == 0.0
+    with pytest.raises(ConfigError, match="FLARE_LAST_WORD_SECONDS"):
+        config.load(flags={}, environ={"FLARE_LAST_WORD_SECONDS": "-1"})
+
+
+def test_topology_names_a_switch_and_a_rack():
+    assert config.parse_topology("") == {}
+    assert config.parse_topology("switch=leaf-07, rack=r12") == {"switch": "leaf-07", "rack": "r12"}
+    assert config.parse_topology("rack=hall.2:row-3_r12") == {"rack": "hall.2:row-3_r12"}
+    loaded = config.load(flags={"topology": "switch=s1"}, environ={})
+    assert loaded.topology == "switch=s1"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pod=p1",  # an unknown key
+        "switch",  # no value
+        "switch=",  # an empty one
+        "switch=a b",  # a character outside [A-Za-z0-9_.:-]
+        'rack=r"1',
+        "rack=" + "r" * 65,  # too long
+        "switch=a,switch=b",  # twice
+    ],
+)
+def test_a_bad_topology_is_a_config_error_naming_the_key(text):
+    with pytest.raises(ValueError):
+        config.parse_topology(text)
+    with pytest.raises(ConfigError, match="'topology' in environment variable FLARE_TOPOLOGY") as raised:
+        config.load(flags={}, environ={"FLARE_TOPOLOGY": text})
+    assert "switch" in str(raised.value) and "rack" in str(raised.value)  # the rule says what is allowed

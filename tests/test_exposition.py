@@ -6,6 +6,7 @@ import gzip
 import io
 import logging
 import socket
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
@@ -27,6 +28,7 @@ from flare_exporter.rank.exposition import (
     python_text_format,
     serve,
 )
+from flare_exporter.rank.last_word import ScrapeTimes
 
 
 class StepsCollector:
@@ -201,6 +203,30 @@ def test_concurrent_scrapes_wait_for_one_render():
     with ThreadPoolExecutor(max_workers=8) as pool:
         bodies = list(pool.map(lambda _: cache.body("gzip"), range(32)))
     assert collector.calls == 1 and len({body for body, _ in bodies}) == 1
+
+
+def test_scrapes_are_recorded_when_they_start_and_once_the_server_has_sent_them():
+    scrapes = ScrapeTimes()
+    app = make_app(make_registry(StepsCollector()), scrapes=scrapes)
+    before = time.monotonic()
+    status, _, _ = call_app(app, "/metrics")
+    assert status.startswith("200") and len(scrapes.starts) == 1 and scrapes.starts[0] >= before
+    assert scrapes.completed is None  # answered, but no HttpServer sent it
+    call_app(app, "/healthz")
+    assert len(scrapes.starts) == 1  # only /metrics counts
+    server = serve(make_registry(StepsCollector()), "127.0.0.1", 0, rank=0, scrapes=scrapes)
+    assert server is not None and server.scrapes is scrapes
+    try:
+        for _ in range(2):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as response:
+                assert b"flare_steps_total" in response.read()
+        completed = scrapes.completed
+        assert completed is not None and completed[0] >= before and completed[1] <= time.time()
+        assert scrapes.completed_after(before) and not scrapes.completed_after(time.monotonic())
+        interval = scrapes.interval()
+        assert interval is not None and 0 <= interval < 10
+    finally:
+        server.close()
 
 
 def test_app_serves_healthz():

@@ -245,7 +245,7 @@ def test_the_fast_parser_reads_what_prometheus_clients_parser_reads():
     """scrape.parse reads well-formed lines itself (a direct scrape parses every rank); same samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flare_exporter.engine import scrape
+    from flare_exporter.engine import samples
 
     now = time.perf_counter()
     pages = [
@@ -259,9 +259,9 @@ def test_the_fast_parser_reads_what_prometheus_clients_parser_reads():
             for family in text_string_to_metric_families(text)
             for sample in family.samples
         ]
-        fast = scrape._parse_plain(text)
+        fast = samples._parse_plain(text)
         assert fast is not None
         assert [(s.name, s.labels, repr(s.value)) for s in fast] == careful
         assert (
-            scrape._parse_plain(text.replace("} ", "}  ", 1)) is None
+            samples._parse_plain(text.replace("} ", "}  ", 1)) is None
         )  # not exactly a line: the careful one

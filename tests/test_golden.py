@@ -22,6 +22,7 @@ from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.gpu_health import GpuHealthMonitor
 from flare_exporter.rank.groups import GroupTracker
 from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.last_word import RaisedException, Termination
 from flare_exporter.rank.stall import StackSample
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
@@ -41,6 +42,8 @@ def fixed_state() -> FlareState:
         backend="gloo",
         gpu_uuid="GPU-0000",
         pci_bus_id="00000000:3B:00.0",
+        switch="leaf-07",
+        rack="r12",
     )
     state = FlareState.create(Config(), identity)
     for name, size in (("world", 8), ("data_parallel-0a1b2c3d", 2)):
@@ -59,7 +62,8 @@ def fixed_state() -> FlareState:
     state.stack = StackSample(
         "compute", ("train.py:42 forward", "module.py:1 _call_impl", "train.py:90 main")
     )
-    state.exception = ("RuntimeError", 1_700_000_002.0)
+    state.exception = RaisedException("RuntimeError", "software_exception", 1_700_000_002.0)
+    state.terminated = Termination("SIGTERM", "launcher", 1_700_000_003.0)
     world.last_progress_at = 1_700_000_000.5
     for gap in (0.0, 0.1, 0.12):
         state.steps.steps += 1

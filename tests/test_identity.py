@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from flare_exporter import spec
+from flare_exporter.config import ConfigError
 from flare_exporter.rank import identity
 from flare_exporter.rank.identity import gpu_identity
 
@@ -77,7 +78,17 @@ def test_info_labels():
         rank=3, local_rank=1, world_size=4, run="r", host="h", pid=77, backend="gloo", gpu_uuid="GPU-x"
     )
     labels = rank_identity.info_labels()
-    assert list(labels) == ["host", "local_rank", "world_size", "backend", "gpu_uuid", "pci_bus_id", "pid"]
+    assert list(labels) == [
+        "host",
+        "local_rank",
+        "world_size",
+        "backend",
+        "gpu_uuid",
+        "pci_bus_id",
+        "pid",
+        "switch",
+        "rack",
+    ]
     assert labels == {
         "host": "h",
         "local_rank": "1",
@@ -86,8 +97,19 @@ def test_info_labels():
         "gpu_uuid": "GPU-x",
         "pci_bus_id": "",
         "pid": "77",
+        "switch": "",
+        "rack": "",
     }
     assert all(isinstance(value, str) for value in labels.values())
+
+
+def test_topology_gives_switch_and_rack():
+    placed = identity.from_environment(TORCHRUN, topology="switch=leaf-1,rack=r7")
+    assert (placed.switch, placed.rack) == ("leaf-1", "r7")
+    assert placed.info_labels()["switch"] == "leaf-1" and placed.info_labels()["rack"] == "r7"
+    assert identity.from_environment(TORCHRUN, topology="rack=r7").switch == ""
+    with pytest.raises(ConfigError, match="topology"):
+        identity.from_environment(TORCHRUN, topology="row=3")
 
 
 def test_info_labels_match_the_spec():

@@ -561,3 +561,12 @@ def test_diagnose_and_report_read_an_incident_directory(tmp_path, capsys):
 def test_report_without_a_source_is_a_usage_error(capsys):
     assert cli.main(["report"]) == cli.EXIT_USAGE
     assert "name a source" in capsys.readouterr().err
+
+
+def test_an_exception_whose_text_cannot_be_printed_is_still_classified():
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    found = causes.classify(Unprintable())
+    assert found.cause == "software_exception" and found.root.message == "<Unprintable: unprintable>"

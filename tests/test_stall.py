@@ -115,7 +115,8 @@ def test_incident_file_holds_state_stacks_and_exception(tmp_path):
         path = writer.write("exception ValueError", error)
     assert path == incident_path(str(tmp_path), "golden", 3)
     incident = json.loads(open(path).read())
-    assert incident["reason"] == "exception ValueError"
+    assert incident["version"] == 2
+    assert (incident["reason"], incident["detail"]) == ("exception", "exception ValueError")
     assert incident["identity"]["host"] == "node-a" and incident["steps"] == 3
     world = incident["groups"]["world"]
     assert (world["last_issued_seq"], world["last_completed_seq"]) == (4, 3)
@@ -125,16 +126,18 @@ def test_incident_file_holds_state_stacks_and_exception(tmp_path):
         "test_incident_file_holds_state" in line for stack in incident["threads"].values() for line in stack
     )
     assert incident["exception"]["type"] == "ValueError" and "bad shard" in incident["exception"]["message"]
+    assert incident["exception"]["cause"] == "software_exception"
+    assert incident["identity"]["switch"] == "leaf-07" and incident["identity"]["rack"] == "r12"
 
 
 def test_no_incident_directory_writes_nothing_and_a_bad_one_is_counted(tmp_path):
     state = make_state(tmp_path)
     state.config = Config()
-    assert IncidentWriter(state).write("no progress") is None
+    assert IncidentWriter(state).write("hang", detail="no progress") is None
     blocker = tmp_path / "file"
     blocker.write_text("")
     state.config = Config(incident_dir=str(blocker / "sub"))
-    assert IncidentWriter(state).write("no progress") is None
+    assert IncidentWriter(state).write("hang", detail="no progress") is None
     assert state.health.errors["incident"] == 1
 
 
@@ -144,8 +147,11 @@ def test_excepthook_records_the_exception_and_chains(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args[0]))
     writer = IncidentWriter(state)
     writer._excepthook(KeyError, KeyError("k"), None)
-    assert seen == [KeyError] and state.exception is not None and state.exception[0] == "KeyError"
-    assert json.loads(open(writer.written).read())["exception"]["type"] == "KeyError"
+    assert seen == [KeyError] and state.exception is not None and state.exception.type == "KeyError"
+    assert state.exception.cause == "software_exception"
+    incident = json.loads(open(writer.written).read())
+    assert incident["reason"] == "exception" and incident["exception"]["type"] == "KeyError"
+    assert writer.last_word_seen is False  # never scraped: no wait
 
 
 def test_snapshot_from_a_rank_exposition():

@@ -127,7 +127,8 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     if _attachment is not None:
         return _attachment
     config = config or config_module.load()
-    state = FlareState.create(config, identity.from_environment(os.environ, run=config.run, host=config.host))
+    rank_identity = identity.from_environment(os.environ, config.run, config.host, config.topology)
+    state = FlareState.create(config, rank_identity)
     start_gpu_health(state)
     registry = build_registry(state)
 
@@ -165,16 +166,25 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     state.manager.start()
     incidents = IncidentWriter(state)
     incidents.install()
-    watcher = StallWatcher(state, threading.get_ident(), incidents.write)  # this thread trains
+    watcher = StallWatcher(state, threading.get_ident(), incidents.on_hang)  # this thread trains
     watcher.start()
 
     server = None
     target_file = None
     if config.port:
         port = config.port + state.identity.local_rank
-        server = serve(registry, config.addr, port, state.identity.rank, config.web_config_file, state.health)
+        server = serve(
+            registry,
+            config.addr,
+            port,
+            state.identity.rank,
+            config.web_config_file,
+            state.health,
+            state.scrapes,
+        )
         if server is not None and config.file_sd_dir:
             target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
     _attachment = Attachment(state, registry, server, target_file, incidents, watcher)
     atexit.register(_attachment.close)
+    atexit.register(incidents.on_exit)  # before close (atexit runs the last registered first)
     return _attachment

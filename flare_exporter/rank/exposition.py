@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
@@ -26,7 +26,8 @@ from prometheus_client.utils import floatToGoString
 from . import web_config
 from .collectors import Collector, Families
 from .exporter_health import ExporterHealth
-from .http_server import HttpServer
+from .http_server import HttpServer, Response
+from .last_word import ScrapeTimes
 from .sample_lines import NotPlain, is_legacy_name, sample_prefix
 from .web_config import BasicAuth, WebConfig, WebConfigError
 
@@ -266,30 +267,44 @@ class RenderCache:
         self._lock = threading.Lock()
 
     def body(self, accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
+        return self.timed_body(accept_encoding)[1]
+
+    def timed_body(self, accept_encoding: str) -> tuple[float, tuple[bytes, list[tuple[str, str]]]]:
+        """The body and its headers, after the monotonic time its render started (what it can show)."""
         gzipped = "gzip" in accept_encoding
         with self._lock:
             now = time.monotonic()
             cached = self._bodies.get(gzipped)
             if cached is not None and now - cached[0] < self.max_age:
-                return cached[1]
+                return cached
             body = metrics_body(self.registry, "gzip" if gzipped else "")
             self._bodies[gzipped] = (now, body)
             self.renders += 1
-            return body
+            return now, body
 
     def only(self, names: Collection[str], accept_encoding: str) -> tuple[bytes, list[tuple[str, str]]]:
         """The body of only the samples `names` names (only_samples), of the last text body (body)."""
-        text, _ = self.body("")
-        return _encoded(only_samples(text, names), accept_encoding)
+        return self.timed_only(names, accept_encoding)[1]
+
+    def timed_only(
+        self, names: Collection[str], accept_encoding: str
+    ) -> tuple[float, tuple[bytes, list[tuple[str, str]]]]:
+        rendered_at, (text, _) = self.timed_body("")
+        return rendered_at, _encoded(only_samples(text, names), accept_encoding)
 
 
 def make_app(
-    registry: CollectorRegistry, auth: BasicAuth | None = None, headers: Mapping[str, str] | None = None
+    registry: CollectorRegistry,
+    auth: BasicAuth | None = None,
+    headers: Mapping[str, str] | None = None,
+    scrapes: ScrapeTimes | None = None,
 ) -> Any:
     """WSGI app serving only GET /metrics and GET /healthz; nothing on a rank can be triggered over HTTP.
 
     With `auth`, every path answers 401 until the request carries a configured user's credentials.
-    `headers` are added to every response (a web config's http_server_config.headers).
+    `headers` are added to every response (a web config's http_server_config.headers). `scrapes`, if given,
+    records when each /metrics request arrived and, once HttpServer has sent it, when the render it was
+    answered from started.
     """
     extra_headers = list((headers or {}).items())
     bodies = RenderCache(registry)
@@ -314,10 +329,14 @@ def make_app(
             except ValueError as error:
                 respond("400 Bad Request", [("Content-Type", "text/plain")])
                 return [f"{error}\n".encode()]
+            if scrapes is not None:
+                scrapes.started(time.monotonic())
             encoding = environ.get("HTTP_ACCEPT_ENCODING", "")
-            body, metric_headers = bodies.body(encoding) if names is None else bodies.only(names, encoding)
+            rendered_at, (body, metric_headers) = (
+                bodies.timed_body(encoding) if names is None else bodies.timed_only(names, encoding)
+            )
             respond("200 OK", metric_headers)
-            return [body]
+            return [body] if scrapes is None else Response([body], partial(scrapes.sent, rendered_at))
         respond("200 OK", [("Content-Type", "text/plain")])
         return [b"ok\n"]
 
@@ -335,11 +354,13 @@ class MetricsServer:
         web: WebConfig | None = None,
         ssl_context: ssl.SSLContext | None = None,
         health: ExporterHealth | None = None,
+        scrapes: ScrapeTimes | None = None,
     ) -> None:
         self.addr = addr
         self.scheme = "https" if ssl_context is not None else "http"
         self.auth = web.authenticator() if web is not None else None
-        app = make_app(registry, self.auth, web.headers if web is not None else None)
+        self.scrapes = scrapes or ScrapeTimes()
+        app = make_app(registry, self.auth, web.headers if web is not None else None, self.scrapes)
         self.http = HttpServer(addr, port, app, ssl_context, health)
         self.port = self.http.port
 
@@ -354,6 +375,7 @@ def serve(
     rank: int,
     web_config_file: str = "",
     health: ExporterHealth | None = None,
+    scrapes: ScrapeTimes | None = None,
 ) -> MetricsServer | None:
     """Start the endpoint; if it cannot be served as configured, warn once and return None.
 
@@ -369,7 +391,7 @@ def serve(
             log.warning("flare-exporter: %s; rank %d serves no metrics, training continues", error, rank)
             return None
     try:
-        return MetricsServer(registry, addr, port, web, context, health)
+        return MetricsServer(registry, addr, port, web, context, health, scrapes)
     except (OSError, OverflowError) as error:  # OverflowError: a port beyond 65535 (base port + local rank)
         if isinstance(error, OverflowError):
             reason = "is not a valid port"

@@ -8,11 +8,12 @@ nothing else.
 
 A GpuHealthMonitor thread reads the device every `interval` seconds into an immutable GpuReading that
 scrapes only read, so a slow or wedged NVML call never holds a scrape, and never runs on the training
-thread. Between reads the same thread waits on an NVML event set for critical XID events (as they happen,
-not by polling the last one), until its next read: an idle reader wakes once a read (each wake of a thread
-cost about 0.1 ms of CPU on the virtual machine it was measured on). stop() does not wait for a reader
-blocked in NVML's event wait, which cannot be interrupted: the reader is a daemon thread that holds nothing
-and ends when the wait returns.
+thread; it keeps the last RECENT_READINGS of them, with their times, for the incident file (incident.py).
+Between reads the same thread waits on an NVML event set for critical XID events (as they happen, not by
+polling the last one), until its next read: an idle reader wakes once a read (each wake of a thread cost
+about 0.1 ms of CPU on the virtual machine it was measured on). stop() does not wait for a reader blocked
+in NVML's event wait, which cannot be interrupted: the reader is a daemon thread that holds nothing and
+ends when the wait returns.
 
 The rank's device: entry LOCAL_RANK of CUDA_VISIBLE_DEVICES when it has that many entries (all GPUs
 visible, torch.cuda.set_device(local_rank)), else its only/first entry (one GPU per process); an entry is
@@ -22,9 +23,11 @@ the UUID of torch's current device when the world group is created, and the moni
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,9 @@ NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_INVALID_ARGUMENT = 2
 STOP_JOIN_SECONDS = 2.0  # stop() waits this long for a read in progress
+# Readings kept for the incident file (the last few minutes: ten at the default 5 s interval), each with the
+# Unix time it was read.
+RECENT_READINGS = 120
 
 
 def decode_clock_events(mask: int) -> dict[str, int]:
@@ -218,6 +224,7 @@ class GpuHealthMonitor:
         self.interval_seconds = interval_seconds
         self.up = False
         self.reading: GpuReading | None = None
+        self.recent: deque[tuple[float, GpuReading]] = deque(maxlen=RECENT_READINGS)  # appended by the reader
         self.xid_events = 0
         self.last_xid: int | None = None
         self.uuid = ""
@@ -282,10 +289,19 @@ class GpuHealthMonitor:
             if self.preferred_uuid and self.preferred_uuid != self.uuid:
                 self._select(self.preferred_uuid)
             self.reading = read_device(self.nvml, self._handle, self.uuid, self.pci_bus_id)
+            self.recent.append((time.time(), self.reading))
             self.up = True
         except Exception as error:
             self.health.error("gpu_health", error)
             self.up = False
+
+    def recent_readings(self) -> list[dict[str, Any]]:
+        """The last readings (at most RECENT_READINGS), oldest first, as JSON: each reading's fields and
+        `timestamp_seconds`, the Unix time it was read."""
+        return [
+            {"timestamp_seconds": round(at, 3), **dataclasses.asdict(reading)}
+            for at, reading in self.recent.copy()
+        ]
 
     def wait_for_events(self, timeout_seconds: float) -> None:
         """Wait up to `timeout_seconds` for an XID event on the device and count it."""

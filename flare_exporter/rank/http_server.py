@@ -9,6 +9,8 @@ system calls, which release the GIL). Scrapers are few and requests small, so on
 - at most `max_connections` at once; beyond that a connection is closed unanswered and counted;
 - a request is its head only (GET has no body), at most MAX_REQUEST_BYTES; the app sees a minimal WSGI
   environ (method, path, query, HTTP_* headers) and its answer is sent with Content-Length;
+- an app's answer may be a `Response`, whose `sent` is called once it has been sent in full (the
+  exposition records when each scrape completed: a dying rank waits for one, see last_word.py);
 - an HTTP/1.1 connection is kept alive for the next request (Prometheus keeps its scrape connections
   open: no TCP or TLS handshake per scrape), with a fresh deadline, unless the client says
   `Connection: close`; an HTTP/1.0 one is closed after its answer.
@@ -41,8 +43,17 @@ READ_BYTES = 65536
 App = Callable[[dict[str, str], Callable[..., Any]], Iterable[bytes]]
 
 
+class Response(list[bytes]):
+    """A WSGI response body that wants to know when it has been sent: HttpServer calls `sent()` once its
+    last byte is handed to the kernel, not if the connection ends before (any other server sees a list)."""
+
+    def __init__(self, chunks: Iterable[bytes], sent: Callable[[], None]) -> None:
+        super().__init__(chunks)
+        self.sent = sent
+
+
 class _Connection:
-    __slots__ = ("sock", "request", "response", "deadline", "handshaking", "keep_alive")
+    __slots__ = ("sock", "request", "response", "deadline", "handshaking", "keep_alive", "on_sent")
 
     def __init__(self, sock: socket.socket, deadline: float, handshaking: bool) -> None:
         self.sock = sock
@@ -51,6 +62,7 @@ class _Connection:
         self.deadline = deadline
         self.handshaking = handshaking
         self.keep_alive = False  # after this answer, wait for the next request
+        self.on_sent: Callable[[], None] | None = None  # the answer's Response.sent, once it is sent
 
 
 class HttpServer:
@@ -159,6 +171,7 @@ class HttpServer:
                 if connection.response:
                     self._selector.modify(sock, selectors.EVENT_WRITE, connection)
                     return
+                self._sent(connection)
                 if not connection.keep_alive:
                     self._close(connection)
                     return
@@ -177,6 +190,14 @@ class HttpServer:
                 self.health.error("http_tls_handshake", error)
             self._close(connection)
 
+    def _sent(self, connection: _Connection) -> None:
+        on_sent, connection.on_sent = connection.on_sent, None
+        if on_sent is not None:
+            try:
+                on_sent()
+            except Exception as error:
+                self.health.error("http_sent", error)
+
     def _read(self, connection: _Connection) -> None:
         data = connection.sock.recv(READ_BYTES)
         if not data:  # the client left before its request was whole
@@ -190,18 +211,19 @@ class HttpServer:
         head, found, rest = connection.request.partition(b"\r\n\r\n")
         if found:
             connection.request = rest
-            connection.response, connection.keep_alive = self._answer(head)
+            connection.response, connection.keep_alive, connection.on_sent = self._answer(head)
         elif len(connection.request) > MAX_REQUEST_BYTES:
             connection.response = _response("HTTP/1.0", "431 Request Header Fields Too Large", [], b"")
             connection.keep_alive = False
 
-    def _answer(self, head: bytes) -> tuple[bytes, bool]:
-        """The response to one request head, and whether the connection stays open after it."""
+    def _answer(self, head: bytes) -> tuple[bytes, bool, Callable[[], None] | None]:
+        """The response to one request head, whether the connection stays open after it, and what to call
+        once it is sent (a Response's `sent`)."""
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
             text = [("Content-Type", "text/plain")]
-            return _response("HTTP/1.0", "400 Bad Request", text, b"bad request line\n"), False
+            return _response("HTTP/1.0", "400 Bad Request", text, b"bad request line\n"), False, None
         method, target, version = parts
         path, _, query = target.partition("?")
         environ = {"REQUEST_METHOD": method, "PATH_INFO": unquote(path), "QUERY_STRING": query}
@@ -222,12 +244,14 @@ class HttpServer:
             answer["status"], answer["headers"] = status, headers
 
         try:
-            body = b"".join(self.app(environ, start_response))
+            result = self.app(environ, start_response)
+            body = b"".join(result)
         except Exception as error:
             self.health.error("http_app", error)
             text = [("Content-Type", "text/plain")]
-            return _response(version, "500 Internal Server Error", text, b"error\n"), False
-        return _response(version, answer["status"], answer["headers"], body, keep_alive), keep_alive
+            return _response(version, "500 Internal Server Error", text, b"error\n"), False, None
+        on_sent = result.sent if isinstance(result, Response) else None
+        return _response(version, answer["status"], answer["headers"], body, keep_alive), keep_alive, on_sent
 
     def _expire(self) -> None:
         now = time.monotonic()

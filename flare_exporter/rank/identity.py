@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, parse_topology
 
 # Each launcher names the same facts differently; the first variable present wins.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -30,6 +30,8 @@ class RankIdentity:
     backend: str = ""
     gpu_uuid: str = ""
     pci_bus_id: str = ""
+    switch: str = ""  # where the host sits (config key topology); labels of flare_rank_info
+    rack: str = ""
 
     def info_labels(self) -> dict[str, str]:
         """Labels of flare_rank_info beyond rank and run."""
@@ -41,6 +43,8 @@ class RankIdentity:
             "gpu_uuid": self.gpu_uuid,
             "pci_bus_id": self.pci_bus_id,
             "pid": str(self.pid),
+            "switch": self.switch,
+            "rack": self.rack,
         }
 
 
@@ -55,8 +59,11 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int)
     return default
 
 
-def from_environment(environ: Mapping[str, str], run: str = "", host: str = "") -> RankIdentity:
-    """The identity a launcher's environment gives; `run` and `host` override what it says."""
+def from_environment(
+    environ: Mapping[str, str], run: str = "", host: str = "", topology: str = ""
+) -> RankIdentity:
+    """The identity a launcher's environment gives; `run` and `host` override what it says; `topology`
+    (the config key's `switch=...,rack=...`) says where the host sits."""
     run_id = run or next((environ[name] for name in RUN_VARIABLES if environ.get(name)), "default")
     if run_id == "none":  # torchrun's placeholder when no --rdzv-id is given
         run_id = "default"
@@ -67,7 +74,15 @@ def from_environment(environ: Mapping[str, str], run: str = "", host: str = "") 
         run=run_id,
         host=host or socket.gethostname(),
         pid=os.getpid(),
+        **_topology(topology),
     )
+
+
+def _topology(text: str) -> dict[str, str]:
+    try:
+        return parse_topology(text)
+    except ValueError as error:
+        raise ConfigError(f"key 'topology': {error}") from None
 
 
 def gpu_identity(cuda: Any) -> tuple[str, str]:

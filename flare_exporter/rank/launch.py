@@ -63,16 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     from .attach import attach  # torch is imported only once the arguments are known to be good
 
     try:
-        attach(config)
+        attachment = attach(config)
     except config_module.ConfigError as error:  # e.g. RANK=abc from a broken launcher
         print(f"flare-run: {error}", file=sys.stderr)
         return 2
-    if args.module is not None:
-        sys.argv = [args.module, *args.target]
-        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-    else:
-        run_script(args.target)
+    try:
+        if args.module is not None:
+            sys.argv = [args.module, *args.target]
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        else:
+            run_script(args.target)
+    except SystemExit as ended:  # the script's sys.exit(): its code goes into the exit incident
+        attachment.incidents.exit_code = exit_code(ended.code)
+        raise
+    attachment.incidents.exit_code = 0
     return 0
+
+
+def exit_code(code: object) -> int:
+    """The process exit status of `sys.exit(code)`: None is 0, an int itself, anything else (a message) 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
 
 
 def run_script(command: list[str]) -> None:

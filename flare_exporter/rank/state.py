@@ -11,6 +11,7 @@ from .gpu_health import GpuHealthMonitor
 from .groups import GroupTracker
 from .identity import RankIdentity
 from .ild import IldState
+from .last_word import RaisedException, ScrapeTimes, Termination
 from .progress import StepTracker
 from .stall import StackSample
 from .straggler_windows import StepWindows
@@ -30,7 +31,9 @@ class FlareState:
     groups: dict[str, GroupTracker] = field(default_factory=dict)
     gpu: GpuHealthMonitor | None = None  # the rank's own GPU (None: GPU health disabled)
     stack: StackSample | None = None  # the training thread while it makes no progress (stall watcher)
-    exception: tuple[str, float] | None = None  # type and Unix time of the exception ending the rank
+    exception: RaisedException | None = None  # the exception ending the rank (incident.IncidentWriter)
+    terminated: Termination | None = None  # the signal ending the rank (incident.IncidentWriter)
+    scrapes: ScrapeTimes = field(default_factory=ScrapeTimes)  # when /metrics was scraped (exposition)
     ild: IldState | None = None  # issue-latency distributions and their samplers
 
     @classmethod

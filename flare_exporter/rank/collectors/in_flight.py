@@ -1,4 +1,5 @@
-"""What is in flight: each group's oldest unfinished collective, a stalled training thread, an exception."""
+"""What is in flight: each group's oldest unfinished collective, a stalled training thread, and what is
+ending the rank (an exception, a termination signal)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class InFlightCollector:
         "flare_rank_stack_info",
         "flare_rank_exception_info",
         "flare_rank_exception_timestamp_seconds",
+        "flare_rank_terminated_timestamp_seconds",
     )
 
     def __init__(self, state: FlareState) -> None:
@@ -46,8 +48,14 @@ class InFlightCollector:
             stack.add_metric(families.labels(sample.activity, sample.frames_label()), 1)
         exception_info = families.new("flare_rank_exception_info")
         exception_time = families.new("flare_rank_exception_timestamp_seconds")
-        if self.state.exception is not None:
-            kind, at = self.state.exception
-            exception_info.add_metric(families.labels(kind), 1)
-            exception_time.add_metric(families.labels(), at)
-        return [info, seq, nbytes, started, stack, exception_info, exception_time]
+        raised = self.state.exception
+        if raised is not None:
+            exception_info.add_metric(families.labels(raised.type, raised.cause), 1)
+            exception_time.add_metric(families.labels(), raised.timestamp_seconds)
+        terminated = families.new("flare_rank_terminated_timestamp_seconds")
+        termination = self.state.terminated
+        if termination is not None:
+            terminated.add_metric(
+                families.labels(termination.signal, termination.sender), termination.timestamp_seconds
+            )
+        return [info, seq, nbytes, started, stack, exception_info, exception_time, terminated]
