@@ -339,8 +339,37 @@ def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 def measure(
     args: argparse.Namespace, server: vc.ClusterServer, prometheus: PrometheusProcess
 ) -> dict[str, Any]:
-    ranks, culprit = args.ranks, args.culprit
+    """Time `flare diagnose` against Prometheus once it has scraped every rank: in-process, its queries and
+    engine alone, and as a whole command; every verdict checked."""
     url = prometheus.url
+    seen = wait_until_scraped(args, prometheus)
+    cli_args = ["diagnose", "--prometheus", url, "--hang-seconds", str(HANG_SECONDS), "--json"]
+    if args.pass_run:
+        cli_args += ["--run", RUN]
+    run = RUN if args.pass_run else ""
+    queries = count_requests(args, url, run, cli_args)
+    times = time_in_process(args, url, run, cli_args)
+    background = time_commands(args, prometheus, cli_args, times)
+    ranks = args.ranks
+    print(f"verdict, every run: HANG rank {args.culprit} in group world, {ranks} of {ranks} ranks seen")
+    goal, headline = judge(ranks, times)
+    return {
+        "prometheus": seen,
+        "queries": queries,
+        "scrapes_served": next(server.served),
+        "background": background,
+        "times_seconds": times,
+        "summary": {name: stats(values) for name, values in times.items() if values},
+        "goal_seconds": GOAL_SECONDS,
+        "goal_met": goal,
+        "goal_headline": headline,
+    }
+
+
+def wait_until_scraped(args: argparse.Namespace, prometheus: PrometheusProcess) -> dict[str, float]:
+    """Wait for Prometheus to be ready and to have scraped every rank: how long each took, and the series
+    of the run it holds (printed)."""
+    ranks, url = args.ranks, prometheus.url
     started = time.perf_counter()
     prometheus.wait_ready()
     ready_s = time.perf_counter() - started
@@ -363,20 +392,29 @@ def measure(
         f"prometheus: ready in {ready_s:.1f} s, flare_rank_info of all {ranks} ranks after "
         f"{all_seen_s:.1f} s (scraping every {args.scrape_interval:g} s); {series_total:,} series of the run"
     )
+    return {"ready_seconds": ready_s, "all_seen_seconds": all_seen_s, "series": series_total}
 
-    cli_args = ["diagnose", "--prometheus", url, "--hang-seconds", str(HANG_SECONDS), "--json"]
-    if args.pass_run:
-        cli_args += ["--run", RUN]
-    run = RUN if args.pass_run else ""
+
+def count_requests(args: argparse.Namespace, url: str, run: str, cli_args: list[str]) -> int:
+    """The requests one `sources.from_prometheus` sends, checked against the queries it should send
+    (and the run's discovery without --run); the command printed with them."""
     expected_queries = len(sources.PROMETHEUS_QUERIES) + (0 if args.pass_run else 1)
-    queries, snapshot = count_queries(lambda: sources.from_prometheus(url, run, "5m", 5.0))
+    queries, _ = count_queries(lambda: sources.from_prometheus(url, run, "5m", 5.0))
     if queries != expected_queries:
         raise BenchError(f"from_prometheus sent {queries} requests, expected {expected_queries}")
     discovery = (
         "--run given: no run discovery" if args.pass_run else "1 of them the run's discovery, an index read"
     )
     print(f"flare {' '.join(cli_args).replace(url, 'URL')}  ({queries} Prometheus requests, {discovery})")
+    return queries
 
+
+def time_in_process(
+    args: argparse.Namespace, url: str, run: str, cli_args: list[str]
+) -> dict[str, list[float]]:
+    """`cli.main` in this process `--repeats` times, then its queries alone and its engine alone, each
+    verdict checked: their times (printed)."""
+    ranks, culprit = args.ranks, args.culprit
     in_process_times = []
     for index in range(args.repeats):
         elapsed, code, output = in_process(cli_args)
@@ -389,14 +427,24 @@ def measure(
     if [(v.kind, v.ranks, v.group) for v in verdicts] != [("hang", (culprit,), WORLD)]:
         raise BenchError(f"engine alone: wrong verdicts {[(v.kind, v.ranks, v.group) for v in verdicts]}")
     print(_row("  engine", "diagnosis.diagnose alone", engine_times))
+    return {"in_process": in_process_times, "queries_alone": query_times, "engine_alone": engine_times}
 
+
+def time_commands(
+    args: argparse.Namespace,
+    prometheus: PrometheusProcess,
+    cli_args: list[str],
+    times: dict[str, list[float]],
+) -> dict[str, float]:
+    """The whole command `--subprocess-repeats` times, each followed by the interpreter's start-up alone,
+    into `times`; how busy Prometheus and the simulated ranks' server kept the CPUs meanwhile (printed)."""
     whole, whole_cpu, startup = [], [], []
     window = (time.perf_counter(), time.process_time(), process_cpu(prometheus.process.pid))
     for index in range(args.subprocess_repeats):
         elapsed, code, output, cpu_seconds = command(
             ["-m", "flare_exporter.engine.cli", *cli_args], SUBPROCESS_TIMEOUT_S
         )
-        check_verdict(code, output, ranks, culprit, f"subprocess run {index + 1}")
+        check_verdict(code, output, args.ranks, args.culprit, f"subprocess run {index + 1}")
         whole.append(elapsed)
         whole_cpu.append(cpu_seconds)
         elapsed, code, output, _ = command(["-c", "import flare_exporter.engine.cli"], SUBPROCESS_TIMEOUT_S)
@@ -405,6 +453,7 @@ def measure(
                 f"python -c 'import flare_exporter.engine.cli' exited with {code}: {one_line(output)}"
             )
         startup.append(elapsed)
+    times.update(whole_command=whole, whole_command_cpu=whole_cpu, startup_alone=startup)
     background: dict[str, float] = {"load_average_1m": os.getloadavg()[0]}
     if whole:
         span = time.perf_counter() - window[0]
@@ -421,8 +470,13 @@ def measure(
             f"server {background['server_cpus']:.2f} CPUs; load average {background['load_average_1m']:.2f} "
             f"on {os.cpu_count()} CPUs"
         )
-    print(f"verdict, every run: HANG rank {culprit} in group world, {ranks} of {ranks} ranks seen")
+    return background
 
+
+def judge(ranks: int, times: dict[str, list[float]]) -> tuple[dict[str, bool], str]:
+    """The goal, met or not, for the in-process runs and the whole command (the headline where it ran),
+    printed."""
+    in_process_times, whole = times["in_process"], times["whole_command"]
     goal = {"in_process": statistics.median(in_process_times) < GOAL_SECONDS}
     if whole:
         goal["whole_command"] = statistics.median(whole) < GOAL_SECONDS
@@ -434,25 +488,7 @@ def measure(
         f"goal: attribution from Prometheus at {ranks} ranks < {GOAL_SECONDS:g} s of CLI time: "
         f"{'PASS' if goal[headline] else 'MISS'} ({', '.join(parts)})"
     )
-    times = {
-        "in_process": in_process_times,
-        "queries_alone": query_times,
-        "engine_alone": engine_times,
-        "whole_command": whole,
-        "whole_command_cpu": whole_cpu,
-        "startup_alone": startup,
-    }
-    return {
-        "prometheus": {"ready_seconds": ready_s, "all_seen_seconds": all_seen_s, "series": series_total},
-        "queries": queries,
-        "scrapes_served": next(server.served),
-        "background": background,
-        "times_seconds": times,
-        "summary": {name: stats(values) for name, values in times.items() if values},
-        "goal_seconds": GOAL_SECONDS,
-        "goal_met": goal,
-        "goal_headline": headline,
-    }
+    return goal, headline
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from flare_exporter.local.jobs import free_port, free_port_block
 
-SCRIPT = REPO / "flare_exporter" / "workloads" / "train_ddp.py"
+SCRIPT = REPO / "flare_exporter" / "local" / "workloads" / "train_ddp.py"
 EVENTS = re.compile(rb"^events: (.+)$", re.MULTILINE)
 TOTALS = re.compile(rb"^totals: (.+)$", re.MULTILINE)
 # callgrind's events with --cache-sim=yes --branch-sim=yes: instructions (Ir), data reads and writes (Dr, Dw);
@@ -245,7 +245,8 @@ def print_simulated(training: dict[str, dict[str, float]]) -> None:
             print(f"  {'  / without':8}" + "".join(f"{ratio:11.4f}" for ratio in ratios))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: exit 2 on a bad one."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
     parser.add_argument("--long", type=int, default=240, help="steps of the long runs (default 240)")
@@ -282,50 +283,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error(f"--short ({args.short}) must be positive and below --long ({args.long})")
-    scrapes = args.long // args.scrape_every - args.short // args.scrape_every if args.scrape_every > 0 else 0
-    if args.scrape_every < 0 or (args.scrape_every and not scrapes):
+    if args.scrape_every < 0 or (args.scrape_every and not scrapes_between(args)):
         parser.error(
             f"--scrape-every ({args.scrape_every}) must leave the long runs more scrapes than the short"
         )
     if args.job_steps_per_scrape <= 0:
         parser.error(f"--job-steps-per-scrape ({args.job_steps_per_scrape}) must be positive")
+    return args
+
+
+def scrapes_between(args: argparse.Namespace) -> int:
+    """The scrapes a long scraped run makes beyond a short one's (0: no scraped side)."""
+    return args.long // args.scrape_every - args.short // args.scrape_every if args.scrape_every > 0 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scrapes = scrapes_between(args)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: error: valgrind (callgrind_control) is not installed", file=sys.stderr)
         return 1
-    steps = args.long - args.short
     print(
         f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side"
         + (", caches and branches simulated" if args.cache_sim else "")
     )
-    results: dict[str, dict[str, float]] = {}
-    runs: dict[str, Runs] = {}
-    training: dict[str, dict[str, float]] = {}  # the training thread's events per step, per side
     sides = {side: (side, 0) for side in SIDES if side != "loaded" or args.loaded}
     if scrapes:
         sides["scraped"] = ("with", args.scrape_every)
     try:
-        with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
-            tmp = args.keep or scratch
-            for side, (runs_as, scrape_every) in sides.items():
-                short, long = (
-                    run(
-                        runs_as,
-                        count,
-                        Path(tmp) / f"{side}-{name}",
-                        args.timeout,
-                        scrape_every,
-                        args.cache_sim,
-                    )
-                    for name, count in (("short", args.short), ("long", args.long))
-                )
-                runs[side] = instructions_of(short), instructions_of(long)
-                training[side] = training_events_per_step(short, long, steps)
-                main_thread, others = per_step(*runs[side], steps)
-                results[side] = {"training_thread": main_thread, "other_threads": others}
-                print(
-                    f"  {side:8} training thread {main_thread:12,.0f} instructions per step, "
-                    f"other threads {others:10,.0f} ({len(long)} threads)"
-                )
+        results, runs, training = run_sides(args, sides)
     except RunError as error:
         print(f"instructions: error: {error}", file=sys.stderr)
         return 1
@@ -346,35 +332,71 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_sim:
         summary["training_thread_events"] = training
     if scrapes:
-        by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
-        scraper = by_thread.pop(1)  # the training thread's GET
-        scrape = sum(by_thread.values())
-        share = scrape / args.job_steps_per_scrape / without["training_thread"]
-        print(
-            f"  a scrape (every {args.scrape_every} steps): {scrape:,.0f} instructions in the exporter's "
-            f"threads (and {scraper:,.0f} in the GET, the scraper's);\n   one every "
-            f"{args.job_steps_per_scrape} steps adds {100 * share:.2f} % to the training thread's "
-            "instructions per step without the exporter"
-        )
-        endpoint = max(by_thread, key=lambda thread: by_thread[thread])
-        others = ", ".join(
-            f"thread {thread} {by_thread[thread]:+,.0f}"
-            for thread in sorted(by_thread, key=lambda thread: -abs(by_thread[thread]))
-            if thread != endpoint
-        )
-        print(
-            f"  per thread, per scrape: the endpoint's (thread {endpoint}) {by_thread[endpoint]:+,.0f}, "
-            f"the scrape's own; the others, which wake on the clock: {others}"
-        )
-        summary |= {
-            "endpoint_thread_instructions": by_thread[endpoint],
-            "scrape_instructions": scrape,
-            "scraper_instructions": scraper,
-            "scrape_share_per_step": share,
-        }
+        summary |= scrape_summary(args, runs, scrapes, without["training_thread"])
     if args.json:
         Path(args.json).write_text(json.dumps({**results, **summary}, indent=2))
     return 0
+
+
+def run_sides(
+    args: argparse.Namespace, sides: dict[str, tuple[str, int]]
+) -> tuple[dict[str, dict[str, float]], dict[str, Runs], dict[str, dict[str, float]]]:
+    """Each side's short and long runs: its instructions per step (training thread, other threads; printed),
+    its runs' instructions per thread, and its training thread's events per step. `sides`: name, (the side
+    it runs as, its steps between scrapes)."""
+    steps = args.long - args.short
+    results: dict[str, dict[str, float]] = {}
+    runs: dict[str, Runs] = {}
+    training: dict[str, dict[str, float]] = {}  # the training thread's events per step, per side
+    with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
+        tmp = args.keep or scratch
+        for side, (runs_as, scrape_every) in sides.items():
+            short, long = (
+                run(runs_as, count, Path(tmp) / f"{side}-{name}", args.timeout, scrape_every, args.cache_sim)
+                for name, count in (("short", args.short), ("long", args.long))
+            )
+            runs[side] = instructions_of(short), instructions_of(long)
+            training[side] = training_events_per_step(short, long, steps)
+            main_thread, others = per_step(*runs[side], steps)
+            results[side] = {"training_thread": main_thread, "other_threads": others}
+            print(
+                f"  {side:8} training thread {main_thread:12,.0f} instructions per step, "
+                f"other threads {others:10,.0f} ({len(long)} threads)"
+            )
+    return results, runs, training
+
+
+def scrape_summary(
+    args: argparse.Namespace, runs: dict[str, Runs], scrapes: int, training_without: float
+) -> dict[str, Any]:
+    """A scrape's instructions, in the exporter's threads and in the GET, and its share of a step at one
+    every `--job-steps-per-scrape`; each thread's growth per scrape (printed)."""
+    by_thread = thread_growth_per_scrape(runs["with"], runs["scraped"], scrapes)
+    scraper = by_thread.pop(1)  # the training thread's GET
+    scrape = sum(by_thread.values())
+    share = scrape / args.job_steps_per_scrape / training_without
+    print(
+        f"  a scrape (every {args.scrape_every} steps): {scrape:,.0f} instructions in the exporter's "
+        f"threads (and {scraper:,.0f} in the GET, the scraper's);\n   one every "
+        f"{args.job_steps_per_scrape} steps adds {100 * share:.2f} % to the training thread's "
+        "instructions per step without the exporter"
+    )
+    endpoint = max(by_thread, key=lambda thread: by_thread[thread])
+    others = ", ".join(
+        f"thread {thread} {by_thread[thread]:+,.0f}"
+        for thread in sorted(by_thread, key=lambda thread: -abs(by_thread[thread]))
+        if thread != endpoint
+    )
+    print(
+        f"  per thread, per scrape: the endpoint's (thread {endpoint}) {by_thread[endpoint]:+,.0f}, "
+        f"the scrape's own; the others, which wake on the clock: {others}"
+    )
+    return {
+        "endpoint_thread_instructions": by_thread[endpoint],
+        "scrape_instructions": scrape,
+        "scraper_instructions": scraper,
+        "scrape_share_per_step": share,
+    }
 
 
 if __name__ == "__main__":

@@ -63,21 +63,7 @@ def scraper(port: int, rate: float, stop_file: str, out: str, new_connections: b
             elif delay < -1.0:
                 next_at = time.monotonic()  # a second behind: give up on the backlog rather than burst
             next_at += interval  # behind by less: go on at once and keep the offered rate
-            try:
-                if connection is None:
-                    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                connection.request("GET", "/metrics")
-                response = connection.getresponse()
-                body = response.read()
-                success = response.status == 200 and b"flare_steps_total" in body
-                if new_connections or response.will_close:
-                    connection.close()
-                    connection = None
-            except (OSError, http.client.HTTPException):
-                success = False
-                if connection is not None:
-                    connection.close()
-                    connection = None
+            success, connection = scrape_once(connection, port, new_connections)
             with lock:
                 if success:
                     counts["ok"] += 1
@@ -97,6 +83,28 @@ def scraper(port: int, rate: float, stop_file: str, out: str, new_connections: b
         thread.join()
     with open(out, "w") as handle:
         json.dump({**counts, "times": sorted(times)}, handle)
+
+
+def scrape_once(
+    connection: http.client.HTTPConnection | None, port: int, new_connections: bool
+) -> tuple[bool, http.client.HTTPConnection | None]:
+    """One GET of /metrics on `connection` (a new one if None): whether flare's metrics came back, and the
+    connection for the next request (None: open a new one)."""
+    try:
+        if connection is None:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        body = response.read()
+        success = response.status == 200 and b"flare_steps_total" in body
+        if new_connections or response.will_close:
+            connection.close()
+            connection = None
+    except (OSError, http.client.HTTPException):
+        if connection is not None:
+            connection.close()
+        return False, None
+    return success, connection
 
 
 def run_job(work: str, args: argparse.Namespace, scraped: bool) -> dict:

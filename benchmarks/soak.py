@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -69,7 +70,12 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
-def main() -> int:
+class SoakError(Exception):
+    """The soak could not finish: the rank exited, or the time ran out."""
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (and the worker's, hidden)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", type=int, default=1_000_000)
     parser.add_argument("--collectives-per-step", type=int, default=100, help="0: no optimizer steps")
@@ -78,7 +84,11 @@ def main() -> int:
     parser.add_argument("--json", default="")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--done-file", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker:
         worker(args.collectives, args.collectives_per_step, args.done_file)
         return 0
@@ -86,6 +96,31 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="flare-soak-")
     done_file = os.path.join(work, "done")
     port = free_port()
+    log = open(os.path.join(work, "rank0.log"), "wb")
+    process = start_rank(args, port, done_file, log)
+    try:
+        samples, last, completed = watch(args, process, f"127.0.0.1:{port}", work)
+    except SoakError as error:
+        print(f"soak: error: {error}")
+        return 1
+    finally:
+        open(done_file, "w").close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+    result = soak_result(args, samples, last, completed)
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"result": result, "samples": samples}, out, indent=1)
+    return 0 if completed >= args.collectives else 1
+
+
+def start_rank(args: argparse.Namespace, port: int, done_file: str, log: IO[bytes]) -> subprocess.Popen:
+    """The rank, under flare's launcher, its exporter on `port`; its output to `log`."""
     env = dict(os.environ)
     env.update(
         {
@@ -103,72 +138,73 @@ def main() -> int:
     command = [sys.executable, "-m", "flare_exporter.launch", __file__, "--worker"]
     command += ["--collectives", str(args.collectives), "--done-file", done_file]
     command += ["--collectives-per-step", str(args.collectives_per_step)]
-    log = open(os.path.join(work, "rank0.log"), "wb")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
-    target = f"127.0.0.1:{port}"
-    samples: list[tuple[float, float, float]] = []  # (seconds, collectives issued, rss bytes)
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+
+
+def watch(
+    args: argparse.Namespace, process: subprocess.Popen, target: str, work: str
+) -> tuple[list[tuple[float, float, float]], list[scrape.Sample], float]:
+    """Scrape the rank and read its memory every `--scrape-interval` until it has completed every
+    collective: the samples (seconds, collectives issued, RSS bytes), its last scrape, the collectives it
+    completed."""
+    samples: list[tuple[float, float, float]] = []
     started = time.monotonic()
     last: list[scrape.Sample] = []
-    completed = 0.0
-    try:
-        while time.monotonic() - started < args.timeout:
-            if process.poll() is not None:
-                print(f"soak: error: the rank exited with {process.returncode}; see {work}/rank0.log")
-                return 1
-            try:
-                last = scrape.scrape(target, timeout=5)
-            except scrape.ScrapeError:
-                time.sleep(args.scrape_interval)
-                continue
-            issued = scrape.value(last, "flare_collective_last_issued_seq", group="world") or 0.0
-            completed = scrape.value(last, "flare_collective_last_completed_seq", group="world") or 0.0
-            samples.append((time.monotonic() - started, issued, float(rss_bytes(process.pid))))
-            if completed >= args.collectives:
-                break
-            time.sleep(args.scrape_interval)
-        else:
-            print(f"soak: error: timed out after {args.timeout:.0f} s")
-            return 1
-    finally:
-        open(done_file, "w").close()
+    while time.monotonic() - started < args.timeout:
+        if process.poll() is not None:
+            raise SoakError(f"the rank exited with {process.returncode}; see {work}/rank0.log")
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+            last = scrape.scrape(target, timeout=5)
+        except scrape.ScrapeError:
+            time.sleep(args.scrape_interval)
+            continue
+        issued = scrape.value(last, "flare_collective_last_issued_seq", group="world") or 0.0
+        completed = scrape.value(last, "flare_collective_last_completed_seq", group="world") or 0.0
+        samples.append((time.monotonic() - started, issued, float(rss_bytes(process.pid))))
+        if completed >= args.collectives:
+            return samples, last, completed
+        time.sleep(args.scrape_interval)
+    raise SoakError(f"timed out after {args.timeout:.0f} s")
 
-    errors = sum(s.value for s in last if s.name == "flare_exporter_errors_total")
-    dropped = sum(s.value for s in last if s.name == "flare_exporter_dropped_events_total")
+
+def soak_result(
+    args: argparse.Namespace,
+    samples: list[tuple[float, float, float]],
+    last: list[scrape.Sample],
+    completed: float,
+) -> dict[str, object]:
+    """The soak's figures: collectives, time, the exporter's errors and drops, RSS and its slope."""
     start = next(s for s in samples if s[1] >= 0.1 * args.collectives)
     end = samples[-1]
     second_half = [(issued, rss) for _, issued, rss in samples if issued >= 0.5 * args.collectives]
-    kib_per_million = slope(second_half) * 1_000_000 / 1024
     seconds = end[0] - samples[0][0]
-    result = {
+    return {
         "collectives_issued": int(end[1]),
         "collectives_completed": int(completed),
         "seconds": round(seconds, 1),
         "collectives_per_second": round(end[1] / seconds) if seconds else None,
         "scrapes": len(samples),
-        "exporter_errors": errors,
-        "dropped_events": dropped,
+        "exporter_errors": sum(s.value for s in last if s.name == "flare_exporter_errors_total"),
+        "dropped_events": sum(s.value for s in last if s.name == "flare_exporter_dropped_events_total"),
         "rss_start_mib": round(start[2] / 2**20, 2),
         "rss_end_mib": round(end[2] / 2**20, 2),
         "rss_max_mib": round(max(s[2] for s in samples) / 2**20, 2),
-        "rss_slope_kib_per_million_collectives_second_half": round(kib_per_million, 1),
+        "rss_slope_kib_per_million_collectives_second_half": round(slope(second_half) * 1_000_000 / 1024, 1),
     }
-    print(f"soak: {result['collectives_issued']} collectives issued, {int(completed)} completed")
+
+
+def print_result(result: dict[str, object]) -> None:
+    """The soak's figures, as lines."""
+    issued, completed = result["collectives_issued"], result["collectives_completed"]
+    print(f"soak: {issued} collectives issued, {completed} completed")
     print(f"  in {result['seconds']} s ({result['collectives_per_second']}/s), {result['scrapes']} scrapes")
-    print(f"  exporter errors {errors:.0f}, dropped events {dropped:.0f}")
+    print(f"  exporter errors {result['exporter_errors']:.0f}, dropped events {result['dropped_events']:.0f}")
     print(
         f"  RSS at 10 %: {result['rss_start_mib']} MiB, at the end: {result['rss_end_mib']} MiB, "
         f"max {result['rss_max_mib']} MiB"
     )
-    print(f"  RSS slope over the second half: {kib_per_million:.1f} KiB per million collectives")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"result": result, "samples": samples}, out, indent=1)
-    return 0 if completed >= args.collectives else 1
+    slope_kib = result["rss_slope_kib_per_million_collectives_second_half"]
+    print(f"  RSS slope over the second half: {slope_kib:.1f} KiB per million collectives")
 
 
 if __name__ == "__main__":

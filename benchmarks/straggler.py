@@ -109,7 +109,8 @@ def matches(verdicts: list[Verdict], expected: tuple[tuple[int, ...], str] | Non
     return verdict.kind == "straggler" and (verdict.ranks, verdict.domain) == expected
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The model's and the run's settings."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=10)
@@ -120,9 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--healthy-steps", type=int, default=1000)
     parser.add_argument("--job-slowdown", type=float, default=1.0)
     parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     policy = StragglerPolicy()
-    slowed_rank = args.ranks // 2
     results: dict[str, object] = {
         "model": {"ranks": args.ranks, "jitter": args.jitter, "comm": args.comm, "onset": args.onset},
         "policy": policy.__dict__,
@@ -133,62 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{Config().straggler_window_steps} steps, verdict held over {policy.hold_windows}"
     )
     print(f"{'slowdown':>9} {'named<=20':>9} {'named':>6} {'delay med':>10} {'delay max':>10} {'false':>6}")
-    reliable = None
+    reliable = None  # the smallest slowdown named within GOAL_STEPS in every seed
     per_slowdown = {}
     for slowdown in [float(text) for text in args.slowdowns.split(",")]:
-        runs = [
-            simulate(
-                args.ranks,
-                args.onset + 60,
-                seed,
-                args.jitter,
-                args.comm,
-                slowdown,
-                [slowed_rank],
-                args.onset,
-                ((slowed_rank,), "rank"),
-                policy,
-            )
-            for seed in range(args.seeds)
-        ]
-        delays = [run.first_verdict_step for run in runs if run.first_verdict_step is not None]
-        in_goal = sum(1 for delay in delays if delay <= GOAL_STEPS)
-        false = sum(run.false_verdicts for run in runs)
-        if in_goal == args.seeds and reliable is None:
+        per_slowdown[slowdown] = found = one_rank_slowed(args, policy, slowdown)
+        if found["named_within_20"] == args.seeds and reliable is None:
             reliable = slowdown
-        per_slowdown[slowdown] = {
-            "named_within_20": in_goal,
-            "named": len(delays),
-            "delays": delays,
-            "false": false,
-        }
-        print(
-            f"{slowdown:>9.0%} {in_goal:>5}/{args.seeds:<3} {len(delays):>6} "
-            f"{statistics.median(delays) if delays else '-':>10} "
-            f"{max(delays) if delays else '-':>10} {false:>6}"
-        )
-    healthy = [
-        simulate(
-            args.ranks, args.healthy_steps, 1000 + seed, args.jitter, args.comm, 0.0, [], 0, None, policy
-        )
-        for seed in range(args.seeds)
-    ]
-    false_positives = sum(run.false_verdicts for run in healthy)
-    job = [
-        simulate(
-            args.ranks,
-            args.onset + 60,
-            2000 + seed,
-            args.jitter,
-            args.comm,
-            args.job_slowdown,
-            list(range(args.ranks)),
-            args.onset,
-            ((), "job"),
-            policy,
-        )
-        for seed in range(args.seeds)
-    ]
+    false_positives = sum(run.false_verdicts for run in healthy_runs(args, policy))
+    job = every_rank_slowed(args, policy)
     job_delays = [run.first_verdict_step for run in job if run.first_verdict_step is not None]
     print(
         f"smallest slowdown named within {GOAL_STEPS} steps in all {args.seeds} seeds: "
@@ -223,6 +179,65 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)
     return 0 if ok else 1
+
+
+def one_rank_slowed(args: argparse.Namespace, policy: StragglerPolicy, slowdown: float) -> dict[str, object]:
+    """Every seed with the middle rank slowed by `slowdown` from the onset: how many named it within
+    GOAL_STEPS, the delays, the other verdicts; printed as the table's row."""
+    slowed_rank = args.ranks // 2
+    runs = [
+        simulate(
+            args.ranks,
+            args.onset + 60,
+            seed,
+            args.jitter,
+            args.comm,
+            slowdown,
+            [slowed_rank],
+            args.onset,
+            ((slowed_rank,), "rank"),
+            policy,
+        )
+        for seed in range(args.seeds)
+    ]
+    delays = [run.first_verdict_step for run in runs if run.first_verdict_step is not None]
+    in_goal = sum(1 for delay in delays if delay <= GOAL_STEPS)
+    false = sum(run.false_verdicts for run in runs)
+    print(
+        f"{slowdown:>9.0%} {in_goal:>5}/{args.seeds:<3} {len(delays):>6} "
+        f"{statistics.median(delays) if delays else '-':>10} "
+        f"{max(delays) if delays else '-':>10} {false:>6}"
+    )
+    return {"named_within_20": in_goal, "named": len(delays), "delays": delays, "false": false}
+
+
+def healthy_runs(args: argparse.Namespace, policy: StragglerPolicy) -> list[Run]:
+    """Every seed of `--healthy-steps` steps with no rank slowed: any verdict is a false positive."""
+    return [
+        simulate(
+            args.ranks, args.healthy_steps, 1000 + seed, args.jitter, args.comm, 0.0, [], 0, None, policy
+        )
+        for seed in range(args.seeds)
+    ]
+
+
+def every_rank_slowed(args: argparse.Namespace, policy: StragglerPolicy) -> list[Run]:
+    """Every seed with every rank slowed by `--job-slowdown` from the onset: the job-wide verdict expected."""
+    return [
+        simulate(
+            args.ranks,
+            args.onset + 60,
+            2000 + seed,
+            args.jitter,
+            args.comm,
+            args.job_slowdown,
+            list(range(args.ranks)),
+            args.onset,
+            ((), "job"),
+            policy,
+        )
+        for seed in range(args.seeds)
+    ]
 
 
 if __name__ == "__main__":

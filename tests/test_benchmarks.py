@@ -125,6 +125,7 @@ def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(t
     for path in (
         "flare_exporter/rank/attach.py",
         "benchmarks/overhead.py",
+        "benchmarks/overhead_stats.py",
         "benchmarks/other.py",
         "README.md",
     ):
@@ -145,6 +146,7 @@ def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(t
     for changed in (
         "flare_exporter/rank/attach.py",
         "benchmarks/overhead.py",
+        "benchmarks/overhead_stats.py",  # the benchmark's own modules run too
         "flare_exporter/new.py",
         "train.py",
     ):
@@ -236,7 +238,8 @@ def test_a_burning_job_spends_its_share_of_each_ranks_cpu_beside_the_script(tmp_
     # the side "with" of a placebo that burns: the script runs as __main__ beside the burner thread, which
     # has spent its share of the process's CPU at its bursts (every second: at 1 s and 2 s of 2.6), though
     # the script's thread holds the GIL whenever it can
-    from overhead import parse_args, start_job
+    from overhead import parse_args
+    from overhead_jobs import start_job
 
     script = tmp_path / "probe.py"
     script.write_text(BURN_PROBE)
@@ -332,7 +335,7 @@ def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_runni
     assert [pair["first"] for pair in pairs] == ["A", "B"]
     assert [pair["turns"][:2] for pair in pairs] == ["AB", "BA"]
     # each job's ranks start with an environment padded by a length of its own: a layout drawn per job
-    from overhead import LAYOUT_PAD_BYTES
+    from overhead_jobs import LAYOUT_PAD_BYTES
 
     pads = [pad for pair in pairs for pad in pair["layout_pads"].values()]
     assert all(0 <= pad < LAYOUT_PAD_BYTES for pad in pads) and len(set(pads)) > 1
@@ -375,7 +378,7 @@ def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
 
 
 def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placebo():
-    from overhead import scrape_cost
+    from overhead_stats import scrape_cost
 
     slowed = {10: 0.003, 40: 0.003, 70: 0.004}  # the steps that a round overlaps take longer
     ends = steps_ending([0.010 + slowed.get(step, 0.0) for step in range(100)])
@@ -389,7 +392,7 @@ def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placeb
 def test_scrape_cost_of_rounds_that_slow_nothing_is_about_zero():
     """Steps of 5 and 15 ms: a span overlaps the long ones three times as often, which the placebo
     takes out."""
-    from overhead import excess, scrape_cost
+    from overhead_stats import excess, scrape_cost
 
     ends = steps_ending([0.005, 0.015] * 2000)
     rounds = [(100.0 + k * 0.1371, 100.0 + k * 0.1371 + 0.0005) for k in range(140)]
@@ -539,7 +542,7 @@ def steps_in(span: tuple[float, float], seconds: float) -> list[tuple[float, flo
 
 
 def test_a_slice_counts_the_steps_wholly_within_it_once_the_job_has_settled():
-    from overhead import SETTLE_S, slice_steps
+    from overhead_stats import SETTLE_S, slice_steps
 
     assert SETTLE_S == pytest.approx(0.2)  # the numbers below assume it
     steps = [(100.0 + 0.05 * k, 0.05) for k in range(1, 41)]  # steps of 50 ms ending at 100.05 .. 102.0
@@ -552,7 +555,7 @@ def test_a_slice_counts_the_steps_wholly_within_it_once_the_job_has_settled():
 
 
 def test_interleaved_pairs_weigh_each_slice_against_the_two_of_the_other_job_around_it():
-    from overhead import MIN_SLICE_STEPS, SETTLE_S, slice_pairs
+    from overhead_stats import MIN_SLICE_STEPS, SETTLE_S, slice_pairs
 
     spans = [(100.0 + 2 * k, 102.0 + 2 * k) for k in range(5)]  # without, with, without, with, without
     slices = [(k % 2 == 1, span) for k, span in enumerate(spans)]
@@ -577,7 +580,7 @@ def test_interleaved_pairs_weigh_each_slice_against_the_two_of_the_other_job_aro
 def test_the_two_jobs_of_a_pair_start_with_arguments_of_one_length():
     # an A/A placebo's two jobs differ in nothing else: not even in how long their ranks' arguments are
     # (their --report and --start-after paths lie in these directories)
-    from overhead import JOB_DIRS
+    from overhead_jobs import JOB_DIRS
 
     assert len(JOB_DIRS[False]) == len(JOB_DIRS[True]) and JOB_DIRS[False] != JOB_DIRS[True]
 
@@ -592,7 +595,8 @@ print(json.dumps({"argv": sys.argv[1:], "nvml": os.environ.get("FLARE_NVML_MODUL
 def test_a_job_on_the_gpu_gets_the_device_and_width_and_reads_nvml_itself(tmp_path, device):
     # the script is a probe: what a rank was started with, under the launcher, is all that is checked here
     # (the job on a GPU runs in scripts/gpu_check.sh)
-    from overhead import parse_args, start_job
+    from overhead import parse_args
+    from overhead_jobs import start_job
 
     script = tmp_path / "probe.py"
     script.write_text(ARGV_PROBE)
@@ -638,7 +642,7 @@ def serve_answers(answers: list[bytes]) -> tuple[int, list[bytes]]:
 
 
 def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kept_connection():
-    from overhead import Scraper
+    from overhead_scraper import Scraper
     from prometheus_client import CollectorRegistry, Counter
 
     from flare_exporter.rank.exposition import MetricsServer
@@ -686,7 +690,7 @@ def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kep
     ],
 )
 def test_the_scraper_names_an_answer_that_is_not_a_whole_response(answer, says):
-    from overhead import Scraper
+    from overhead_scraper import Scraper
 
     port, _ = serve_answers([answer])
     scraper = Scraper(port, 1, interval=1.0)
@@ -696,7 +700,7 @@ def test_the_scraper_names_an_answer_that_is_not_a_whole_response(answer, says):
 
 
 def test_an_http_1_0_answer_closes_the_scrapers_connection():
-    from overhead import Scraper
+    from overhead_scraper import Scraper
 
     port, _ = serve_answers([b"HTTP/1.0 200 OK\r\nContent-Length: 10\r\n\r\nflare_x 1\n"])
     scraper = Scraper(port, 1, interval=1.0)
@@ -705,7 +709,7 @@ def test_an_http_1_0_answer_closes_the_scrapers_connection():
 
 def test_a_run_whose_rank_crashed_only_while_exiting_is_retried_in_a_new_directory_and_counted(tmp_path):
     # sequential runs and interleaved pairs alike: gloo's teardown sometimes aborts after the last step
-    from overhead import RunError, retrying
+    from overhead_jobs import RunError, retrying
 
     tried: list[Path] = []
 
