@@ -489,7 +489,12 @@ def test_history_keeps_only_the_collectives_the_last_scrape_held():
             ({**rank, "group": "dp"}, T0 - 40),
         ],
         history_source.FLIGHT_INFO: [
-            ({**rank, "group": "world", "op": "allreduce", "state": "started"}, 1.0)
+            ({**rank, "group": "world", "op": "allreduce", "state": "started"}, 1.0),
+            ({**rank, "group": "world", "op": "broadcast", "state": "issued"}, 1.0),  # DDP's first, long done
+        ],
+        history_source.INFO_SEEN: [
+            ({**rank, "group": "world", "op": "broadcast", "state": "issued"}, T0 - 300),
+            ({**rank, "group": "world", "op": "allreduce", "state": "started"}, T0 + 10),
         ],
     }
     run = history_source.dead_run(series, "r", "prometheus p", T0 + 60)
@@ -570,3 +575,34 @@ def test_an_exception_whose_text_cannot_be_printed_is_still_classified():
 
     found = causes.classify(Unprintable())
     assert found.cause == "software_exception" and found.root.message == "<Unprintable: unprintable>"
+
+
+def test_collectives_in_flight_at_a_normal_end_are_no_evidence():
+    """Ranks of a healthy run, each last scraped at another moment of its last collectives."""
+    run = run_of(
+        word(0, groups=world(7, InFlight("allreduce", 7, 64, "started", T0))),
+        word(1, groups=world(6, None)),
+        word(2, groups=world(7, InFlight("broadcast", 7, 64, "issued", T0))),
+        world_size=3,
+    )
+    assert post_mortem(run) == []
+
+
+def test_a_mismatch_is_named_where_the_collectives_differ_though_another_rank_ran_ahead():
+    """gloo may complete a mismatched pair on some ranks: rank 0 went on to the next collective."""
+
+    def at(rank: int, number: int, op: str) -> LastWord:
+        return word(
+            rank, exception=reset(T0 + 9), groups=world(number, InFlight(op, number, 64, "issued", T0))
+        )
+
+    run = run_of(
+        at(0, 47, "allreduce"), at(1, 46, "allreduce"), at(2, 46, "broadcast"), at(3, 46, "allreduce")
+    )
+    verdict = only(post_mortem(run))
+    assert (verdict.kind, verdict.ranks, verdict.group, verdict.cause) == (
+        "mismatch",
+        (2,),
+        "world",
+        "collective_mismatch",
+    )

@@ -144,7 +144,7 @@ def test_recording_rules_follow_level_metric_operation():
                 assert metric.startswith("flare_") and operation
 
 
-SLOW_GROUPS = {"flare.slow_signals"}
+SLOW_GROUPS = {"flare.slow_signals", "flare.dead_runs"}
 
 
 def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_evaluation():

@@ -1,18 +1,19 @@
 """A dead run's last words from Prometheus's history: what each rank exported last before it vanished.
 
-One round of queries (HISTORY_QUERIES, 13, whatever the rank count), evaluated at `at` (now, or a past
+One round of queries (history_queries, 14, whatever the rank count), evaluated at `at` (now, or a past
 incident's time) over `window` before it. Values look back (`last_over_time`); when a rank was last scraped
 comes from the timestamps of its own samples (`timestamp()` in a subquery whose step is at most a second
 per window/600, so no scrape falls between two steps at the scrape intervals flare's ranks are scraped at).
 A collective counts as in flight at the end only if the rank's last scrape still held it: a series that
-vanished earlier (it completed) has an older last timestamp than the rank's last scrape.
+vanished earlier (it completed) has an older last timestamp than the rank's last scrape. So does an op or
+state of a group's in-flight info that an earlier collective had (DDP's first broadcast, say).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..mixin import rules
 from . import prometheus_source
@@ -21,6 +22,7 @@ from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, Source
 
 LAST_SEEN = "last_seen"  # when each rank was last scraped
 FLIGHT_SEEN = "flight_seen"  # when each (rank, group)'s in-flight collective was last scraped
+INFO_SEEN = "flight_info_seen"  # when each (rank, group, op, state) of one was last scraped
 TERMINATED = "flare_rank_terminated_timestamp_seconds"
 
 
@@ -47,6 +49,7 @@ def history_queries(step: str) -> dict[str, str]:
         FLIGHT_STARTED: looked_back(FLIGHT_STARTED, ", group"),
         FLIGHT_SEEN: last_scraped(FLIGHT_STARTED, ", group"),
         FLIGHT_INFO: looked_back(FLIGHT_INFO, ", group, op, state"),
+        INFO_SEEN: last_scraped(FLIGHT_INFO, ", group, op, state"),
         **{name: looked_back(name, ", group") for name in FLIGHT_NUMBERS},
     }
 
@@ -124,17 +127,24 @@ def _exceptions(series: Mapping[str, Series]) -> dict[int, ExceptionWord]:
 
 def _at_the_end(series: Mapping[str, Series], last_seen: Mapping[int, float]) -> dict[str, Series]:
     """`series` with only the in-flight collectives each rank's last scrape still held."""
-    held = {
-        _rank_group(labels)
-        for labels, value in series.get(FLIGHT_SEEN, [])
-        if value >= last_seen.get(int(labels["rank"]), 0.0) - 1e-3
-    }
+
+    def held(name: str, key: Callable[[Mapping[str, str]], tuple]) -> set[tuple]:
+        return {
+            key(labels)
+            for labels, value in series.get(name, [])
+            if value >= last_seen.get(int(labels["rank"]), 0.0) - 1e-3
+        }
+
+    in_flight, current_info = held(FLIGHT_SEEN, _rank_group), held(INFO_SEEN, _info_key)
     kept: dict[str, Series] = defaultdict(list, series)
     for name in (FLIGHT_STARTED, FLIGHT_INFO, *FLIGHT_NUMBERS):
-        kept[name] = [
-            item for item in series.get(name, []) if (int(item[0]["rank"]), item[0]["group"]) in held
-        ]
+        kept[name] = [item for item in series.get(name, []) if _rank_group(item[0]) in in_flight]
+    kept[FLIGHT_INFO] = [item for item in kept[FLIGHT_INFO] if _info_key(item[0]) in current_info]
     return kept
+
+
+def _info_key(labels: Mapping[str, str]) -> tuple[int, str, str, str]:
+    return int(labels["rank"]), labels["group"], labels.get("op", ""), labels.get("state", "")
 
 
 def _rank_group(labels: Mapping[str, str]) -> tuple[int, str]:

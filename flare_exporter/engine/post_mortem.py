@@ -13,6 +13,8 @@ Prometheus scraped of it (history_source.py), or the incident file it wrote (inc
 3. Else the collectives each rank had in flight at the end, judged as a live hang is (diagnosis.py): ranks
    behind their group's highest issued number, or the same number with another op or size ->
    `hang` or `mismatch` (collective_mismatch).
+   Only where some rank failed (a timeout, a reset): a run that ended normally was last scraped at
+   different moments of its last collectives.
 4. Else, if ranks failed in their collectives with no origin in sight -> `hang`, cause communication,
    domain job. A run whose ranks all ended normally, or were all stopped by their launcher, has no verdict.
 
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import causes
-from .diagnosis import GroupState, RankRecord, Snapshot, Verdict, explain_hang, hung_groups
+from .diagnosis import GroupState, InFlight, RankRecord, Snapshot, Verdict, explain_hang, hung_groups
 
 TOPOLOGY_DOMAINS = ("host", "switch", "rack")  # the shared fault domains, narrowest first
 
@@ -110,8 +113,8 @@ def post_mortem(run: DeadRun) -> list[Verdict]:
     words = run.every_rank()
     if not words:
         return []
-    verdict = _first_exception(words) or _gone_silent(words) or _in_flight_at_the_end(run, words)
-    verdict = verdict or _failed_in_collectives(words)
+    verdict = _first_exception(words) or _gone_silent(words) or _mismatched_collective(words)
+    verdict = verdict or _in_flight_at_the_end(run, words) or _failed_in_collectives(words)
     if verdict is None:
         return []
     verdict = _shared_domain(verdict, words)
@@ -160,12 +163,55 @@ def _gone_silent(words: Mapping[int, LastWord]) -> Verdict | None:
     return Verdict("rank_down", tuple(silent), "rank", summary, evidence, cause="node_failure")
 
 
+def _mismatched_collective(words: Mapping[int, LastWord]) -> Verdict | None:
+    """Rule 3, first: ranks that failed with different collectives in flight at the same number of a group
+    -> `mismatch`, the odd ones out by majority. A mismatched pair may still complete on some ranks (gloo
+    pairs what it can), which then run ahead: the number they differ at names the culprit, not the lead."""
+    if not any(word.exception for word in words.values()):
+        return None
+    for group in sorted({name for word in words.values() for name in word.groups}):
+        by_number: dict[int, dict[int, InFlight]] = defaultdict(dict)
+        for rank, word in words.items():
+            flight = word.groups[group].in_flight if group in word.groups else None
+            if flight is not None and flight.seq:
+                by_number[flight.seq][rank] = flight
+        for number, inside in sorted(by_number.items()):
+            odd = _odd_ones_out(inside)
+            if odd:
+                return _mismatch_verdict(group, number, inside, odd)
+    return None
+
+
+def _odd_ones_out(inside: Mapping[int, InFlight]) -> list[int]:
+    """The ranks whose (op, size) differs from a strict majority's; none without one."""
+    signatures = Counter((flight.op, flight.nbytes) for flight in inside.values())
+    if len(signatures) < 2:
+        return []
+    (majority, count), (_, runner_up) = signatures.most_common(2)
+    if count == runner_up:
+        return []
+    return sorted(rank for rank, flight in inside.items() if (flight.op, flight.nbytes) != majority)
+
+
+def _mismatch_verdict(group: str, number: int, inside: Mapping[int, InFlight], odd: list[int]) -> Verdict:
+    majority = next(flight for rank, flight in sorted(inside.items()) if rank not in odd)
+    others = "; ".join(f"rank {rank}: {inside[rank].op} of {inside[rank].nbytes} bytes" for rank in odd)
+    summary = (
+        f"collective {number} in group {group} differed when the run failed: "
+        f"{len(inside) - len(odd)} ranks had {majority.op} of {majority.nbytes} bytes in flight, but {others}"
+    )
+    evidence = {
+        "in_flight": {str(rank): {"op": f.op, "seq": f.seq, "bytes": f.nbytes} for rank, f in inside.items()}
+    }
+    return Verdict("mismatch", tuple(odd), "rank", summary, evidence, group, cause="collective_mismatch")
+
+
 def _in_flight_at_the_end(run: DeadRun, words: Mapping[int, LastWord]) -> Verdict | None:
     """Rule 3: the live hang rules over the collectives each rank had in flight when it was last heard of:
     a rank behind its group, or a mismatched collective."""
     at = run.ended_at
-    if at is None:
-        return None
+    if at is None or not any(word.exception for word in words.values()):
+        return None  # no rank failed: what ranks had in flight when last scraped is no evidence
     records = {
         rank: RankRecord(rank, host=word.host, steps=word.steps, heartbeat=word.heartbeat, groups=word.groups)
         for rank, word in words.items()

@@ -515,6 +515,9 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
 DEAD_RUN = "run:flare_run:dead"
 FIRST_FAILURE = "run_rank:flare_rank_primary_exception:timestamp_seconds"
 SILENT = "run_rank:flare_rank_gone:silent"
+FLIGHT_INFO = "flare_collective_in_flight_info"
+LAST_OP = "run_rank_group:flare_collective_in_flight:last_op"
+ODD_OP = "run_rank_group:flare_collective_in_flight:odd_op"
 
 
 def dead_run_recordings(t: Thresholds) -> list[Recording]:
@@ -542,12 +545,33 @@ def dead_run_recordings(t: Thresholds) -> list[Recording]:
             f"unless on (run, rank) last_over_time(flare_rank_exception_info{s}[{w}])\n"
             f"unless on (run, rank) last_over_time(flare_rank_terminated_timestamp_seconds{s}[{w}])",
         ),
+        *_last_op_recordings(t),
+    ]
+
+
+def _last_op_recordings(t: Thresholds) -> list[Recording]:
+    """Each rank's last collective in flight in each group (the newest op series), and the ranks whose op
+    a strict majority of the group's did not share (rule 3: a mismatch the run died of)."""
+    flights = selector(t, f'group!="{spec.NATIVE_GROUP}"')
+    ops = f"count by (run, group, op) ({LAST_OP})"
+    return [
+        Recording(
+            LAST_OP,
+            "topk by (run, rank, group) (1, max by (run, rank, group, op) "
+            f"(max_over_time(timestamp({FLIGHT_INFO}{flights})[{t.dead_run_window}:5s])))",
+        ),
+        Recording(
+            ODD_OP,
+            f"group by (run, rank, group, op) ({LAST_OP})\n* on (run, group, op) group_left {ops}\n"
+            f"< on (run, group) group_left max by (run, group) ({ops})",
+        ),
     ]
 
 
 def dead_run_alerts(t: Thresholds) -> list[Alert]:
-    """A run that is gone: the rank that raised its own exception first, else the ranks gone silent while
-    others left a word (a run that ended normally leaves none, and pages not)."""
+    """A run that is gone: the rank that raised its own exception first; else the ranks gone silent while
+    others left a word; else, where ranks failed in a collective, the ranks whose last collective differed
+    from the majority's (a run that ended normally leaves no word, and pages not)."""
     s, w = selector(t), t.dead_run_window
     spoke = (
         f"count by (run) (last_over_time(flare_rank_exception_info{s}[{w}]))\n"
@@ -558,16 +582,25 @@ def dead_run_alerts(t: Thresholds) -> list[Alert]:
         f'label_replace({SILENT}, "cause", "node_failure", "", "")\n'
         f"  and on (run) {DEAD_RUN}\n  and on (run) ({spoke})\n  unless on (run) {FIRST_FAILURE}"
     )
+    failed = f"count by (run) (last_over_time(flare_rank_exception_info{s}[{w}]))"
+    mismatched = (
+        f'label_replace({ODD_OP}, "cause", "collective_mismatch", "", "")\n'
+        f"  and on (run) {DEAD_RUN}\n  and on (run) {failed}\n"
+        f"  unless on (run) {FIRST_FAILURE}\n  unless on (run) {SILENT}"
+    )
     return [
         Alert(
             "FlareRunDied",
-            f"{first}\nor\n{silent}",
+            f"{first}\nor\n{silent}\nor\n{mismatched}",
             t.dead_run_for,
             "critical",
             "Run {{ $labels.run }} died: rank {{ $labels.rank }} first ({{ $labels.cause }})",
             "Every rank of run {{ $labels.run }} is gone. Rank {{ $labels.rank }} ended it: "
-            "{{ if $labels.type }}it raised {{ $labels.type }}{{ else }}it vanished without a word (killed, "
-            "frozen or its host lost){{ end }}, cause {{ $labels.cause }}; the other ranks failed or were "
+            "{{ if $labels.type }}it raised {{ $labels.type }}{{ else if $labels.op }}it issued "
+            "{{ $labels.op }} in group {{ $labels.group }} where the others issued another collective"
+            "{{ else }}it vanished "
+            "without a word (killed, frozen or its host lost){{ end }}, cause {{ $labels.cause }}; the other "
+            "ranks failed or were "
             "stopped after it. `flare report` gives the timeline and the root cause.",
             "flarerundied",
             link("rank", "rank"),
@@ -918,7 +951,8 @@ class RuleGroup:
 RULE_GROUPS = (
     RuleGroup("flare.recording", recordings=(recording_rules,)),
     RuleGroup("flare.ranks", alerts=(rank_alerts,)),
-    RuleGroup("flare.dead_runs", recordings=(dead_run_recordings,), alerts=(dead_run_alerts,)),
+    # slow: its windows look back dead_run_window, and a dead run waits a minute for its page anyway
+    RuleGroup("flare.dead_runs", recordings=(dead_run_recordings,), alerts=(dead_run_alerts,), slow=True),
     RuleGroup("flare.collectives", alerts=(collective_alerts,)),
     RuleGroup("flare.gpu_errors", alerts=(gpu_error_alerts,)),
     # One group, so that Prometheus evaluates these one after another, on one core: as four groups, each on
