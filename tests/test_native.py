@@ -313,7 +313,7 @@ INTEGRATION = textwrap.dedent(
     allreduce = stats["native", "allreduce"]
     print(json.dumps({
         "feeds": len(feeds),
-        "windows_use_op_timer": state.ild.dispatch.launches_from_shim,
+        "windows_use_the_recorder": state.ild.dispatch.launches_from_shim,
         "results": sorted(set(results)),
         "kernel_counts": latency.histogram.counts,
         "kernel_sum": latency.histogram.sum,
@@ -346,7 +346,7 @@ def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     assert seen["feeds"] == 1 and seen["results"] == [0] and seen["active"]
-    assert seen["windows_use_op_timer"]  # launches are sampled below Python: no dispatch mode needed
+    assert seen["windows_use_the_recorder"]  # launches are sampled below Python: no dispatch mode needed
     assert seen["dropped"] == {} and seen["errors"] == {}
     assert sum(seen["kernel_counts"]) == kernels // every
     # the fake device's 2 ms: the mean, and most samples in the histogram bucket that holds 2 ms

@@ -4,7 +4,7 @@ The training thread only creates a CollectiveRecord and hands the work to a timi
 never waits. Backends behind one interface:
 
 - FutureTiming (CPU, gloo): the work's future marks the completion, on the backend's own thread;
-  duration = completion time - issue time. With flare's torch extension (op_timer.py) a C++ callback
+  duration = completion time - issue time. With flare's C++ recorder (cpp_recorder.py) a C++ callback
   stamps the time there without taking the GIL, and the manager reads the stamp at its next drain;
   without it, a Python callback does (the GIL taken from training for every collective).
 - CudaEventTiming (GPU, NCCL): ProcessGroupNCCL records CUDA start/end events on the collective's own
@@ -332,7 +332,7 @@ class TimingBackend:
 class FutureTiming(TimingBackend):
     """CPU collectives: the work's future marks the completion time (gloo's own thread).
 
-    `extension` is flare's torch extension (op_timer.load()): its completion stamps are filled in from C++,
+    `extension` is flare's C++ recorder (cpp_recorder.load()): its completion stamps are filled in from C++,
     without the GIL; None: a Python callback on the future. A work without a future is polled (gloo's send
     and recv), or handed back wrapped by `waited` (process_group.WaitedWork) when its completion only its
     wait() shows (gloo's reduce_scatter).
