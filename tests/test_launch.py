@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import one_rank_env, torch_extension
 
+import flare_exporter
 from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import ObservedJob, free_port, free_port_block
 from flare_exporter.local.prometheus import wait_for
@@ -178,3 +179,13 @@ def test_every_entry_point_prints_its_help(module):
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+def test_flare_says_its_version():
+    done = subprocess.run(
+        [sys.executable, "-m", "flare_exporter.engine.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"flare {flare_exporter.__version__}"

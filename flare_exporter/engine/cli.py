@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .. import __version__
 from .. import config as config_module
 from ..mixin import rules
 from . import diagnosis, history_source, incident_source, post_mortem, report, scrape, sources
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flare", description="Which rank, and why? Diagnose a training job."
     )
+    parser.add_argument("--version", action="version", version=f"flare {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _) in COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text)
