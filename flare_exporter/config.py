@@ -65,6 +65,8 @@ def _topology_ok(value: str) -> bool:
     return True
 
 
+# 21400 + local_rank: see the key's help for why not 9400 (dcgm-exporter's, which GPU nodes run)
+DEFAULT_PORT = 21400
 INCIDENTS_SUBDIRECTORY = "incidents"  # under file_sd_dir, where Prometheus' *.json glob does not look
 INCIDENTS_OFF = "off"
 
@@ -75,8 +77,12 @@ class Config:
 
     config: str = _setting("", "YAML config file to read first (also FLARE_CONFIG).")
     port: int = _setting(
-        9400,
-        "Base port; a rank serves /metrics on port + local_rank. 0 serves nothing.",
+        DEFAULT_PORT,
+        "Base port; a rank serves /metrics on port + local_rank. 0 serves nothing. The default is not 9400 "
+        "(dcgm-exporter's): a rank per GPU needs a block of ports, which the exporter allocations on "
+        "Prometheus's wiki (9100-9999, full, and newer ones just above 10000) cannot spare; 21400 and up is "
+        "also clear of Ray's worker ports (10002-19999), torch's 29400 and 29500, and the NodePort and "
+        "ephemeral ranges (30000 up).",
         *_between(0, 65535),
     )
     addr: str = _setting(
@@ -87,7 +93,9 @@ class Config:
     )
     run: str = _setting(
         "",
-        "Run id, label run of every series (default: torchrun's run id, Slurm's job id, or 'default').",
+        "Run id, label run of every series, and the name of the rank's files (default: torchrun's --rdzv-id, "
+        "else Slurm's job id, `<job>.<step>` in an srun step, else Open MPI's job id, else 'default'; set it "
+        "when jobs without one share file_sd_dir).",
         _label_safe,
         "at most 128 characters on one line",
     )

@@ -124,6 +124,14 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="recorder: cpp (flare's C++ backend, no Python on the training thread) or python (hooks).",
     ),
     MetricSpec(
+        "flare_exporter_build_info",
+        INFO,
+        "",
+        "Versions this rank runs (flare-exporter, torch, Python) and whether flare's C++ recorder is loaded.",
+        ("version", "torch", "python", "cpp_recorder"),
+        detail="cpp_recorder: cpp when flare's C++ recorder (its torch extension) is loaded, else python.",
+    ),
+    MetricSpec(
         "flare_collective_duration_seconds",
         HISTOGRAM,
         "seconds",

@@ -25,13 +25,23 @@ def write_yaml(tmp_path):
 def test_defaults():
     loaded = config.load(flags={}, environ={})
     assert loaded == Config()
-    assert loaded.port == 9400
+    assert loaded.port == 21400
     assert loaded.addr == "0.0.0.0"
     assert loaded.run == ""
     assert loaded.file_sd_dir == ""
     assert loaded.queue_size == 65536
     assert loaded.timing_interval_seconds == 5.0
     assert loaded.max_groups == 64
+
+
+def test_the_default_ports_are_nobody_elses():
+    """A node's ranks serve on a block of ports from the default: it must not meet Prometheus's exporter
+    allocations (9100-9999, dcgm-exporter's 9400 among them, and newer ones just above 10000), Ray's worker
+    ports (10002-19999), torch's rendezvous and master ports (29400, 29500), the NodePort (30000-32767) and
+    ephemeral (32768 up) ranges. Sixteen local ranks at most."""
+    block = range(Config().port, Config().port + 16)
+    assert block.start > 19999 and block.stop <= 29400
+    assert "9400" in config.FIELDS["port"].metadata["help"]  # the help says why not 9400
 
 
 def test_file_via_environment(write_yaml):

@@ -19,6 +19,7 @@ from flare_exporter.engine.scrape import parse
 from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.rank import progress
 from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.collectors import identity as identity_collector
 from flare_exporter.rank.gpu_health import GpuHealthMonitor
 from flare_exporter.rank.groups import GroupTracker
 from flare_exporter.rank.identity import RankIdentity
@@ -96,6 +97,14 @@ def fixed_state() -> FlareState:
 def pinned_clock(monkeypatch):
     """Hooks record perf_counter readings; pin their conversion to Unix time so the heartbeat is fixed."""
     monkeypatch.setattr(progress, "wall_time", lambda perf_time: perf_time)
+
+
+@pytest.fixture(autouse=True)
+def pinned_build(monkeypatch):
+    """flare_exporter_build_info names this machine's versions and whether the C++ recorder is built: pin
+    them."""
+    pinned = ("0.1.0", "2.5.1", "3.12.3", "python")
+    monkeypatch.setattr(identity_collector, "build_values", lambda torch_version, cpp_recorder: pinned)
 
 
 def stable_exposition() -> str:

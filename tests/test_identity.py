@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from flare_exporter import spec
-from flare_exporter.config import ConfigError
-from flare_exporter.rank import identity
+from flare_exporter import __version__, spec
+from flare_exporter.config import Config, ConfigError
+from flare_exporter.rank import file_sd, identity
 from flare_exporter.rank.identity import gpu_identity
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job-42"}
@@ -58,6 +60,89 @@ def test_empty_variables_are_skipped():
     rank_identity = identity.from_environment(environ)
     assert rank_identity.rank == 4
     assert rank_identity.run == "99"
+
+
+# torchrun started by srun on each node, without --rdzv-id: TORCHELASTIC_RUN_ID is torchrun's placeholder
+SLURM_TORCHRUN = {**SLURM, **TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}
+
+
+def test_under_slurm_torchruns_placeholder_gives_way_to_the_job_id(tmp_path):
+    first = identity.from_environment({**SLURM_TORCHRUN, "SLURM_JOB_ID": "1001"})
+    second = identity.from_environment({**SLURM_TORCHRUN, "SLURM_JOB_ID": "1002"})
+    assert (first.run, second.run) == ("1001", "1002")
+    assert file_sd.target_path(str(tmp_path), first) != file_sd.target_path(str(tmp_path), second)
+    file_sd.write_target(str(tmp_path), first, "127.0.0.1", 21400)
+    file_sd.write_target(str(tmp_path), second, "127.0.0.1", 21400)
+    assert len(list(tmp_path.iterdir())) == 2  # neither job's target overwrites the other's
+
+
+def test_an_srun_step_is_a_run_of_its_own():
+    assert identity.from_environment({**SLURM_TORCHRUN, "SLURM_STEP_ID": "2"}).run == "123456.2"
+    assert identity.from_environment({**SLURM, "SLURM_STEP_ID": "0"}).run == "123456.0"
+    # Slurm's own steps (batch script: 0xFFFFFFFB) and anything that is not a step number add nothing
+    for step in ("4294967291", "batch", "", " "):
+        assert identity.from_environment({**SLURM, "SLURM_STEP_ID": step}).run == "123456"
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({**SLURM_TORCHRUN, "SLURM_STEP_ID": "1"}, "123456.1"),
+        ({**SLURM_TORCHRUN, "TORCHELASTIC_RUN_ID": "job-42"}, "job-42"),
+        ({**OPENMPI, "TORCHELASTIC_RUN_ID": "none"}, "2871"),
+        ({**OPENMPI, **SLURM}, "123456"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, identity.DEFAULT_RUN),
+    ],
+)
+def test_run_id_precedence(environ, expected):
+    assert identity.from_environment(environ).run == expected
+    assert identity.from_environment(environ, run="flare-run").run == "flare-run"  # FLARE_RUN wins
+
+
+def test_a_default_run_in_a_shared_directory_is_warned_about():
+    unnamed = identity.from_environment({"TORCHELASTIC_RUN_ID": "none"})
+    warning = identity.default_run_warning(unnamed, "/shared/targets")
+    assert "'default'" in warning and "/shared/targets" in warning and "FLARE_RUN" in warning
+    assert "\n" not in warning
+    assert identity.default_run_warning(unnamed, "") == ""  # no shared directory: nothing to collide in
+    assert identity.default_run_warning(identity.from_environment(SLURM_TORCHRUN), "/shared") == ""
+
+
+def test_attach_logs_the_default_run_warning_once(tmp_path):
+    pytest.importorskip("torch")
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("FLARE_", "TORCHELASTIC_", "SLURM_", "OMPI_"))
+    }
+    environ.update(FLARE_FILE_SD_DIR=str(tmp_path), FLARE_PORT="0", FLARE_GPU_HEALTH="0")
+    code = "import flare_exporter; flare_exporter.attach()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "FLARE_RUN" in line]
+    assert len(lines) == 1 and str(tmp_path) in lines[0], result.stderr
+
+
+def test_build_info_names_the_versions_and_the_recorder():
+    pytest.importorskip("torch")
+    import torch
+
+    from flare_exporter.rank.collectors import Families
+    from flare_exporter.rank.collectors.identity import IdentityCollector
+    from flare_exporter.rank.state import FlareState
+
+    state = FlareState.create(Config(gpu_health=False), identity.from_environment(TORCHRUN))
+    families = {f.name: f for f in IdentityCollector(state).collect(Families(("5", "job-42")))}
+    (sample,) = families["flare_exporter_build_info"].samples
+    metric = spec.BY_NAME["flare_exporter_build_info"]
+    assert tuple(sample.labels) == (*spec.COMMON_LABELS, *metric.labels)
+    assert sample.labels["version"] == __version__
+    assert sample.labels["torch"] == str(torch.__version__)
+    assert sample.labels["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert sample.labels["cpp_recorder"] in ("cpp", "python")
+    assert sample.value == 1
 
 
 def test_explicit_run_and_host_override():

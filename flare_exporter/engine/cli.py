@@ -35,7 +35,7 @@ from typing import Any
 from .. import __version__
 from .. import config as config_module
 from ..mixin import rules
-from . import diagnosis, history_source, incident_source, post_mortem, report, scrape, sources
+from . import diagnosis, history_source, incident_source, post_mortem, promql, prune, report, scrape, sources
 from .diagnosis import Snapshot, Verdict
 from .promql import PrometheusError
 from .targets import TargetsError, read_targets
@@ -231,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--window", default="5m", help="Prometheus lookback for rates and gone ranks (default 5m)"
         )
+        _add_prometheus_arguments(command)
         secured = command.add_argument_group(
             "secured ranks (--targets whose endpoints have a web config file; see docs/security.md)"
         )
@@ -246,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"user for basic auth; the password is read from {PASSWORD_ENV}",
         )
     _add_report_command(commands)
+    targets_command = commands.add_parser("targets", help="manage the file_sd target files of runs")
+    targets_actions = targets_command.add_subparsers(dest="action", required=True)
+    prune_help = "remove the target and incident files of runs that ended (e.g. in a Slurm epilog)"
+    prune.add_arguments(targets_actions.add_parser("prune", help=prune_help, description=prune_help))
     rules_command = commands.add_parser(
         "rules", help="print the Prometheus recording and alert rules", description=rules.__doc__
     )
@@ -266,6 +271,7 @@ def _add_report_command(commands: Any) -> None:
     text = "the incident report of a run that is gone: the originating rank, the cause, a timeline"
     command = commands.add_parser("report", help=text, description=text)
     command.add_argument("--prometheus", metavar="URL", help="read the run's history from this Prometheus")
+    _add_prometheus_arguments(command)
     command.add_argument(
         "--targets", metavar="FILE|DIR", help="the file_sd targets: the incident files beside"
     )
@@ -276,6 +282,54 @@ def _add_report_command(commands: Any) -> None:
     command.add_argument("--timeout", type=float, default=5.0, help="seconds per query (default 5)")
     command.add_argument("--out", metavar="FILE", default="", help="write the Markdown report here")
     command.add_argument("--json", action="store_true", help="print one JSON object for programs")
+
+
+# the flags of a secured Prometheus: (flag, its promql.Access field, metavar, help)
+PROMETHEUS_ACCESS_FLAGS = (
+    ("--bearer-token-file", "bearer_token_file", "FILE", "send the bearer token this file holds"),
+    (
+        "--prometheus-user",
+        "user",
+        "USER",
+        f"basic auth user; its password from --prometheus-password-file or {promql.PASSWORD_ENV}",
+    ),
+    ("--prometheus-password-file", "password_file", "FILE", "the file of --prometheus-user's password"),
+    ("--prometheus-ca-file", "ca_file", "FILE", "CA certificate that signed Prometheus's (https URL)"),
+    ("--prometheus-cert-file", "cert_file", "FILE", "client certificate, for a Prometheus that requires one"),
+    ("--prometheus-key-file", "key_file", "FILE", "the client certificate's key"),
+)
+
+
+def _add_prometheus_arguments(command: argparse.ArgumentParser) -> None:
+    """The flags of a secured Prometheus (an auth proxy, Thanos, Mimir): credentials, TLS, headers."""
+    secured = command.add_argument_group(
+        "secured Prometheus (--prometheus behind TLS, basic auth, a bearer token; see docs/security.md)"
+    )
+    for flag, field, metavar, help_text in PROMETHEUS_ACCESS_FLAGS:
+        secured.add_argument(flag, dest=f"prometheus_{field}", metavar=metavar, default="", help=help_text)
+    secured.add_argument(
+        "--header",
+        dest="prometheus_headers",
+        metavar="'NAME: VALUE'",
+        action="append",
+        default=[],
+        help="send this header to Prometheus too (repeatable), e.g. 'X-Scope-OrgID: tenant-1'",
+    )
+
+
+def _prometheus_connection(args: argparse.Namespace) -> promql.Connection | None:
+    """How to ask the Prometheus --prometheus names (None where it names none); AccessError naming the flag
+    for a flag of a secured Prometheus given without --prometheus."""
+    given = {field: getattr(args, f"prometheus_{field}") for _, field, _, _ in PROMETHEUS_ACCESS_FLAGS}
+    if not args.prometheus:
+        flags = [flag for flag, field, _, _ in PROMETHEUS_ACCESS_FLAGS if given[field]]
+        flags += ["--header"] * bool(args.prometheus_headers)
+        if flags:
+            raise promql.AccessError(f"flag {flags[0]}: only with --prometheus (it says how to ask it)")
+        return None
+    password = os.environ.get(promql.PASSWORD_ENV, "")
+    access = promql.Access(args.prometheus_headers, password=password, **given)
+    return promql.connect(args.prometheus, access)
 
 
 PASSWORD_ENV = "FLARE_BASIC_AUTH_PASSWORD"
@@ -308,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:
         return EXIT_USAGE if exit.code else EXIT_OK
+    if args.command == "targets":
+        return prune.main(args)
     if args.command == "rules":
         return rules.main(args)
     # What a command reads stays alive until it ends (at thousands of ranks, 100 k series and more, then the
@@ -355,11 +411,13 @@ ENGINE_ERRORS = (
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    """ConfigError naming the flag if --timeout, --window or --at is not usable."""
+    """ConfigError naming the flag if --timeout, --window or --at is not usable; AccessError if a flag of a
+    secured Prometheus is not (args.prometheus_connection: how to ask --prometheus)."""
     if not 0 < args.timeout <= 3600:  # also refuses nan
         raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
     rules.duration_seconds(args.window, "flag --window")
     args.at = parse_time(args.at) if isinstance(args.at, str) else args.at
+    args.prometheus_connection = _prometheus_connection(args)
 
 
 def parse_time(text: str) -> float:
@@ -388,7 +446,7 @@ def _snapshot(
     if args.prometheus:
         detail_for = _detail_for(args.command, hang_seconds, ild)
         snapshot = sources.from_prometheus(
-            args.prometheus, args.run, args.window, args.timeout, detail_for, hang_seconds, ild
+            args.prometheus_connection, args.run, args.window, args.timeout, detail_for, hang_seconds, ild
         )
         return snapshot, f"prometheus {args.prometheus}"
     snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
@@ -401,7 +459,7 @@ def _dead_run(args: argparse.Namespace) -> post_mortem.DeadRun:
     if args.prometheus:
         found.append(
             history_source.dead_run_from_prometheus(
-                args.prometheus, args.run, args.window, args.timeout, args.at
+                args.prometheus_connection, args.run, args.window, args.timeout, args.at
             )
         )
     for directory in (args.incidents, args.targets):

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from ..mixin import rules
-from . import prometheus_source
+from . import prometheus_source, promql
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
 from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields
 
@@ -60,22 +60,28 @@ def subquery_step(window_seconds: float) -> str:
 
 
 def dead_run_from_prometheus(
-    base_url: str, run: str = "", window: str = "10m", timeout: float = 10.0, at: float | None = None
+    server: promql.Prometheus,
+    run: str = "",
+    window: str = "10m",
+    timeout: float = 10.0,
+    at: float | None = None,
 ) -> DeadRun:
-    """Every rank's last word of `run` (the one run seen within `window`, if not given) as of `at` (now)."""
+    """Every rank's last word of `run` (the one run seen within `window`, if not given) as of `at` (now),
+    from the Prometheus at `server` (its base URL, or a promql.Connection where it is secured)."""
     now = time.time() if at is None else at
     seconds = rules.duration_seconds(window, "flag --window")
-    run = run or prometheus_source.the_run(base_url, window, timeout, now)
+    connection = promql.connection(server)
+    run = run or prometheus_source.the_run(connection, window, timeout, now)
     prometheus = prometheus_source.PrometheusRun(
-        base_url, prometheus_source.matcher(run), window, timeout, now
+        connection, prometheus_source.matcher(run), window, timeout, now
     )
     series = prometheus.fetch(history_queries(subquery_step(seconds)))
     if not series.get("flare_rank_info"):
         raise SourceError(
-            f"Prometheus at {base_url}: no rank of run {run!r} was scraped in the {window} before "
+            f"Prometheus at {connection.url}: no rank of run {run!r} was scraped in the {window} before "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(now))} UTC (widen --window or set --at)"
         )
-    return dead_run(series, run, f"prometheus {base_url}", now)
+    return dead_run(series, run, f"prometheus {connection.url}", now)
 
 
 def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) -> DeadRun:

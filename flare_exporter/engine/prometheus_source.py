@@ -20,6 +20,7 @@ from .. import spec
 from ..mixin import rules
 from . import diagnosis, promql
 from .diagnosis import Snapshot
+from .promql import Prometheus
 from .records import (
     FLIGHT_INFO,
     FLIGHT_NUMBERS,
@@ -222,7 +223,7 @@ Answers = Callable[..., list[list[dict[str, Any]]]]  # PrometheusRun.answers
 
 
 def from_prometheus(
-    base_url: str,
+    server: Prometheus,
     run: str = "",
     window: str = "5m",
     timeout: float = 10.0,
@@ -231,7 +232,8 @@ def from_prometheus(
     ild: diagnosis.IldPolicy | None = None,
     stragglers: diagnosis.StragglerPolicy | None = None,
 ) -> Snapshot:
-    """A Snapshot of one run from Prometheus, at the current time, in a fixed number of queries.
+    """A Snapshot of one run from the Prometheus at `server` (its base URL, or a promql.Connection where it
+    is secured), at the current time, in a fixed number of queries.
 
     Without `detail_for`, everything of every rank at once (PROMETHEUS_QUERIES). With it (the rules: the
     ranks their verdicts name), in rounds, each only where the rules need what it reads: every rank's
@@ -243,8 +245,9 @@ def from_prometheus(
     without building them again.
     """
     now = time.time()
-    run = run or the_run(base_url, window, timeout, now)
-    prometheus = PrometheusRun(base_url, matcher(run), window, timeout, now)
+    connection = promql.connection(server)
+    run = run or the_run(connection, window, timeout, now)
+    prometheus = PrometheusRun(connection, matcher(run), window, timeout, now)
     fetch = prometheus.fetch
     if detail_for is None:
         return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
@@ -267,7 +270,7 @@ def from_prometheus(
 class PrometheusRun:
     """Where the rounds ask their queries: one run's series at one Prometheus, as of `now`."""
 
-    base_url: str
+    server: promql.Connection
     matchers: str  # the run's matchers in a selector (matcher)
     window: str
     timeout: float
@@ -285,11 +288,11 @@ class PrometheusRun:
         named = f', rank=~"{"|".join(map(str, ranks))}"' if ranks else ""
         if groups:
             named += f', group=~"{_any_of(sorted(groups))}"'
-        return _fetch(self.base_url, queries, self.matchers + named, self.window, self.timeout, self._at(at))
+        return _fetch(self.server, queries, self.matchers + named, self.window, self.timeout, self._at(at))
 
     def answers(self, queries: Mapping[str, str], at: float | None = None) -> list[list[dict[str, Any]]]:
         """Prometheus's answers to `queries` of every rank, at `at` (now), as it gives them."""
-        return _answers(self.base_url, queries, self.matchers, self.window, self.timeout, self._at(at))
+        return _answers(self.server, queries, self.matchers, self.window, self.timeout, self._at(at))
 
     def _at(self, at: float | None) -> float:
         return self.now if at is None else at
@@ -599,17 +602,17 @@ def _detail_round(fetch: Fetch, snapshot: Snapshot, named: Sequence[int]) -> Sna
 # asking Prometheus
 
 
-def the_run(base_url: str, window: str, timeout: float, now: float) -> str:
+def the_run(server: Prometheus, window: str, timeout: float, now: float) -> str:
     """The one run whose ranks Prometheus scraped within `window` before `now`. Its index answers first (no
     sample read: the query reads every rank's `window` of flare_rank_info, 0.1 to 0.3 s at 6,144 ranks);
     where it names other than one run (it may name runs scraped before the window), the query decides: 1
     request, or 2."""
-    where = f"Prometheus at {base_url}"
+    where = f"Prometheus at {promql.connection(server).url}"
     start = now - rules.duration_seconds(window, "flag --window")
-    named = promql.label_values(base_url, "run", "flare_rank_info", start, now, timeout)
+    named = promql.label_values(server, "run", "flare_rank_info", start, now, timeout)
     if len(named) == 1 and named[0]:
         return named[0]
-    runs = promql.query(base_url, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
+    runs = promql.query(server, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
     return one_run([item["metric"].get("run", "") for item in runs], "", where)
 
 
@@ -654,13 +657,11 @@ PLACEHOLDERS = re.compile(r"\{sel_not_native\}|\{sel|\{window\}")
 
 
 def _fetch(
-    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+    server: Prometheus, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
 ) -> dict[str, Series]:
     """The answers to `queries` over the series that `matchers` select, at `now`, as series by metric name."""
     series: dict[str, Series] = defaultdict(list)
-    for name, answer in zip(
-        queries, _answers(base_url, queries, matchers, window, timeout, now), strict=True
-    ):
+    for name, answer in zip(queries, _answers(server, queries, matchers, window, timeout, now), strict=True):
         for item in answer:
             labels = item["metric"]
             if "rank" in labels:
@@ -669,7 +670,7 @@ def _fetch(
 
 
 def _answers(
-    base_url: str, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
+    server: Prometheus, queries: Mapping[str, str], matchers: str, window: str, timeout: float, now: float
 ) -> list[list[dict[str, Any]]]:
     """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
     values = {
@@ -680,4 +681,4 @@ def _answers(
     # in one pass: a run's name may hold a placeholder's text
     exprs = [PLACEHOLDERS.sub(lambda found: values[found.group()], template) for template in queries.values()]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(lambda expr: promql.query(base_url, expr, timeout, now), exprs))
+        return list(pool.map(lambda expr: promql.query(server, expr, timeout, now), exprs))

@@ -1,81 +1,296 @@
-"""A small client for the Prometheus HTTP API (instant and range queries), with one-line errors."""
+"""A small client for the Prometheus HTTP API (instant and range queries), with one-line errors.
+
+A Prometheus is named by its base URL, or by a `Connection` where it is secured (TLS with a private CA or a
+client certificate, basic auth, a bearer token, headers such as Thanos's or Mimir's X-Scope-OrgID): `connect`
+builds one from the `flare` flags that name them (cli.add_prometheus_arguments).
+"""
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
+import re
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 
 class PrometheusError(RuntimeError):
     """Prometheus could not be reached or refused the query; the message says which and why."""
 
 
-def query(base_url: str, expr: str, timeout: float = 10.0, at: float | None = None) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Connection:
+    """How to ask one Prometheus: its base URL, the headers every request carries (credentials, a tenant),
+    the TLS context of an https URL (None: the system's CAs) and what the credentials are, for the message
+    of a 401 or 403."""
+
+    url: str
+    headers: tuple[tuple[str, str], ...] = ()
+    context: ssl.SSLContext | None = None
+    credentials: str = "no credentials"
+
+    def __str__(self) -> str:
+        return self.url
+
+
+Prometheus: TypeAlias = "str | Connection"  # a base URL (no credentials), or a Connection
+
+
+def connection(prometheus: Prometheus) -> Connection:
+    """`prometheus` as a Connection (a plain base URL: no headers, the system's CAs)."""
+    return prometheus if isinstance(prometheus, Connection) else Connection(prometheus)
+
+
+def query(
+    prometheus: Prometheus, expr: str, timeout: float = 10.0, at: float | None = None
+) -> list[dict[str, Any]]:
     """The result vector of an instant query: [{"metric": {labels}, "value": [ts, "v"]}, ...]."""
     params = {"query": expr}
     if at is not None:
         params["time"] = repr(at)
-    return _api(base_url, "query", params, timeout)
+    return _api(prometheus, "query", params, timeout)
 
 
 def query_range(
-    base_url: str, expr: str, start: float, end: float, step: float, timeout: float = 30.0
+    prometheus: Prometheus, expr: str, start: float, end: float, step: float, timeout: float = 30.0
 ) -> list[dict[str, Any]]:
     """The result matrix of a range query: [{"metric": {labels}, "values": [[ts, "v"], ...]}, ...]."""
     params = {"query": expr, "start": repr(start), "end": repr(end), "step": repr(step)}
-    return _api(base_url, "query_range", params, timeout)
+    return _api(prometheus, "query_range", params, timeout)
 
 
 def label_values(
-    base_url: str, label: str, match: str, start: float, end: float, timeout: float = 10.0
+    prometheus: Prometheus, label: str, match: str, start: float, end: float, timeout: float = 10.0
 ) -> list[str]:
     """The values of `label` on the series that `match` selects with samples from `start` to `end`, from
     Prometheus's index: no sample is read. Prometheus may name values of series whose samples all lie
     before `start` (those of its in-memory head, the last two hours or so)."""
     params = {"match[]": match, "start": repr(start), "end": repr(end)}
     asked = f"the values of {label} on {match}"
-    found = _data(base_url, f"label/{label}/values", params, timeout, asked)
+    found = _data(prometheus, f"label/{label}/values", params, timeout, asked)
     if not isinstance(found, list):
-        raise PrometheusError(f"Prometheus at {base_url} answered {asked} without a list")
+        raise PrometheusError(f"Prometheus at {prometheus} answered {asked} without a list")
     return [str(value) for value in found]
 
 
-def _api(base_url: str, endpoint: str, params: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+def urlopen(prometheus: Prometheus, path: str, timeout: float) -> Any:
+    """The response to GET <base URL><path>, with the connection's headers and TLS context; ValueError if
+    the base URL is not one, urllib's errors as urllib raises them."""
+    where = connection(prometheus)
+    request = urllib.request.Request(where.url.rstrip("/") + path, headers=dict(where.headers))
+    if where.context is None:
+        return urllib.request.urlopen(request, timeout=timeout)
+    return urllib.request.urlopen(request, timeout=timeout, context=where.context)
+
+
+def _api(
+    prometheus: Prometheus, endpoint: str, params: dict[str, str], timeout: float
+) -> list[dict[str, Any]]:
     """The `result` of a query at /api/v1/<endpoint>; PrometheusError (one line) for every way it fails."""
     expr = params["query"]
-    data = _data(base_url, endpoint, params, timeout, repr(expr))
+    data = _data(prometheus, endpoint, params, timeout, repr(expr))
     if not isinstance(data, dict) or not isinstance(data.get("result"), list):
-        raise PrometheusError(f"Prometheus at {base_url} answered {expr!r} without a result list")
+        raise PrometheusError(f"Prometheus at {prometheus} answered {expr!r} without a result list")
     return list(data["result"])
 
 
-def _data(base_url: str, endpoint: str, params: dict[str, str], timeout: float, asked: str) -> Any:
+def _data(prometheus: Prometheus, endpoint: str, params: dict[str, str], timeout: float, asked: str) -> Any:
     """The `data` of /api/v1/<endpoint>, asked for `asked` (named in errors); PrometheusError (one line)
     for every way it can fail."""
-    url = base_url.rstrip("/") + f"/api/v1/{endpoint}?" + urllib.parse.urlencode(params)
+    where = connection(prometheus)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            body = json.load(response)
+        response = urlopen(where, f"/api/v1/{endpoint}?" + urllib.parse.urlencode(params), timeout)
     except urllib.error.HTTPError as error:
-        try:
-            detail = json.load(error).get("error", error.reason)
-        except ValueError:
-            detail = error.reason
-        raise PrometheusError(f"Prometheus at {base_url} rejected {asked}: {detail}") from None
-    except (urllib.error.URLError, OSError, TimeoutError) as error:
+        raise _rejected(where, asked, error) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         reason = getattr(error, "reason", error)
-        raise PrometheusError(f"cannot reach Prometheus at {base_url}: {reason}") from None
+        hint = (
+            "; name its CA with --prometheus-ca-file"
+            if isinstance(reason, ssl.SSLCertVerificationError)
+            else ""
+        )
+        raise PrometheusError(f"cannot reach Prometheus at {where.url}: {reason}{hint}") from None
+    except ValueError as error:  # before any request: the base URL is not one
+        raise PrometheusError(f"Prometheus at {where.url}: not an http(s) URL ({error})") from None
+    try:
+        with response:
+            body = json.load(response)
+    except (OSError, TimeoutError) as error:
+        raise PrometheusError(f"cannot reach Prometheus at {where.url}: {error}") from None
     except ValueError:
-        raise PrometheusError(f"Prometheus at {base_url} answered with something that is not JSON") from None
+        raise PrometheusError(f"Prometheus at {where.url} answered with something that is not JSON") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         why = body.get("error", "unknown error") if isinstance(body, dict) else "not an API answer"
-        raise PrometheusError(f"Prometheus at {base_url} failed {asked}: {why}")
+        raise PrometheusError(f"Prometheus at {where.url} failed {asked}: {why}")
     return body.get("data")
+
+
+def _rejected(where: Connection, asked: str, error: urllib.error.HTTPError) -> PrometheusError:
+    """The one-line error of an HTTP error answer: authentication (401, 403) or the API's own error."""
+    if error.code in (401, 403):
+        status = f"HTTP {error.code} {error.reason}"
+        return PrometheusError(
+            f"Prometheus at {where.url}: authentication failed ({status}; sent {where.credentials})"
+        )
+    try:
+        detail = json.load(error).get("error", error.reason)
+    except (ValueError, AttributeError, OSError):
+        detail = error.reason
+    return PrometheusError(f"Prometheus at {where.url} rejected {asked}: {detail}")
 
 
 def values_by(results: list[dict[str, Any]], label: str) -> dict[str, float]:
     """{label value: sample value} for a query result (e.g. by rank)."""
     return {item["metric"].get(label, ""): float(item["value"][1]) for item in results}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a secured Prometheus, from the flags that name how to ask it
+
+PASSWORD_ENV = "FLARE_PROMETHEUS_PASSWORD"
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
+
+
+@dataclass(frozen=True)
+class Access:
+    """The flags of a secured Prometheus (file names as given; `password` from PASSWORD_ENV)."""
+
+    headers: Sequence[str] = ()  # --header 'Name: value'
+    bearer_token_file: str = ""
+    user: str = ""
+    password_file: str = ""
+    password: str = ""
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+
+class AccessError(PrometheusError):
+    """A flag of a secured Prometheus that cannot be used; the message names the flag (one line)."""
+
+
+def connect(url: str, access: Access = Access()) -> Connection:
+    """The Connection to the Prometheus at `url` that `access` describes; AccessError (one line, naming the
+    flag and the file) for a URL that is not http(s)://host..., a header that is not `Name: value`, a file
+    that cannot be read or loaded, and flags that do not go together."""
+    scheme = _checked_url(url)
+    headers = [_header(text) for text in access.headers]
+    authorization, credentials = _authorization(access)
+    if authorization:
+        if any(name.lower() == "authorization" for name, _ in headers):
+            raise AccessError("flag --header: Authorization is already set by the credentials' flags")
+        headers.append(("Authorization", authorization))
+    tls = [flag for flag, path in _tls_files(access) if path]
+    if tls and scheme != "https":
+        raise AccessError(f"flag {tls[0]}: for an https:// Prometheus, and {url!r} is not one")
+    context = _tls_context(access) if tls else None
+    return Connection(url, tuple(headers), context, credentials)
+
+
+def _checked_url(url: str) -> str:
+    """The scheme of `url`, a base URL http(s)://host[:port][/path]; AccessError otherwise."""
+    example = "e.g. http://localhost:9090"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError as error:
+        raise AccessError(f"flag --prometheus: {url!r} is not a URL ({error}; {example})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AccessError(f"flag --prometheus: {url!r} is not an http(s)://host URL ({example})")
+    if parts.username is not None or parts.query or parts.fragment:
+        raise AccessError(
+            f"flag --prometheus: {parts.scheme}://{parts.hostname}...: a base URL has no user, query or"
+            " fragment (credentials go in --prometheus-user or --bearer-token-file)"
+        )
+    return parts.scheme
+
+
+def _header(text: str) -> tuple[str, str]:
+    """('Name', 'value') of `--header 'Name: value'`; AccessError otherwise."""
+    name, colon, value = text.partition(":")
+    name, value = name.strip(), value.strip()
+    if not colon or not HEADER_NAME.fullmatch(name) or not value or any(c in value for c in "\r\n\0"):
+        raise AccessError(f"flag --header: {text!r} is not 'Name: value' (e.g. 'X-Scope-OrgID: tenant-1')")
+    return name, value
+
+
+def _authorization(access: Access) -> tuple[str, str]:
+    """The Authorization header the credentials' flags make ('' for none), and what it is, in words."""
+    if access.password_file and not access.user:
+        raise AccessError("flag --prometheus-password-file: the password of --prometheus-user, not given")
+    if access.bearer_token_file and access.user:
+        raise AccessError("flag --bearer-token-file: give a bearer token or --prometheus-user, not both")
+    if access.bearer_token_file:
+        token = _secret(access.bearer_token_file, "--bearer-token-file")
+        return f"Bearer {token}", f"a bearer token from {access.bearer_token_file}"
+    if not access.user:
+        return "", "no credentials"
+    if ":" in access.user:
+        raise AccessError(f"flag --prometheus-user: {access.user!r}: a basic auth user name holds no ':'")
+    if access.password_file:
+        password = _secret(access.password_file, "--prometheus-password-file")
+    elif access.password:
+        password = access.password
+    else:
+        raise AccessError(
+            f"flag --prometheus-user: give its password in --prometheus-password-file or {PASSWORD_ENV}"
+        )
+    token = base64.b64encode(f"{access.user}:{password}".encode()).decode("ascii")
+    return f"Basic {token}", f"basic auth as user {access.user!r}"
+
+
+def _secret(path: str, flag: str) -> str:
+    """The one line file `path` holds (a token, a password), without its line end; AccessError otherwise."""
+    text = _read(path, flag).decode("utf-8", errors="replace").strip("\r\n")
+    if not text or any(c in text for c in "\r\n\0"):
+        raise AccessError(
+            f"flag {flag}: {path} must hold one line (the secret), not {'none' if not text else 'several'}"
+        )
+    return text
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as error:
+        raise AccessError(f"flag {flag}: cannot read {path} ({error.strerror or error})") from None
+
+
+def _tls_files(access: Access) -> list[tuple[str, str]]:
+    """(flag, file) of each TLS file."""
+    return [
+        ("--prometheus-ca-file", access.ca_file),
+        ("--prometheus-cert-file", access.cert_file),
+        ("--prometheus-key-file", access.key_file),
+    ]
+
+
+def _tls_context(access: Access) -> ssl.SSLContext:
+    """The TLS context of the TLS files' flags: the CA that signed Prometheus's certificate (the system's
+    CAs where none is named), the client certificate and its key where named."""
+    if access.key_file and not access.cert_file:
+        raise AccessError("flag --prometheus-key-file: the key of --prometheus-cert-file, not given")
+    for flag, path in _tls_files(access):
+        if path:
+            _read(path, flag)  # a missing file named by its own flag
+    try:
+        context = ssl.create_default_context(cafile=access.ca_file or None)
+    except (OSError, ssl.SSLError) as error:
+        raise AccessError(
+            f"flag --prometheus-ca-file: {access.ca_file} holds no CA certificate ({error})"
+        ) from None
+    if access.cert_file:
+        try:
+            context.load_cert_chain(access.cert_file, access.key_file or None)
+        except (OSError, ssl.SSLError) as error:
+            key = f" and {access.key_file}" if access.key_file else ""
+            what = f"{access.cert_file}{key}: no client certificate and its key"
+            raise AccessError(f"flag --prometheus-cert-file: {what} ({error})") from None
+    return context

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
 import time
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ class ServerProcess:
     `work_dir`; `address` is host:port, `url` its HTTP root. Use as a context manager."""
 
     name = "server"
+    connection: promql.Connection | None = None  # how to ask it, where a web config file secures it
 
     def __init__(self, work_dir: str, binary: str, config: dict[str, Any], flags: Sequence[str]) -> None:
         self.port = free_port()
@@ -71,7 +73,7 @@ class ServerProcess:
         if self.process.poll() is not None:
             raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.log_tail()}")
         try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as response:
+            with promql.urlopen(self.connection or self.url, "/-/ready", timeout=2) as response:
                 return bool(response.status == 200)
         except OSError:
             return False
@@ -115,8 +117,14 @@ class PrometheusProcess(ServerProcess):
         scrape_options: dict[str, Any] | None = None,
         rule_files: Sequence[str] = (),
         alertmanager: str | None = None,
+        web_config_file: str = "",
+        access: promql.Connection | None = None,
     ) -> None:
-        """`rule_files` are evaluated every scrape interval; alerts go to `alertmanager` (host:port)."""
+        """`rule_files` are evaluated every scrape interval; alerts go to `alertmanager` (host:port).
+
+        `web_config_file` secures Prometheus's own endpoints (`--web.config.file`: TLS, basic auth); `access`
+        is how to ask it then (promql.connect: the scheme of its URL, whose host and port are replaced by
+        Prometheus's; the TLS context and headers)."""
         binary = binary or find_binary()
         if binary is None:
             raise FileNotFoundError("prometheus is not installed (apt-get install prometheus)")
@@ -132,10 +140,15 @@ class PrometheusProcess(ServerProcess):
         if alertmanager:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
         flags = [f"--storage.tsdb.path={os.path.join(work_dir, 'data')}", "--web.enable-lifecycle"]
+        if web_config_file:
+            flags.append(f"--web.config.file={os.path.abspath(web_config_file)}")
         super().__init__(work_dir, binary, config, flags)
+        if access is not None:
+            self.url = f"{urllib.parse.urlsplit(access.url).scheme}://{self.address}"
+            self.connection = dataclasses.replace(access, url=self.url)
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        return promql.query(self.url, expr, at=at)
+        return promql.query(self.connection or self.url, expr, at=at)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -128,6 +128,9 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         return _attachment
     config = config or config_module.load()
     rank_identity = identity.from_environment(os.environ, config.run, config.host, config.topology)
+    shared_directory = config.file_sd_dir or config.incident_directory  # other jobs write there too
+    if warning := identity.default_run_warning(rank_identity, shared_directory):
+        log.warning("%s", warning)
     state = FlareState.create(config, rank_identity)
     start_gpu_health(state)
     registry = build_registry(state)

@@ -14,7 +14,12 @@ from ..config import ConfigError, parse_topology
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# The run id, after the config key run (FLARE_RUN): the first of these that names one wins.
 RUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid")
+TORCHRUN_NO_RUN_ID = "none"  # what torchrun sets TORCHELASTIC_RUN_ID to when no --rdzv-id is given
+DEFAULT_RUN = "default"
+# Slurm's step ids from 0xFFFFFFF0 up name its own steps (batch, extern, interactive, pending), not an srun
+SLURM_SPECIAL_STEPS = 0xFFFFFFF0
 
 
 @dataclass(frozen=True)
@@ -64,17 +69,44 @@ def from_environment(
 ) -> RankIdentity:
     """The identity a launcher's environment gives; `run` and `host` override what it says; `topology`
     (the config key's `switch=...,rack=...`) says where the host sits."""
-    run_id = run or next((environ[name] for name in RUN_VARIABLES if environ.get(name)), "default")
-    if run_id == "none":  # torchrun's placeholder when no --rdzv-id is given
-        run_id = "default"
     return RankIdentity(
         rank=_first_int(environ, RANK_VARIABLES, 0),
         local_rank=_first_int(environ, LOCAL_RANK_VARIABLES, 0),
         world_size=_first_int(environ, WORLD_SIZE_VARIABLES, 1),
-        run=run_id,
+        run=run_id(environ, run),
         host=host or socket.gethostname(),
         pid=os.getpid(),
         **_topology(topology),
+    )
+
+
+def run_id(environ: Mapping[str, str], run: str = "") -> str:
+    """The run id: `run` (the config key run, FLARE_RUN) if given; else torchrun's --rdzv-id (not its
+    placeholder `none`); else Slurm's job id, `<job>.<step>` inside an srun step, so that every job and step
+    has a run of its own; else Open MPI's job id; else DEFAULT_RUN."""
+    if run:
+        return run
+    for name in RUN_VARIABLES:
+        value = environ.get(name, "").strip()
+        if not value or (name == "TORCHELASTIC_RUN_ID" and value == TORCHRUN_NO_RUN_ID):
+            continue
+        if name == "SLURM_JOB_ID":
+            step = environ.get("SLURM_STEP_ID", "").strip()
+            if step.isdecimal() and int(step) < SLURM_SPECIAL_STEPS:
+                return f"{value}.{step}"
+        return value
+    return DEFAULT_RUN
+
+
+def default_run_warning(rank_identity: RankIdentity, shared_directory: str) -> str:
+    """The one line to log when the run id fell back to DEFAULT_RUN while the rank writes files into
+    `shared_directory` (file_sd_dir or the incident directory, which other jobs share): '' if not."""
+    if rank_identity.run != DEFAULT_RUN or not shared_directory:
+        return ""
+    return (
+        f"flare-exporter: no run id (FLARE_RUN, torchrun --rdzv-id, SLURM_JOB_ID), so run is {DEFAULT_RUN!r} "
+        f"and this job's files in {shared_directory} take the names of any other such job's; set FLARE_RUN "
+        "(config key run) to an id unique to this job"
     )
 
 
