@@ -164,7 +164,8 @@ def test_rank_stuck_in_python_before_a_collective(shared):
             "every rank's hang incident",
         )
     written = incidents(work, "stuck")  # the job is torn down (SIGKILL); the files stay
-    assert all(incident["reason"].startswith("no progress") for incident in written.values())
+    assert all(incident["reason"] == "hang" for incident in written.values())
+    assert all(incident["detail"].startswith("no progress") for incident in written.values())
     assert "stuck_in_compute" in json.dumps(written[0]["threads"])
     assert written[0]["groups"]["world"]["in_flight"] is None
     assert written[1]["groups"]["world"]["in_flight"]["op"] == "allreduce"
@@ -184,8 +185,10 @@ def test_rank_killed_mid_run(shared):
     written = incidents(work, "killed")
     assert 2 not in written  # a SIGKILLed rank writes nothing: the survivors' files tell its story
     # a survivor whose connection to rank 2 broke raised; one waiting on another survivor hangs instead
-    reasons = {incident["reason"].split(" for ")[0] for incident in written.values()}
-    assert reasons <= {"exception RuntimeError", "no progress"}
+    reasons = {incident["reason"] for incident in written.values()}
+    assert reasons <= {"exception", "hang"}
+    raised = [incident["exception"] for incident in written.values() if incident["reason"] == "exception"]
+    assert all(exception["cause"] == "communication" for exception in raised)  # a survivor's, secondary
     assert all(incident["groups"]["world"]["last_issued_seq"] > 0 for incident in written.values())
 
 
