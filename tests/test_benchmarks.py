@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -733,3 +734,17 @@ def test_a_run_whose_rank_crashed_only_while_exiting_is_retried_in_a_new_directo
     with pytest.raises(RunError, match="before its last step"):
         retrying(2, retried, fails_early, tmp_path / "pair3")
     assert len(retried) == 2
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
+def test_post_mortem_names_the_rank_that_raised_first_in_a_run_prometheus_saw_die(tmp_path):
+    done, results = run_to_json(
+        tmp_path,
+        "post_mortem.py",
+        *("--ranks", "16", "--repeats", "1", "--scrape-interval", "1", "--healthy-scrapes", "2"),
+    )
+    # rank 16 * 777 // 1024 raised OutOfMemoryError; the others followed or were stopped by their launcher
+    assert results["verdict"]["ranks"] == [12] and results["verdict"]["cause"] == "out_of_memory"
+    assert results["summary"]["command_wall"]["n"] == results["summary"]["in_process_wall"]["n"] == 1
+    assert "goal: < 1 s of CLI time at 16 ranks: " in done.stdout

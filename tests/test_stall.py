@@ -54,6 +54,16 @@ def test_stalled_thread_is_sampled_with_its_own_frames_and_released_on_progress(
         worker.join()
 
 
+def test_frames_are_sampled_by_half_the_hang_threshold_whatever_stall_seconds_says(tmp_path):
+    state = make_state(tmp_path, stall_seconds=30.0, hang_seconds=4.0)
+    watcher = StallWatcher(state, threading.get_ident(), [].append)
+    state.steps.last_step_at = time.perf_counter()
+    watcher.check(state.steps.last_step_at + 1.9)
+    assert state.stack is None
+    watcher.check(state.steps.last_step_at + 2.1)  # the first hang verdict (at 4 s) has the frames
+    assert state.stack is not None and state.stack.frames
+
+
 def test_hang_is_reported_once_per_stall_and_not_during_start_up(tmp_path):
     state = make_state(tmp_path, stall_seconds=1.0, hang_seconds=2.0)
     hangs: list[str] = []
@@ -79,7 +89,7 @@ def test_a_training_rank_is_checked_when_a_stall_could_begin_and_every_interval_
     assert watcher.seconds_to_next_check(state.steps.last_step_at + 29.5) == 1.0  # never sooner than that
     assert watcher.seconds_to_next_check(state.steps.last_step_at + 31) == 1.0  # stalled: every interval
     early_hang = StallWatcher(make_state(tmp_path, stall_seconds=30.0, hang_seconds=10.0), 0, [].append)
-    assert early_hang.seconds_to_next_check(early_hang.started_at + 4) == pytest.approx(6)
+    assert early_hang.seconds_to_next_check(early_hang.started_at + 4) == pytest.approx(1)  # frames at 5 s
 
     class TwoWaits:  # the watcher's stop event: records each wait, and stops it at the second
         def __init__(self) -> None:

@@ -254,6 +254,8 @@ def from_prometheus(
     series, ahead = _faults_round(fetch, now, hang_seconds)
     _restarts_round(fetch, series)
     faults = _snapshot(series, now, run)
+    if faults.ranks_seen == 0:  # the run is gone: its last words are judged instead (history_source)
+        return faults
     if hang_seconds is None:
         snapshot = _every_group_round(fetch, faults, series)
     else:

@@ -98,7 +98,9 @@ class StallWatcher:
         self.on_hang = on_hang  # called once per stall that lasts hang_seconds (writes the incident file)
         self.started_at = time.perf_counter()
         config = state.config
-        self.interval = min(1.0, config.stall_seconds / 2, config.hang_seconds / 2)
+        # frames are sampled by the time a hang can be declared: by half the hang threshold at the latest
+        self.stall_seconds = min(config.stall_seconds, config.hang_seconds / 2)
+        self.interval = min(1.0, self.stall_seconds / 2)
         self._reported_stall_since = -1.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flare-stall", daemon=True)
@@ -123,7 +125,7 @@ class StallWatcher:
     def seconds_to_next_check(self, now: float) -> float:
         """Until the first threshold could pass since the last progress; `interval` while stalled."""
         config = self.state.config
-        threshold = min(config.stall_seconds, config.hang_seconds)
+        threshold = min(self.stall_seconds, config.hang_seconds)
         idle = now - (last_progress(self.state) or self.started_at)
         return self.interval if idle >= threshold else max(self.interval, threshold - idle)
 
@@ -131,7 +133,7 @@ class StallWatcher:
         state = self.state
         since = last_progress(state) or self.started_at
         idle = now - since
-        if idle < state.config.stall_seconds:
+        if idle < self.stall_seconds:
             state.stack = None
         else:
             state.manager.drain()  # in-flight collectives as of now
@@ -141,7 +143,7 @@ class StallWatcher:
             self.on_hang(f"no progress for {idle:.0f} s (hang_seconds={state.config.hang_seconds:g})")
 
     def _waiting_on_collective(self, now: float) -> bool:
-        stall = self.state.config.stall_seconds
+        stall = self.stall_seconds
         return any(
             group.in_flight is not None and now - group.in_flight.issued_at >= stall
             for group in list(self.state.groups.values())
