@@ -224,6 +224,89 @@ def test_selector_scopes_every_series(tmp_path):
         assert check.returncode == 0, check.stdout
 
 
+# Selectors Prometheus parses between { and }, as --selector takes them (braces optional), and the matchers
+# each becomes in the rules.
+GOOD_SELECTORS = {
+    'cluster="eu-1"': 'cluster="eu-1"',
+    '{cluster="eu-1"}': 'cluster="eu-1"',
+    ' { cluster = "eu-1" , team!~"ml|infra", } ': 'cluster="eu-1", team!~"ml|infra"',
+    "cluster='eu-1'": "cluster='eu-1'",
+    r'cluster=~"eu-\\d+"': r'cluster=~"eu-\\d+"',  # the regex eu-\d+
+    "cluster=~`eu-\\d+`": "cluster=~`eu-\\d+`",
+    'cluster=~"(?i)EU-.*|us-[0-9]{1,3}"': 'cluster=~"(?i)EU-.*|us-[0-9]{1,3}"',
+    'group="x", on="y"': 'group="x", on="y"',  # keywords are label names between braces
+    'cluster=""': 'cluster=""',
+    'cluster="caf\\u00e9"': 'cluster="caf\\u00e9"',
+}
+# Selectors Prometheus rejects (promtool: "could not parse expression"), and what --selector says.
+BAD_SELECTORS = {
+    "cluster=": "expected label matchers",
+    "cluster=eu-1": "label values are quoted strings",
+    'cluster=="eu-1"': "label values are quoted strings",
+    '"cluster"="eu-1"': "expected label matchers",  # Prometheus 3's quoted names (QUOTED_NAMES)
+    'cluster="eu-1" team="ml"': "expected a comma",
+    'cluster="eu-1" or team="ml"': "expected a comma",
+    'cluster="eu-1",,': "expected label matchers",
+    ',cluster="eu-1"': "expected label matchers",
+    '{cluster="eu-1"': "expected label matchers",
+    'cluster="eu-1"}': "expected a comma",
+    'cluster="eu-\\d"': "unknown escape sequence \\d",
+    "cluster='it\\\"s'": "unknown escape sequence",
+    'cluster="\\uD800"': "invalid Unicode code point",
+    '__name__="up"': "__name__",
+    'cluster=~"eu-("': "missing ), unterminated subpattern",
+    'cluster=~"a)|(b"': "unbalanced parenthesis",
+    'cluster=~"[z-a]"': "bad character range",
+    'cluster=~"(?=eu)"': "Perl syntax",
+    'cluster=~"(eu)\\\\1"': "Perl syntax",
+    'cluster=~"eu*+"': "invalid nested repetition operator",
+    'cluster=~"*eu"': "missing argument to repetition operator",
+    'cluster=~"eu{1001}"': "invalid repeat count",
+}
+# Label names in quotes: Prometheus 3 parses them, 2.x does not; the rules are for either, so not taken.
+QUOTED_NAMES = {'"cluster"="eu-1"'}
+
+
+@pytest.mark.parametrize("selector, message", BAD_SELECTORS.items())
+def test_a_selector_prometheus_would_reject_is_a_one_line_error(selector, message):
+    code, out, err = flare_rules("--selector", selector)
+    assert code == cli.EXIT_USAGE and out == ""
+    assert err.startswith("flare: flag --selector: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_selectors_prometheus_parses_are_taken_as_written(tmp_path):
+    files = []
+    for number, (selector, matchers) in enumerate(GOOD_SELECTORS.items()):
+        code, out, err = flare_rules("--selector", selector)
+        assert code == 0, err
+        assert '{rank!="", run!="", ' + matchers + "}" in out, selector
+        files.append(tmp_path / f"rules-{number}.yml")
+        files[-1].write_text(out)
+    if shutil.which("promtool"):
+        check = subprocess.run(
+            ["promtool", "check", "rules", *map(str, files)], capture_output=True, text=True
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("selector", sorted(set(BAD_SELECTORS) - QUOTED_NAMES))
+def test_promtool_rejects_what_the_selector_check_rejects(selector, tmp_path):
+    """The BAD_SELECTORS are bad for Prometheus too, not only for the check: as they would land in a rule."""
+    inner = selector.strip()
+    if inner.startswith("{") and inner.endswith("}"):
+        inner = inner[1:-1]
+    path = tmp_path / "rules.yml"
+    rule = {
+        "record": "run_rank:flare_rank_info:count",
+        "expr": f'count(flare_rank_info{{rank!="", {inner}}})',
+    }
+    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [rule]}]}))
+    check = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert check.returncode != 0, selector
+
+
 @pytest.mark.parametrize(
     "text, seconds", [("0s", 0), ("15s", 15), ("5m", 300), ("1h30m", 5400), ("1m500ms", 60.5), ("2d", 172800)]
 )
@@ -242,6 +325,13 @@ def test_prometheus_durations_are_read_as_prometheus_reads_them(text, seconds):
         (["--ild-op-shift-seconds", "0"], "flag --ild-op-shift-seconds"),
         (["--ild-op-shift-seconds", "fast"], "flag --ild-op-shift-seconds"),
         (["--bogus"], "unrecognized arguments"),
+        (["--namespace", "monitoring"], "flag --namespace: only with --format prometheusrule"),
+        (["--label", "release=prometheus"], "flag --label: only with --format prometheusrule"),
+        (["--format", "prometheusrule", "--name", "Flare_Rules"], "flag --name: 'Flare_Rules' is not"),
+        (["--format", "prometheusrule", "--namespace", "a.b"], "flag --namespace: 'a.b' is not"),
+        (["--format", "prometheusrule", "--label", "release"], "flag --label: 'release' is not"),
+        (["--format", "prometheusrule", "--label", "a/b/c=d"], "flag --label: 'a/b/c=d' is not"),
+        (["--format", "prometheusrule", "--label", "team=ml infra"], "flag --label: 'team=ml infra' is not"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args, message):
