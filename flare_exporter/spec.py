@@ -132,6 +132,17 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="cpp_recorder: cpp when flare's C++ recorder (its torch extension) is loaded, else python.",
     ),
     MetricSpec(
+        "flare_hang_threshold_seconds",
+        GAUGE,
+        "seconds",
+        "Seconds a collective may stay unfinished before this rank counts it as a hang.",
+        detail=(
+            "The rank's hang_seconds config key. `flare diagnose` judges the run by it (the largest of its "
+            "ranks') when it is not told a threshold itself (--hang-seconds, FLARE_HANG_SECONDS, "
+            "hang_seconds in its config file)."
+        ),
+    ),
+    MetricSpec(
         "flare_collective_duration_seconds",
         HISTOGRAM,
         "seconds",

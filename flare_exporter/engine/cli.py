@@ -14,8 +14,9 @@ directory of them (what FLARE_FILE_SD_DIR holds); `--incidents` reads the incide
 When no rank of the run answers, the run is gone: the verdict comes from each rank's last word instead
 (post_mortem.py), from Prometheus's history within --window before --at (default: now), or from the
 incident files beside the targets (their `incidents` subdirectory). The hang threshold is --hang-seconds, else
-FLARE_HANG_SECONDS / the config file's hang_seconds, else 300 s; the per-op shift that counts as an ILD
-regression likewise (--ild-op-shift-seconds, FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
+FLARE_HANG_SECONDS / the config file's hang_seconds, else the one the run's ranks export (thresholds.py), else
+300 s; the per-op shift that counts as an ILD regression likewise (--ild-op-shift-seconds,
+FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
 
 Exit codes: 0 healthy; 1 anomaly found; 2 usage, input or connection error; 3 could not decide (no
 rank answered, or several runs and no --run).
@@ -29,13 +30,25 @@ import gc
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import __version__
 from .. import config as config_module
 from ..mixin import rules
-from . import diagnosis, history_source, incident_source, post_mortem, promql, prune, report, scrape, sources
+from . import (
+    diagnosis,
+    history_source,
+    incident_source,
+    post_mortem,
+    promql,
+    prune,
+    report,
+    scrape,
+    sources,
+    thresholds,
+)
 from .diagnosis import Snapshot, Verdict
 from .promql import PrometheusError
 from .targets import TargetsError, read_targets
@@ -389,16 +402,29 @@ def _run(args: argparse.Namespace) -> int:
         _check_common(args)
         if args.incidents or args.at is not None:
             return _print_dead_run(args, _dead_run(args))
-        snapshot, source = _snapshot(args, config.hang_seconds, ild)
+        hang = _hang_threshold(args, config.hang_seconds)
+        snapshot, source = _snapshot(args, hang.seconds, ild)
         if snapshot.ranks_seen == 0:
             return _print_dead_run(args, _dead_run(args))
+        hang = thresholds.of_snapshot(snapshot, hang)
     except ENGINE_ERRORS as error:
         print(f"flare: {error}", file=sys.stderr)
         return EXIT_USAGE
     except sources.SourceError as error:
         print(f"flare: cannot decide: {error}", file=sys.stderr)
         return EXIT_UNDECIDED
-    return _print_snapshot(args, snapshot, source, config.hang_seconds, ild)
+    return _print_snapshot(args, snapshot, source, hang, ild)
+
+
+def _hang_threshold(args: argparse.Namespace, configured: float) -> thresholds.Threshold:
+    """The hang threshold the engine was told (`configured`: its config's), else, from Prometheus, the run's
+    own (args.run resolved then, as from_prometheus would); a direct scrape's comes with its snapshot."""
+    hang = thresholds.configured(configured, thresholds.told(args))
+    if args.prometheus:
+        args.run, hang = thresholds.resolve_prometheus(
+            args.prometheus_connection, args.run, args.window, args.timeout, hang, time.time()
+        )
+    return hang
 
 
 ENGINE_ERRORS = (
@@ -518,9 +544,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _print_snapshot(
-    args: argparse.Namespace, snapshot: Snapshot, source: str, hang_seconds: float, ild: diagnosis.IldPolicy
+    args: argparse.Namespace,
+    snapshot: Snapshot,
+    source: str,
+    hang: thresholds.Threshold,
+    ild: diagnosis.IldPolicy,
 ) -> int:
-    """The live verdicts of a snapshot, and the command's view."""
+    """The live verdicts of a snapshot, and the command's view (judged by the hang threshold `hang`)."""
+    hang_seconds = hang.seconds
     verdicts = diagnosis.diagnose(snapshot, hang_seconds, ild=ild)
     _, counts = COMMANDS[args.command]
     shown = [verdict for verdict in verdicts if counts(verdict)]
@@ -529,6 +560,7 @@ def _print_snapshot(
         "source": source,
         "timestamp_seconds": round(snapshot.now, 3),
         "hang_seconds": hang_seconds,
+        "hang_seconds_from": hang.source,
         "world_size": snapshot.world_size,
         "ranks_seen": snapshot.ranks_seen,
         "verdicts": [verdict.to_json() for verdict in shown],

@@ -130,6 +130,9 @@ class Snapshot:
     # Every rank's straggler windows in figures (from Prometheus's recording rules, at thousands of ranks),
     # with the windows of the ranks that could be named in the records; None: the records hold every rank's.
     window_summary: WindowSummary | None = None
+    # The hang threshold the run's ranks export (flare_hang_threshold_seconds, the largest of them), where a
+    # source read it (a direct scrape); None otherwise.
+    hang_seconds: float | None = None
 
     @cached_property
     def members(self) -> dict[str, tuple[int, ...]]:

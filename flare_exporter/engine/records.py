@@ -6,6 +6,7 @@ building the records again (with_pace, with_detail); the direct scrape (scrape_s
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -31,6 +32,8 @@ STRAGGLER_METRICS = (
 )
 PROGRESS_METRICS = ("flare_heartbeat_timestamp_seconds", "flare_steps_total")
 ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds", "flare_ild_op_shift_seconds")
+# The hang threshold each rank was started with: what the engine judges the run by when not told one
+HANG_THRESHOLD = "flare_hang_threshold_seconds"
 
 
 class SourceError(RuntimeError):
@@ -88,7 +91,14 @@ def build_snapshot(
             **pace_fields.get(rank, {}),
             **detail_fields.get(rank, {}),
         )
-    return Snapshot(records, now, run, world_size)
+    return Snapshot(records, now, run, world_size, hang_seconds=hang_threshold(series))
+
+
+def hang_threshold(series: Mapping[str, Series]) -> float | None:
+    """The largest hang threshold the ranks of `series` export (flare_hang_threshold_seconds): a positive,
+    finite number of seconds; None where no rank exports one."""
+    found = [value for _, value in series.get(HANG_THRESHOLD, []) if 0 < value < math.inf]
+    return max(found, default=None)
 
 
 def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str, Any]]:
@@ -325,5 +335,6 @@ SNAPSHOT_METRICS = frozenset(
         "flare_steps_total",
         *GPU_HEALTH_METRICS,
         "flare_gpu_clock_event_active",
+        HANG_THRESHOLD,
     ]
 )

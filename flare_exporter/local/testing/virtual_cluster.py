@@ -127,10 +127,13 @@ def wait_share_of(rank: int, faults: Faults) -> float:
     return WAIT_SHARE * (1 + 0.05 * ((rank * 7919) % 11 - 5) / 5)
 
 
-def rank_state(rank: int, world: int, run: str, perf_now: float, faults: Faults = Faults()) -> FlareState:
-    """The state rank `rank` of a `world`-rank job would hold at `perf_now`, every signal on."""
+def rank_state(
+    rank: int, world: int, run: str, perf_now: float, faults: Faults = Faults(), config: Config | None = None
+) -> FlareState:
+    """The state rank `rank` of a `world`-rank job would hold at `perf_now`, every signal on; started with
+    `config` (default: Config(), every key at its default)."""
     identity = identity_of(rank, world, run)
-    config = Config()
+    config = Config() if config is None else config
     state = FlareState.create(config, identity)
     for name, size, _, ops in group_layout(rank, world):
         tracker = GroupTracker(name, size, "nccl", CudaEventTiming(state.manager), state.health)
@@ -223,17 +226,23 @@ HANG_SENTINEL_TEXT = b"1.1111111115e+09"
 
 
 def render_phases(
-    world: int, run: str, straggler: int | None, hung: int, later_steps: int = 40
+    world: int,
+    run: str,
+    straggler: int | None,
+    hung: int,
+    later_steps: int = 40,
+    config: Config | None = None,
 ) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """Every rank's page three times: healthy (the straggler aside); healthy `later_steps` steps later
-    (Prometheus sees the job progress); hung at HANG_SENTINEL right after that (see `hang`).
+    (Prometheus sees the job progress); hung at HANG_SENTINEL right after that (see `hang`). The ranks are
+    started with `config` (rank_state's default where None).
 
     Each rank's state is built once and rendered three times."""
     healthy, later, hung_pages = [], [], []
     perf_now = progress.time.perf_counter()
     faults = Faults(straggler=straggler)
     for rank in range(world):
-        state = rank_state(rank, world, run, perf_now, faults)
+        state = rank_state(rank, world, run, perf_now, faults, config)
         healthy.append(render(state))
         advance(state, rank, world, later_steps, perf_now + later_steps * STEP_SECONDS, faults)
         state.manager.drain()

@@ -1,5 +1,5 @@
-"""flare_rank_info, flare_process_group_info and flare_exporter_build_info: who this rank is, which groups it
-is in, and what it runs."""
+"""flare_rank_info, flare_process_group_info, flare_exporter_build_info and flare_hang_threshold_seconds: who
+this rank is, which groups it is in, what it runs, and the hang threshold it was started with."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from . import Families
 
 class IdentityCollector:
     name = "identity"
-    metrics = ("flare_rank_info", "flare_process_group_info", "flare_exporter_build_info")
+    metrics = (
+        "flare_rank_info",
+        "flare_process_group_info",
+        "flare_exporter_build_info",
+        "flare_hang_threshold_seconds",
+    )
 
     def __init__(self, state: FlareState) -> None:
         self.state = state
@@ -33,7 +38,9 @@ class IdentityCollector:
         build_info = families.new("flare_exporter_build_info")
         torch_version = getattr(sys.modules.get("torch"), "__version__", "")
         build_info.add_metric(families.labels(*build_values(str(torch_version), cpp_recorder_loaded())), 1)
-        return [rank_info, group_info, build_info]
+        threshold = families.new("flare_hang_threshold_seconds")
+        threshold.add_metric(families.labels(), self.state.config.hang_seconds)
+        return [rank_info, group_info, build_info, threshold]
 
 
 @lru_cache(maxsize=1)  # the same str objects at every scrape until the identity changes (collectors/__init__)
