@@ -40,9 +40,9 @@ lint: $(VENV)/.installed
 test: $(VENV)/.installed system-deps cpp-recorder lint
 	$(PY) -m pytest -q
 
-# the unit tests: no multi-rank job, no Prometheus; under a minute
+# the unit tests: no multi-rank job, no Prometheus, no rank process; under a minute
 test-fast: $(VENV)/.installed cpp-recorder
-	$(PY) -m pytest -q -m "not multirank and not prometheus"
+	$(PY) -m pytest -q -m "not multirank and not prometheus and not process"
 
 bench: $(VENV)/.installed cpp-recorder
 	$(PY) benchmarks/overhead.py

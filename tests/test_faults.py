@@ -37,6 +37,7 @@ from flare_exporter.rank.state import FlareState
 # a real rank: unwritable file_sd directory, unusable web config
 
 
+@pytest.mark.process
 def test_unwritable_file_sd_directory_warns_and_the_rank_still_serves(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the directory should be\n")
@@ -73,6 +74,7 @@ def _scrape_steps(target: str, steps: int) -> list[scrape.Sample] | None:
     return samples if scrape.value(samples, "flare_steps_total") == steps else None
 
 
+@pytest.mark.process
 def test_unusable_web_config_warns_and_training_goes_on(tmp_path):
     web = tmp_path / "web.yml"
     web.write_text("tls_server_config:\n  cert_file: absent.crt\n  key_file: absent.key\n")

@@ -108,6 +108,7 @@ def test_a_default_run_in_a_shared_directory_is_warned_about():
     assert identity.default_run_warning(identity.from_environment(SLURM_TORCHRUN), "/shared") == ""
 
 
+@pytest.mark.process
 def test_attach_logs_the_default_run_warning_once(tmp_path):
     pytest.importorskip("torch")
     environ = {

@@ -344,6 +344,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.process
 def test_the_flight_recorder_keeps_its_last_entries(tmp_path):
     env = one_rank_env(0, MASTER_PORT=str(free_port()), TORCH_FR_BUFFER_SIZE="100")
     result = subprocess.run(
@@ -431,6 +432,7 @@ def finish(process, scraper, log, tmp_path) -> tuple[int, str]:
     return code, (tmp_path / "log").read_text()
 
 
+@pytest.mark.process
 def test_a_rank_dying_of_out_of_memory_is_scraped_before_it_exits_and_leaves_its_incident(tmp_path):
     process, scraper, targets, log = run_rank(tmp_path, "oom", TORCH_FR_BUFFER_SIZE="100")
     code, output = finish(process, scraper, log, tmp_path)
@@ -446,6 +448,7 @@ def test_a_rank_dying_of_out_of_memory_is_scraped_before_it_exits_and_leaves_its
     assert [name for name in os.listdir(targets) if name.endswith(".json")]  # the target is kept: up == 0
 
 
+@pytest.mark.process
 def test_a_rank_stopped_by_its_launcher_says_so_before_it_ends(tmp_path):
     process, scraper, targets, log = run_rank(tmp_path, "wait", TORCHELASTIC_RESTART_COUNT="0")
     deadline = time.monotonic() + 120
@@ -461,6 +464,7 @@ def test_a_rank_stopped_by_its_launcher_says_so_before_it_ends(tmp_path):
     assert document["terminated"]["sender"] == "launcher" and document["exception"] is None
 
 
+@pytest.mark.process
 def test_a_rank_that_ends_normally_says_so(tmp_path):
     process, scraper, targets, log = run_rank(tmp_path, "exit")
     code, output = finish(process, scraper, log, tmp_path)

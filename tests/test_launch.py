@@ -102,6 +102,7 @@ def test_subgroups_get_stable_names_shared_by_their_members(tmp_path, recorder):
     assert groups[0].startswith("data_parallel-")
 
 
+@pytest.mark.process
 def test_taken_port_warns_and_training_goes_on(tmp_path):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
@@ -154,6 +155,7 @@ def test_bad_config_is_a_one_line_error_naming_key_and_source(tmp_path, yaml_tex
     assert len(lines) == 1 and lines[0].startswith("flare-run: " + expected.format(path=path)), lines
 
 
+@pytest.mark.process
 def test_attach_from_code_and_a_failing_hook_never_breaks_training():
     # FLARE_PORT 0: no endpoint needed here; the Python hooks, whose failure the job injects
     env = one_rank_env(0, MASTER_PORT=str(free_port()), FLARE_NATIVE_COLLECTIVES="false")

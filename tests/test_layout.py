@@ -160,6 +160,7 @@ def test_the_checker_finds_a_rank_module_importing_another_wing(tmp_path):
     assert cycles(graph) == [["pkg.engine.rules", "pkg.rank.hook"]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("entry", ["flare_exporter.rank.attach", "flare_exporter.launch"])
 def test_a_training_process_loads_no_module_of_the_other_wings(entry):
     probe = (

@@ -330,6 +330,7 @@ INTEGRATION = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(INTEGRATION)
@@ -364,6 +365,7 @@ def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built
     assert median(latencies) == pytest.approx(EVENT_DELAY_NS / 1e9, abs=1e-4)
 
 
+@pytest.mark.process
 def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
