@@ -55,6 +55,8 @@ def _current(names: Iterable[str], labels: str) -> dict[str, str]:
     return {name: f"max by (rank{labels}) ({name}{{sel}})" for name in names}
 
 
+RANK_INFO_NOW = "flare_rank_info_now"  # the key of the ranks present now (not a metric: never in a spec)
+
 # Is a rank gone, is a group hung, and who is behind in it: every rank.
 FAULT_QUERIES = {
     "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
@@ -65,6 +67,9 @@ FAULT_QUERIES = {
         "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
     ),
     "up": "max by (rank) (up{sel})",
+    # the ranks whose own series Prometheus has now: where a target's labels carry no rank (pods that service
+    # discovery finds and drops as they die), `up` cannot say which rank is gone; this can
+    RANK_INFO_NOW: "max by (rank) (flare_rank_info{sel})",
     **_current([FLIGHT_STARTED], ", group"),
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
@@ -314,7 +319,7 @@ class ReadAhead(NamedTuple):
 def _faults_round(
     fetch: Fetch, now: float, hang_seconds: float | None
 ) -> tuple[dict[str, Series], ReadAhead | None]:
-    """Every rank's faults (FAULT_QUERIES, 5 queries: is a rank gone, is a group hung, who is behind); and,
+    """Every rank's faults (FAULT_QUERIES, 6 queries: is a rank gone, is a group hung, who is behind); and,
     told the hang threshold, the issued numbers of the groups in which some rank has had a collective in
     flight for it (NUMBER_QUERIES, 1 query of those groups: the hung groups, or more where that rank is not
     up), asked as soon as the starts are in: while the round's other answers come and its records are
@@ -645,10 +650,16 @@ def _any_of(names: Sequence[str]) -> str:
 
 
 def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
-    """build_snapshot over Prometheus's answers: a rank is up if Prometheus scrapes it and `up` is 1."""
-    liveness = {
-        int(labels["rank"]): Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
-        for labels, value in series.get("up", [])
+    """build_snapshot over Prometheus's answers: a rank is up if its own series are there now (its
+    flare_rank_info) or its target's `up` is 1, unless `up` says its target is down. A rank seen within the
+    window but neither is no longer scraped: its target is gone (a file_sd entry removed, a dead pod that
+    service discovery dropped, whose `up` never carried a rank)."""
+    present = {int(labels["rank"]) for labels, _ in series.get(RANK_INFO_NOW, [])}
+    up = {int(labels["rank"]): value for labels, value in series.get("up", [])}
+    liveness = {rank: Liveness(True, "") for rank in present}
+    liveness |= {
+        rank: Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
+        for rank, value in up.items()
     }
     for labels, _ in series.get("flare_rank_info", []):
         liveness.setdefault(int(labels["rank"]), Liveness(False, "no longer scraped by Prometheus"))

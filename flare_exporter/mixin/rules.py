@@ -194,11 +194,18 @@ def _rank_recordings(t: Thresholds) -> list[Recording]:
             f"  group by (run, rank) (up{up_selector(t)})",
         ),
         # A rank that Prometheus cannot scrape and that recorded no exception and no termination signal:
-        # killed, frozen, or cut off.
+        # killed, frozen, or cut off. Its target is down (`up` == 0, where the targets' labels carry the
+        # rank), or its own series went stale while its run's other ranks still answer (where they do not:
+        # a dead pod that Kubernetes discovery drops, whose `up` never had a rank).
         Recording(
             "run_rank:flare_rank_down:no_exception",
             _with_host(
-                f"max by (run, rank) (up{up_selector(t)}) == 0\n"
+                f"(\n  max by (run, rank) (up{up_selector(t)}) == 0\n"
+                "  or 0 * (\n"
+                f"    max by (run, rank) (last_over_time(flare_rank_info{s}[{t.lookback}]))\n"
+                f"    unless on (run, rank) flare_rank_info{s}\n"
+                f"    and on (run) flare_rank_info{s}\n"
+                "  )\n)\n"
                 f"unless on (run, rank) last_over_time(flare_rank_exception_info{s}[{t.lookback}])\n"
                 # a survivor its launcher stopped (SIGTERM) said so: it is not down without a word
                 "unless on (run, rank) "

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .catalog import dashboards
-from .metrics import GROUP_INFO, RANK_INFO, UP
+from .metrics import GROUP_INFO, RANK_INFO
 from .model import DATASOURCE, FIRING_ALERTS, Dashboard, Panel
 
 TAG = "flare"
@@ -88,7 +88,7 @@ def _variables(dashboard: Dashboard, datasource: Any) -> list[Any]:
         _query_variable(
             datasource,
             "rank",
-            f'label_values({UP}{{run="$run", rank!=""}}, rank)',
+            f'label_values({RANK_INFO}{{run="$run"}}, rank)',
             multi=not dashboard.single_rank,
         ),
     ]
