@@ -168,10 +168,15 @@ def test_diagnose_reads_the_runs_threshold_from_prometheus_in_one_query(tmp_path
         vc.write_file_sd(file_sd, run, server.targets(), WORLD)
         with PrometheusProcess(str(tmp_path / "prometheus"), file_sd) as prometheus:
 
-            def scraped() -> bool:
-                expr = f'count(flare_collective_in_flight_info{{run="{run}"}})'
-                answer = prometheus.query(expr)
-                return bool(answer) and int(float(answer[0]["value"][1])) == WORLD - 1
+            def count(expr: str) -> int:
+                answer = prometheus.query(f"count({expr})")
+                return int(float(answer[0]["value"][1])) if answer else 0
+
+            def scraped() -> bool:  # every rank scraped (else an unscraped one reads as gone), and in flight
+                ranks = count(f'flare_rank_info{{run="{run}"}}')
+                return (
+                    ranks == WORLD and count(f'flare_collective_in_flight_info{{run="{run}"}}') == WORLD - 1
+                )
 
             wait_for(scraped, 60, "every waiting rank's collective in flight")
             with queries_sent(monkeypatch) as sent:
