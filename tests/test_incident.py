@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from flare_exporter.config import Config
 from flare_exporter.engine.scrape import parse
 from flare_exporter.local.jobs import free_port
+from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.rank import incident
 from flare_exporter.rank.attach import build_registry
@@ -204,7 +205,9 @@ def test_the_last_word_wait_ends_when_a_scrape_started_after_the_event_completes
     try:
         url = f"http://127.0.0.1:{server.port}/metrics"
         get(url)  # scraped once before: someone listens
-        assert state.scrapes.seen() and state.scrapes.last_completed_timestamp_seconds is not None
+        # the endpoint notes a scrape complete once its send returned, which may be after the client read it
+        wait_for(lambda: state.scrapes.last_completed_timestamp_seconds is not None, 10, "the scrape noted")
+        assert state.scrapes.seen()
         state.exception = RaisedException.of(torch.OutOfMemoryError("CUDA out of memory"), time.time())
         event = time.monotonic()
         assert not state.scrapes.completed_after(event)
