@@ -391,6 +391,25 @@ def load(
     return config
 
 
+# Where a setting was told (told_by)
+FLAG, ENVIRONMENT, CONFIG_FILE = "flag", "environment", "config"
+
+
+def told_by(name: str, flag_value: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """Where setting `name` was told: FLAG (its flag's value `flag_value` is not None), ENVIRONMENT (its
+    FLARE_* variable is set, even to the default), CONFIG_FILE (the file FLARE_CONFIG names has the key);
+    None where nothing told it and it holds its default."""
+    environ = os.environ if environ is None else environ
+    if flag_value is not None:
+        return FLAG
+    if ENV_PREFIX + name.upper() in environ:
+        return ENVIRONMENT
+    path = environ.get(ENV_PREFIX + "CONFIG", "")
+    if path and name in read_file(path):
+        return CONFIG_FILE
+    return None
+
+
 def _env_source(name: str) -> str:
     return f"environment variable {ENV_PREFIX}{name.upper()}"
 

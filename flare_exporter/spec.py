@@ -132,6 +132,16 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="cpp_recorder: cpp when flare's C++ recorder (its torch extension) is loaded, else python.",
     ),
     MetricSpec(
+        "flare_world_size",
+        GAUGE,
+        "",
+        "Ranks in this rank's job (its world size).",
+        detail=(
+            "What liveness counts against: a run with fewer ranks seen than its world size has ranks that "
+            "never reported (FlareRanksMissing); `flare diagnose` counts them down."
+        ),
+    ),
+    MetricSpec(
         "flare_hang_threshold_seconds",
         GAUGE,
         "seconds",

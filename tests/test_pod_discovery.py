@@ -1,7 +1,9 @@
 """A rank that dies under pod discovery is paged and diagnosed: a real 4-rank gloo job whose targets
 Prometheus finds as Kubernetes pod discovery gives them, bare addresses whose `up` carries no rank and no run
 (the ranks' own file_sd files land in a directory Prometheus does not watch). Rank 2 is killed and its target
-dropped, as Kubernetes drops a dead pod: only its own series going stale can say it is gone.
+dropped, as Kubernetes drops a dead pod: only its own series going stale can say it is gone. Before that,
+rank 3's pod is not discovered at first: fewer ranks report than the world size, and FlareRanksMissing says
+so until it is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flare_exporter.local.jobs import free_port, free_port_block
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.workloads import train_ddp
 from flare_exporter.mixin import rules
+from flare_exporter.mixin.dashboards import model
 
 pytestmark = [
     pytest.mark.multirank,
@@ -30,6 +33,7 @@ pytestmark = [
 
 RANKS = 4
 KILLED = 2
+UNDISCOVERED = 3  # at first
 RUN = "pods"
 
 
@@ -74,6 +78,17 @@ def ranks_seen(server: PrometheusProcess) -> dict[int, dict[str, str]]:
     return {int(item["metric"]["rank"]): item["metric"] for item in answer} if len(answer) == RANKS else {}
 
 
+def missing(server: PrometheusProcess) -> bool:
+    """Whether FlareRanksMissing fires for the run."""
+    return bool(server.query(f'ALERTS{{alertname="FlareRanksMissing", alertstate="firing", run="{RUN}"}}'))
+
+
+def panel_value(server: PrometheusProcess, expr: str) -> float:
+    """A dashboard query for this run and all its ranks, as Grafana would send it: its one value."""
+    (item,) = server.query(expr.replace("$run", RUN).replace("$rank", ".*"))
+    return float(item["value"][1])
+
+
 def paged_down(server: PrometheusProcess) -> set[str]:
     answer = server.query(f'ALERTS{{alertname="FlareRankDown", alertstate="firing", run="{RUN}"}}')
     return {item["metric"]["rank"] for item in answer}
@@ -84,7 +99,7 @@ def test_a_killed_rank_whose_pod_is_dropped_is_paged_and_diagnosed(tmp_path):
     sd_dir.mkdir()
     base_port = free_port_block(RANKS)
     addresses = [f"127.0.0.1:{base_port + rank}" for rank in range(RANKS)]
-    write_targets(sd_dir, addresses)
+    write_targets(sd_dir, [address for rank, address in enumerate(addresses) if rank != UNDISCOVERED])
     thresholds = rules.Thresholds(scrape_interval_seconds=1.0, slow_interval="").with_for("0s")
     rule_file = tmp_path / "flare.rules.yml"
     rule_file.write_text(rules.render(thresholds))
@@ -94,11 +109,18 @@ def test_a_killed_rank_whose_pod_is_dropped_is_paged_and_diagnosed(tmp_path):
         server.wait_ready()
         try:
             processes = start_ranks(tmp_path, base_port)
+            wait_for(lambda: missing(server), 120, "FlareRanksMissing")
+            count = f'count(flare_rank_info{{run="{RUN}"}}) == {RANKS - 1}'
+            assert server.query(count) and paged_down(server) == set()  # never seen: not "down" by number
+            write_targets(sd_dir, addresses)
             info = wait_for(lambda: ranks_seen(server), 120, "Prometheus scraping every rank")
             assert server.query('up{rank!=""}') == []  # the pods' targets: `up` knows no rank
             steps = f'count(flare_steps_total{{run="{RUN}"}} >= 10) == {RANKS}'
             wait_for(lambda: server.query(steps), 60, "some training")
             assert paged_down(server) == set()
+            wait_for(lambda: not missing(server), 30, "FlareRanksMissing resolved")
+            assert panel_value(server, model.ranks_up(model.RANKS)) == RANKS
+            assert panel_value(server, model.ranks_gone(model.RANKS)) == 0
 
             os.kill(int(info[KILLED]["pid"]), signal.SIGKILL)
             write_targets(sd_dir, [address for rank, address in enumerate(addresses) if rank != KILLED])
@@ -109,6 +131,8 @@ def test_a_killed_rank_whose_pod_is_dropped_is_paged_and_diagnosed(tmp_path):
             assert code != 0, report
             verdicts = [(verdict["kind"], verdict["ranks"]) for verdict in report["verdicts"]]
             assert ("rank_down", [KILLED]) in verdicts, report
+            assert panel_value(server, model.ranks_gone(model.RANKS)) == 1  # the dashboards see it too
+            assert panel_value(server, model.ranks_up(model.RANKS)) == RANKS - 1
             # no survivor was paged as down, then or since
             ever = f'max by (rank) (max_over_time(ALERTS{{alertname="FlareRankDown", run="{RUN}"}}[5m]))'
             assert {item["metric"]["rank"] for item in server.query(ever)} == {str(KILLED)}

@@ -1,5 +1,6 @@
 """The job's hang threshold travels with it: each rank exports the one it was started with
-(flare_hang_threshold_seconds), and `flare diagnose`, told none itself, judges the run by it.
+(flare_hang_threshold_seconds), and `flare diagnose` and the rules `flare rules` prints, told none
+themselves, judge the run by it.
 
 A virtual cluster (flare_exporter.local.testing.virtual_cluster) whose ranks were started with hang_seconds 4
 and have had a collective in flight for 10 s: a hang by their threshold, none by the engine's default.
@@ -9,18 +10,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import shutil
 import time
 from collections.abc import Iterator
 
 import pytest
+import yaml
 from conftest import flare_json, queries_sent
 
 from flare_exporter.config import Config
-from flare_exporter.engine import records, scrape, thresholds
+from flare_exporter.engine import cli, records, scrape, thresholds
 from flare_exporter.engine.diagnosis import Snapshot
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
+from flare_exporter.mixin import rules
 
 RUN_THRESHOLD = 4.0
 WORLD, HUNG = 4, 2
@@ -166,7 +170,11 @@ def test_diagnose_reads_the_runs_threshold_from_prometheus_in_one_query(tmp_path
     file_sd = str(tmp_path / "targets")
     with hung_cluster(run) as server:
         vc.write_file_sd(file_sd, run, server.targets(), WORLD)
-        with PrometheusProcess(str(tmp_path / "prometheus"), file_sd) as prometheus:
+        rule_file = tmp_path / "flare.rules.yml"
+        rule_file.write_text(flare_rules("--for", "0s", "--scrape-interval", "1s", "--slow-interval", "0s"))
+        with PrometheusProcess(
+            str(tmp_path / "prometheus"), file_sd, rule_files=[str(rule_file)]
+        ) as prometheus:
 
             def count(expr: str) -> int:
                 answer = prometheus.query(f"count({expr})")
@@ -195,3 +203,50 @@ def test_diagnose_reads_the_runs_threshold_from_prometheus_in_one_query(tmp_path
             assert (report["hang_seconds"], report["hang_seconds_from"]) == (300.0, "flag")
             assert hang_verdicts(report) == [], report
             assert not any(records.HANG_THRESHOLD in expr for expr in sent)  # told: not asked
+
+            # the rules, told no threshold, page the culprit by the run's own 4 s (not the default 300 s)
+            wait_for(lambda: paged(prometheus, run), 60, "FlareCollectiveHangCulprit")
+            assert paged(prometheus, run) == {str(HUNG)}
+
+
+def paged(prometheus: PrometheusProcess, run: str) -> set[str]:
+    firing = f'ALERTS{{alertname="FlareCollectiveHangCulprit", alertstate="firing", run="{run}"}}'
+    return {item["metric"]["rank"] for item in prometheus.query(firing)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `flare rules`
+
+
+def flare_rules(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["rules", *args]) == 0
+    return out.getvalue()
+
+
+def hang_expr(text: str) -> str:
+    document = yaml.safe_load(text)
+    alerts = [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
+    return next(rule["expr"] for rule in alerts if rule["alert"] == "FlareCollectiveHang")
+
+
+def test_rules_told_no_threshold_judge_each_run_by_its_own():
+    text = flare_rules()
+    assert rules.RUN_HANG_THRESHOLD in hang_expr(text)
+    assert f"record: {rules.RUN_HANG_THRESHOLD}" in text
+
+
+@pytest.mark.parametrize("how", ["flag", "environment", "config"])
+def test_rules_told_a_threshold_use_it_for_every_run(how, tmp_path, monkeypatch):
+    args: tuple[str, ...] = ()
+    if how == "flag":
+        args = ("--hang-seconds", "60")
+    elif how == "environment":
+        monkeypatch.setenv("FLARE_HANG_SECONDS", "60")
+    else:
+        (tmp_path / "flare.yml").write_text("hang_seconds: 60\n")
+        monkeypatch.setenv("FLARE_CONFIG", str(tmp_path / "flare.yml"))
+    text = flare_rules(*args)
+    assert hang_expr(text) == "run_group:flare_collective_in_flight:max_age_seconds >= 60"
+    assert rules.RUN_HANG_THRESHOLD not in text

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,7 +21,8 @@ from .diagnosis import Snapshot
 from .records import HANG_THRESHOLD
 
 # Where the threshold came from: JSON key hang_seconds_from
-FLAG, ENVIRONMENT, CONFIG, RUN, DEFAULT = "flag", "environment", "config", "run", "default"
+FLAG, ENVIRONMENT, CONFIG = config_module.FLAG, config_module.ENVIRONMENT, config_module.CONFIG_FILE
+RUN, DEFAULT = "run", "default"
 KEY = "hang_seconds"
 
 
@@ -38,15 +38,7 @@ def told(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
     """Where the engine was told its hang threshold: FLAG (--hang-seconds given), ENVIRONMENT
     (FLARE_HANG_SECONDS set, even to the default), CONFIG (the file FLARE_CONFIG names has hang_seconds);
     None where nothing told it."""
-    environ = os.environ if environ is None else environ
-    if getattr(args, KEY, None) is not None:
-        return FLAG
-    if config_module.ENV_PREFIX + KEY.upper() in environ:
-        return ENVIRONMENT
-    path = environ.get(config_module.ENV_PREFIX + "CONFIG", "")
-    if path and KEY in config_module.read_file(path):
-        return CONFIG
-    return None
+    return config_module.told_by(KEY, getattr(args, KEY, None), environ)
 
 
 def configured(seconds: float, told_by: str | None) -> Threshold:

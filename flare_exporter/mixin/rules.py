@@ -8,8 +8,10 @@
 --selector takes label matchers as Prometheus does between { and } (e.g. 'cluster="eu-1"'); one it would
 reject is an error (exit 2), not rules that no Prometheus loads.
 
-The hang threshold follows the exporter's config (FLARE_HANG_SECONDS, the config file, --hang-seconds), so
-that the ranks' incident files, `flare diagnose` and the alerts agree. `alerts/flare.rules.yml` is the
+The hang threshold is each run's own (the flare_hang_threshold_seconds its ranks export, from the
+FLARE_HANG_SECONDS they were started with), as `flare diagnose` judges it, unless `flare rules` is told one
+(--hang-seconds, FLARE_HANG_SECONDS, the config file): then that one, for every run. So the ranks' incident
+files, `flare diagnose` and the alerts agree. `alerts/flare.rules.yml` is the
 output for the defaults; a test regenerates it and fails when it differs.
 
 The alerts make the rules engine's decisions (diagnosis.py) where PromQL can: the culprit of a hang is a
@@ -38,6 +40,10 @@ from .. import config as config_module
 from .. import spec
 from ..policies import IldPolicy, StragglerPolicy
 
+# The hang threshold of a run whose ranks export none, and each run's own (see Thresholds.hang_seconds).
+DEFAULT_HANG_SECONDS = config_module.Config().hang_seconds
+RUN_HANG_THRESHOLD = "run:flare_hang_threshold_seconds:max"
+HANG_KEY = "hang_seconds"
 RUNBOOK_URL = "https://github.com/flare-exporter/flare-exporter/blob/main/docs/runbook.md"
 # The alerts that name a culprit rank (the group-level hang and the warnings name none).
 CULPRIT_ALERTS = (
@@ -76,8 +82,10 @@ class Thresholds:
     # of the runs a Prometheus scrapes. Every flare series carries `rank` and `run`; so does `up`, through
     # the file_sd target labels the ranks write.
     selector: str = ""
-    # A collective unfinished this long is a hang. Follows the exporter's hang_seconds (FLARE_HANG_SECONDS).
-    hang_seconds: float = 300.0
+    # A collective unfinished this long is a hang. None (what `flare rules` uses unless told one, as `flare
+    # diagnose` does): each run's own, the largest its ranks export (flare_hang_threshold_seconds, from
+    # FLARE_HANG_SECONDS where they run), else DEFAULT_HANG_SECONDS for a run whose ranks export none.
+    hang_seconds: float | None = None
     # The scrape interval of the flare job; ranks' deaths and exceptions are compared only once two scrapes
     # have passed, so that a rank that vanished silently is seen before the exceptions it caused.
     scrape_interval_seconds: float = 15.0
@@ -173,6 +181,7 @@ def recording_rules(t: Thresholds) -> list[Recording]:
     return [
         *_rank_recordings(t),
         *_in_flight_age_recordings(t),
+        *_hang_threshold_recordings(t),
         *_behind_recordings(t),
         *_front_recordings(t),
     ]
@@ -231,6 +240,22 @@ def _in_flight_age_recordings(t: Thresholds) -> list[Recording]:
             "run_group:flare_collective_in_flight:max_age_seconds",
             "max by (run, group) (run_group_rank:flare_collective_in_flight:age_seconds)",
         ),
+    ]
+
+
+def _hang_threshold_recordings(t: Thresholds) -> list[Recording]:
+    """Each run's hang threshold, where the rules judge every run by its own (Thresholds.hang_seconds None):
+    the largest its ranks export, else the default for a run with collectives in flight that exports none."""
+    if t.hang_seconds is not None:
+        return []
+    return [
+        Recording(
+            RUN_HANG_THRESHOLD,
+            f"max by (run) (flare_hang_threshold_seconds{selector(t)})\n"
+            "or on (run)\n"
+            "  0 * max by (run) (run_group:flare_collective_in_flight:max_age_seconds)"
+            f" + {DEFAULT_HANG_SECONDS:g}",
+        )
     ]
 
 
@@ -467,7 +492,12 @@ def _ild_shifted(t: Thresholds) -> str:
 
 
 def _hung(t: Thresholds) -> str:
-    return f"run_group:flare_collective_in_flight:max_age_seconds >= {t.hang_seconds:g}"
+    if t.hang_seconds is not None:
+        return f"run_group:flare_collective_in_flight:max_age_seconds >= {t.hang_seconds:g}"
+    return (
+        "run_group:flare_collective_in_flight:max_age_seconds\n"
+        f"  >= on (run) group_left () {RUN_HANG_THRESHOLD}"
+    )
 
 
 _RANK_FRAMES = (
@@ -494,6 +524,21 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
             "or network. The other ranks will hang in their next collective with it.",
             "flarerankdown",
             link("rank", "rank"),
+        ),
+        Alert(
+            "FlareRanksMissing",
+            f"max by (run) (flare_world_size{selector(t)})\n"
+            "- count by (run) (run_rank:flare_rank_info:host)\n"
+            "> 0",
+            t.rank_down_for,
+            "critical",
+            "{{ $value }} rank(s) of run {{ $labels.run }} never reported",
+            "Run {{ $labels.run }} has {{ $value }} fewer ranks than its world size that Prometheus ever "
+            "scraped: their processes never started their exporters, or no service discovery target "
+            "reaches them (a pod that never started, a port taken, a network policy). Ranks seen and then "
+            "lost page as FlareRankDown.",
+            "flareranksmissing",
+            link("overview"),
         ),
         Alert(
             "FlareHostDown",
@@ -1315,7 +1360,7 @@ def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
     slow = duration_seconds(args.slow_interval, "flag --slow-interval")
     t = Thresholds(
         selector=check_selector(args.selector),
-        hang_seconds=config.hang_seconds,
+        hang_seconds=config.hang_seconds if config_module.told_by(HANG_KEY, args.hang_seconds) else None,
         ild=IldPolicy(op_shift_seconds=config.ild_op_shift_seconds),
         scrape_interval_seconds=duration_seconds(args.scrape_interval, "flag --scrape-interval"),
         slow_interval=args.slow_interval if slow else "",

@@ -6,6 +6,7 @@ from ... import spec
 from .. import rules
 
 THRESHOLDS = rules.Thresholds()
+DEFAULT_HANG_SECONDS = rules.DEFAULT_HANG_SECONDS
 RECORDED = frozenset(recording.record for recording in rules.all_recordings(THRESHOLDS))
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS"})  # what Prometheus itself writes, besides the spec's
 

@@ -11,9 +11,11 @@ from .metrics import (
     ALERTS,
     COLLECTIVE_BYTES,
     COLLECTIVE_DURATION,
+    DEFAULT_HANG_SECONDS,
     GROUP_INFO,
     IN_FLIGHT_INFO,
     IN_FLIGHT_STARTED,
+    RANK_INFO,
     STEP_DURATION,
     THRESHOLDS,
 )
@@ -120,7 +122,28 @@ LAST_WINDOW = sel('ago="0"')  # the last closed straggler window
 THE_RANK_LAST_WINDOW = sel('ago="0"', rank=ONE_RANK)
 FIRING_ALERTS = ALERTS + sel('alertstate="firing"', rank="")
 
-HANG = THRESHOLDS.hang_seconds
+HANG = DEFAULT_HANG_SECONDS
+LIVENESS_WINDOW = THRESHOLDS.lookback  # how long a rank that stopped reporting shows as down, as in the rules
+
+
+def liveness(selector: str, by: str) -> str:
+    """Per `by`: 1 while the ranks of `selector` report (flare_rank_info, whatever labels discovery gave their
+    targets), 0 once they stopped within LIVENESS_WINDOW."""
+    seen = f"last_over_time({RANK_INFO}{selector}[{LIVENESS_WINDOW}])"
+    return f"max by ({by}) ({RANK_INFO}{selector})\nor max by ({by}) (0 * {seen})"
+
+
+def ranks_up(selector: str) -> str:
+    """How many ranks of `selector` report."""
+    return f"count({RANK_INFO}{selector}) or vector(0)"
+
+
+def ranks_gone(selector: str) -> str:
+    """How many ranks of `selector` reported within LIVENESS_WINDOW and no longer do."""
+    seen = f"max by (rank) (last_over_time({RANK_INFO}{selector}[{LIVENESS_WINDOW}]))"
+    return f"count({seen} unless on (rank) {RANK_INFO}{selector}) or vector(0)"
+
+
 HANG_STEPS: tuple[tuple[float | None, str], ...] = ((None, "green"), (HANG / 2, "orange"), (HANG, "red"))
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from .metrics import GROUP_MAX_AGE, LAST_COMPLETED, SLOWDOWN, STEPS, UP
+from .metrics import GROUP_MAX_AGE, LAST_COMPLETED, SLOWDOWN, STEPS
 from .model import (
     FIRING,
     FIRING_ALERTS,
     GROUPS,
     HANG,
     HANG_STEPS,
+    LIVENESS_WINDOW,
     OVERVIEW_UID,
     RANK_LINK,
     RANKS,
@@ -18,7 +19,10 @@ from .model import (
     Panel,
     Row,
     Target,
+    liveness,
     mean_step,
+    ranks_gone,
+    ranks_up,
     stat,
     table,
     timeseries,
@@ -40,11 +44,18 @@ def _headline_counts() -> Row:
     """Four numbers: ranks up, ranks down, the slowest step rate, alerts firing."""
     red_from_one = ((None, "green"), (1, "red"))
     return (
-        stat("Ranks up", "Ranks Prometheus scrapes successfully.", f"sum({UP}{RANKS})", width=6, height=4),
+        stat(
+            "Ranks up",
+            "Ranks that report: their flare_rank_info is scraped, whatever labels discovery gave them.",
+            ranks_up(RANKS),
+            width=6,
+            height=4,
+        ),
         stat(
             "Ranks down",
-            "Ranks whose target Prometheus cannot scrape (FlareRankDown names them).",
-            f"sum(1 - {UP}{RANKS})",
+            f"Ranks that reported within the last {LIVENESS_WINDOW} and no longer do (FlareRankDown names "
+            "them; FlareRanksMissing counts ranks of the world size never seen).",
+            ranks_gone(RANKS),
             width=6,
             height=4,
             steps=red_from_one,
@@ -74,8 +85,9 @@ def _ranks_over_time() -> Row:
         Panel(
             "state-timeline",
             "Ranks up / down",
-            "1: Prometheus scraped the rank; 0: it did not.",
-            (Target(f"max by (rank) ({UP}{RANKS})", "rank {{rank}}"),),
+            f"1: the rank reports (its flare_rank_info is scraped); 0: it reported within the last "
+            f"{LIVENESS_WINDOW} and no longer does.",
+            (Target(liveness(RANKS, "rank"), "rank {{rank}}"),),
             width=12,
             height=8,
             steps=((None, "red"), (1, "green")),
@@ -137,8 +149,9 @@ def _verdicts_and_hangs() -> Row:
         Panel(
             "bargauge",
             "Hang state per process group",
-            "Age of each group's oldest unfinished collective (0: nothing in flight). At "
-            f"{HANG:g} s (hang_seconds) the group is hung and FlareCollectiveHang fires.",
+            "Age of each group's oldest unfinished collective (0: nothing in flight). At the run's hang "
+            f"threshold (its ranks' hang_seconds; colours at {HANG:g} s, the default) the group is hung and "
+            "FlareCollectiveHang fires.",
             (
                 Target(
                     f"max by (group) ({GROUP_MAX_AGE}{GROUPS})\n"

@@ -38,7 +38,6 @@ from .metrics import (
     STACK_INFO,
     STEP_DURATION,
     STEPS,
-    UP,
     WINDOW_STEP,
     WINDOW_WAIT,
 )
@@ -47,6 +46,7 @@ from .model import (
     GPU,
     HANG_STEPS,
     KERNEL,
+    LIVENESS_WINDOW,
     RANK_TITLE,
     RANK_UID,
     RATE,
@@ -59,6 +59,7 @@ from .model import (
     Row,
     Target,
     in_flight_age,
+    liveness,
     quantile,
     stat,
     table,
@@ -102,8 +103,9 @@ def _identity_and_progress() -> Row:
         ),
         stat(
             "Up",
-            "1: Prometheus scrapes the rank.",
-            f"max({UP}{THE_RANK})",
+            f"1: the rank reports (its flare_rank_info is scraped); 0: it reported within the last "
+            f"{LIVENESS_WINDOW} and no longer does.",
+            liveness(THE_RANK, "rank"),
             width=4,
             height=5,
             steps=((None, "red"), (1, "green")),

@@ -1,5 +1,6 @@
-"""flare_rank_info, flare_process_group_info, flare_exporter_build_info and flare_hang_threshold_seconds: who
-this rank is, which groups it is in, what it runs, and the hang threshold it was started with."""
+"""flare_rank_info, flare_world_size, flare_process_group_info, flare_exporter_build_info and
+flare_hang_threshold_seconds: who this rank is, how many ranks its job has, which groups it is in, what it
+runs, and the hang threshold it was started with."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class IdentityCollector:
     name = "identity"
     metrics = (
         "flare_rank_info",
+        "flare_world_size",
         "flare_process_group_info",
         "flare_exporter_build_info",
         "flare_hang_threshold_seconds",
@@ -31,6 +33,8 @@ class IdentityCollector:
     def collect(self, families: Families) -> Iterable[Metric]:
         rank_info = families.new("flare_rank_info")
         rank_info.add_metric(families.labels(*_info_values(self.state.identity)), 1)
+        world_size = families.new("flare_world_size")
+        world_size.add_metric(families.labels(), self.state.identity.world_size)
         group_info = families.new("flare_process_group_info")
         for tracker in list(self.state.groups.values()):
             size, recorder = str(tracker.size), tracker.timing.recorder
@@ -40,7 +44,7 @@ class IdentityCollector:
         build_info.add_metric(families.labels(*build_values(str(torch_version), cpp_recorder_loaded())), 1)
         threshold = families.new("flare_hang_threshold_seconds")
         threshold.add_metric(families.labels(), self.state.config.hang_seconds)
-        return [rank_info, group_info, build_info, threshold]
+        return [rank_info, world_size, group_info, build_info, threshold]
 
 
 @lru_cache(maxsize=1)  # the same str objects at every scrape until the identity changes (collectors/__init__)
