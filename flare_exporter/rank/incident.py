@@ -40,6 +40,8 @@ REASONS = ("exception", "signal", "hang", "exit")
 MAX_TRACEBACK_LINES = 200  # the innermost entries of traceback.format_exception's
 FLIGHT_RECORDER_ENTRIES = 64  # the last this many entries of PyTorch's flight recorder
 FLIGHT_RECORDER_FRAMES = 32  # stack frames kept per flight recorder entry (NCCL records them)
+FLIGHT_RECORDER_GROUPS = 64  # process groups kept of its pg_config (their members: NCCL lists them)
+FLIGHT_RECORDER_RANKS_CHARS = 65_536  # a group's member list longer than this is left out
 FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
@@ -115,7 +117,8 @@ def flight_recorder_enabled(environ: Mapping[str, str]) -> bool:
 
 def flight_recorder_document(environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
     """The last FLIGHT_RECORDER_ENTRIES entries of PyTorch's flight recorder, as its JSON dump writes them,
-    with its version and each group's status; None when it is off, absent from this torch, or fails."""
+    with its version, each group's status and members (pg_config, bounded); None when it is off, absent
+    from this torch, or fails."""
     if not flight_recorder_enabled(environ) or "torch" not in sys.modules:
         return None
     try:
@@ -133,11 +136,28 @@ def flight_recorder_document(environ: Mapping[str, str] = os.environ) -> dict[st
         return {
             "version": trace.get("version"),
             "pg_status": trace.get("pg_status", {}),
+            "pg_config": _bounded_groups(trace.get("pg_config")),
             "entries_total": len(entries),
             "entries": kept,
         }
     except Exception:
         return None
+
+
+def _bounded_groups(config: Any) -> dict[str, Any]:
+    """The first FLIGHT_RECORDER_GROUPS groups of the recorder's pg_config, each member list that is longer
+    than FLIGHT_RECORDER_RANKS_CHARS left out (at thousands of ranks, the world's)."""
+    if not isinstance(config, dict):
+        return {}
+    kept = {}
+    for name, group in list(config.items())[:FLIGHT_RECORDER_GROUPS]:
+        if isinstance(group, dict):
+            ranks = group.get("ranks")
+            too_long = isinstance(ranks, str) and len(ranks) > FLIGHT_RECORDER_RANKS_CHARS
+            kept[str(name)] = {
+                key: value for key, value in group.items() if not (key == "ranks" and too_long)
+            }
+    return kept
 
 
 def _groups_document(state: Any, now_perf: float) -> dict[str, Any]:
