@@ -1,0 +1,311 @@
+"""Where the job's step time goes, and what each rank cost it: `flare perf` and the badput ledger.
+
+Pure functions over per-rank records (PerfRank), read from every rank's series: seconds per phase over the
+accounted steps (rank/perf.py), model FLOPs per step, achieved FLOP/s and MFU. Two sources give the series:
+a direct scrape (the counters since each rank started) and Prometheus (their increase over --window).
+
+- Bottleneck class per rank (and for the job, over the sum of the ranks' phases): policies.BottleneckPolicy,
+  on each rank's step without the time it waited for the last arriver (classify): the job's ranks share
+  the bottleneck of the rank they wait for.
+- The badput ledger: a synchronous collective ends for every rank when the last one arrives, so the rank
+  that arrived last waited least, and every other rank waited for it the difference. Over the steps of the
+  source's span, the rank with the least collective time per step (not overlapped by compute) is charged
+  sum over the other ranks of (their time per step - its own) x steps; every other rank is charged nothing.
+  Seconds lost per host: the sum over its ranks. Over a span in which one rank is the straggler throughout,
+  that is the time the others spent waiting for it; noise that moves from rank to rank averages out of it.
+- A slower device: compute FLOP/s (model FLOPs over the compute seconds of a step) below
+  `slow_device_share` of the ranks' median.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import spec
+from ..policies import BottleneckPolicy
+from . import promql, scrape
+from .prometheus_source import matcher, the_run
+from .records import Series, SourceError, one_run
+from .targets import Target
+
+PHASES = "flare_step_phase_seconds_total"
+STEPS = "flare_step_phase_steps_total"
+GAUGES = ("flare_model_flops_per_step", "flare_achieved_flops", "flare_mfu_ratio")
+PERF_METRICS = frozenset([PHASES, STEPS, *GAUGES, "flare_rank_info"])
+
+
+@dataclass(frozen=True)
+class PerfRank:
+    """One rank's step breakdown: seconds per phase over `steps` steps, FLOPs, achieved FLOP/s, MFU."""
+
+    rank: int
+    host: str = ""
+    steps: float = 0.0
+    phases: Mapping[str, float] = field(default_factory=dict)
+    flops_per_step: float | None = None
+    achieved_flops: float | None = None
+    mfu: float | None = None
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.phases.values())
+
+    def per_step(self, phase: str) -> float | None:
+        return self.phases.get(phase, 0.0) / self.steps if self.steps > 0 else None
+
+    def shares(self) -> dict[str, float]:
+        total = self.step_seconds
+        return {phase: seconds / total for phase, seconds in self.phases.items()} if total > 0 else {}
+
+    @property
+    def compute_flops(self) -> float | None:
+        """Model FLOPs over the compute seconds of a step: how fast its device runs, waits left out."""
+        compute = self.per_step("compute")
+        return self.flops_per_step / compute if self.flops_per_step and compute else None
+
+
+def records_from_series(series: Mapping[str, Series]) -> dict[int, PerfRank]:
+    """Per rank, its PerfRank from series by metric name ((labels, value) lists), of one run."""
+    hosts = {int(labels["rank"]): labels.get("host", "") for labels, _ in series.get("flare_rank_info", [])}
+    phases: dict[int, dict[str, float]] = {}
+    for labels, value in series.get(PHASES, []):
+        if labels.get("phase") in spec.STEP_PHASES and math.isfinite(value):
+            phases.setdefault(int(labels["rank"]), {})[labels["phase"]] = max(0.0, value)
+    values = {name: _per_rank(series.get(name, [])) for name in (STEPS, *GAUGES)}
+    ranks = set(phases) | set(values[STEPS])
+    return {
+        rank: PerfRank(
+            rank,
+            hosts.get(rank, ""),
+            values[STEPS].get(rank, 0.0),
+            phases.get(rank, {}),
+            *(values[name].get(rank) for name in GAUGES),
+        )
+        for rank in sorted(ranks)
+    }
+
+
+def _per_rank(series: Series) -> dict[int, float]:
+    return {int(labels["rank"]): value for labels, value in series if math.isfinite(value)}
+
+
+def classify(record: PerfRank, policy: BottleneckPolicy, least_wait: float | None = None) -> str:
+    """The rank's bottleneck class ("" before it has accounted a step), judged on its step without the time
+    it waited for the last arriver: with `least_wait` (the ranks' least collective time per step), its own
+    collective time counts as that much. A synchronous job's ranks all wait for the slowest one, whose
+    bottleneck (its data, its compute) is theirs; the ledger charges that wait to it."""
+    shares = judged(record, least_wait).shares()
+    return policy.classify(shares) if shares else ""
+
+
+def judged(record: PerfRank, least_wait: float | None) -> PerfRank:
+    """`record` with its collective time per step lowered to `least_wait` (if given and lower)."""
+    own = record.per_step("collective")
+    if least_wait is None or own is None or own <= least_wait:
+        return record
+    return PerfRank(
+        record.rank, record.host, record.steps, {**record.phases, "collective": least_wait * record.steps}
+    )
+
+
+def least_wait(records: Mapping[int, PerfRank]) -> float | None:
+    """The ranks' least collective time per step: the last arriver's, the collectives' own cost."""
+    waits = [wait for record in records.values() if (wait := record.per_step("collective")) is not None]
+    return min(waits) if len(waits) >= 2 else None
+
+
+def job_record(records: Iterable[PerfRank]) -> PerfRank:
+    """The job as one rank: phases and steps summed over the ranks."""
+    phases: dict[str, float] = {}
+    steps = 0.0
+    for record in records:
+        steps += record.steps
+        for phase, seconds in record.phases.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    return PerfRank(-1, steps=steps, phases=phases)
+
+
+def seconds_lost(records: Mapping[int, PerfRank]) -> dict[int, float]:
+    """The badput ledger (module docstring): seconds the other ranks waited for each rank."""
+    waits = {rank: r.per_step("collective") for rank, r in records.items()}
+    known = {rank: wait for rank, wait in waits.items() if wait is not None}
+    lost = dict.fromkeys(records, 0.0)
+    if len(known) < 2:
+        return lost
+    last = min(known, key=lambda rank: (known[rank], rank))
+    excess_per_step = sum(wait - known[last] for rank, wait in known.items() if rank != last)
+    lost[last] = excess_per_step * records[last].steps
+    return lost
+
+
+def seconds_lost_by_host(records: Mapping[int, PerfRank], lost: Mapping[int, float]) -> dict[str, float]:
+    by_host: dict[str, float] = {}
+    for rank, seconds in lost.items():
+        host = records[rank].host or "?"
+        by_host[host] = by_host.get(host, 0.0) + seconds
+    return by_host
+
+
+def slow_ranks(records: Mapping[int, PerfRank], policy: BottleneckPolicy) -> list[dict[str, Any]]:
+    """Ranks (of 3 or more) whose compute FLOP/s is below `slow_device_share` of the ranks' median."""
+    speeds = {rank: r.compute_flops for rank, r in records.items() if r.compute_flops}
+    if len(speeds) < 3:
+        return []
+    median = statistics.median(speeds.values())
+    return [
+        {"rank": rank, "compute_flops": speed, "median_compute_flops": median, "ratio": speed / median}
+        for rank, speed in sorted(speeds.items())
+        if speed < policy.slow_device_share * median
+    ]
+
+
+POLICY = BottleneckPolicy()
+
+
+def perf_view(
+    records: Mapping[int, PerfRank], policy: BottleneckPolicy = POLICY
+) -> tuple[dict[str, Any], list[str]]:
+    """`flare perf`'s JSON fields and text lines."""
+    lost = seconds_lost(records)
+    least = least_wait(records)
+    pacer = pacer_class(records, policy, least)
+    ranks = [_rank_json(record, policy, lost[rank], least, pacer) for rank, record in records.items()]
+    job = job_record(judged(record, least) for record in records.values())
+    slow = slow_ranks(records, policy)
+    result = {
+        "policy_version": policy.version,
+        "bottleneck": classify(job, policy),
+        "phases_share": _rounded(job.shares()),
+        "ranks": ranks,
+        "seconds_lost_by_host": _rounded(seconds_lost_by_host(records, lost)),
+        "slow_ranks": slow,
+    }
+    return result, _perf_lines(result)
+
+
+def pacer_class(records: Mapping[int, PerfRank], policy: BottleneckPolicy, least: float | None) -> str:
+    """The class of the rank that sets the job's pace: the last arriver, the one that waits least."""
+    waits = {rank: wait for rank, r in records.items() if (wait := r.per_step("collective")) is not None}
+    if least is None or not waits:
+        return ""
+    return classify(records[min(waits, key=lambda rank: (waits[rank], rank))], policy)
+
+
+def waits_for_pacer(record: PerfRank, policy: BottleneckPolicy, least: float | None) -> bool:
+    """Whether most of the rank's step is the wait for the last arriver (its collective time beyond the
+    least): its step is the pacer's, and so is its bottleneck."""
+    own = record.per_step("collective")
+    step = record.step_seconds / record.steps if record.steps > 0 else 0.0
+    if least is None or own is None or not step:
+        return False
+    return (own - least) / step >= policy.communication_share
+
+
+def _rank_json(
+    record: PerfRank, policy: BottleneckPolicy, lost: float, least: float | None, pacer: str = ""
+) -> dict[str, Any]:
+    waiting = bool(pacer) and waits_for_pacer(record, policy, least)
+    return {
+        "rank": record.rank,
+        "host": record.host,
+        "bottleneck": pacer if waiting else classify(record, policy, least),
+        "waits_for_last_arriver": waiting,
+        "steps": record.steps,
+        "phases": {phase: _per_step_rounded(record, phase) for phase in record.phases},
+        "phases_share": _rounded(record.shares()),
+        "step_seconds": round(record.step_seconds / record.steps, 6) if record.steps else None,
+        "flops_per_step": record.flops_per_step,
+        "achieved_flops": record.achieved_flops,
+        "mfu": record.mfu,
+        "seconds_lost": round(lost, 6),
+    }
+
+
+def _per_step_rounded(record: PerfRank, phase: str) -> float | None:
+    seconds = record.per_step(phase)
+    return round(seconds, 6) if seconds is not None else None
+
+
+def _rounded(values: Mapping[Any, float]) -> dict[Any, float]:
+    return {key: round(value, 6) for key, value in values.items()}
+
+
+def _perf_lines(result: Mapping[str, Any]) -> list[str]:
+    shown = [phase for phase in spec.STEP_PHASES if phase != "transfer"]  # host: 0 where not measured
+    lines = [
+        f"job: {result['bottleneck'] or 'no steps accounted yet'} (policy v{result['policy_version']})",
+        f"{'rank':>5} {'bottleneck':<20} {'step':>9} "
+        + " ".join(f"{phase:>10}" for phase in shown)
+        + f" {'TFLOP/s':>8} {'MFU':>6} {'lost':>9}",
+    ]
+    for row in result["ranks"]:
+        step = row["step_seconds"]
+        shares = row["phases_share"]
+        cells = " ".join(f"{shares.get(phase, 0.0) * 100:>9.1f}%" for phase in shown)
+        achieved = (
+            f"{row['achieved_flops'] / 1e12:>8.3f}" if row["achieved_flops"] is not None else f"{'-':>8}"
+        )
+        mfu = f"{row['mfu'] * 100:>5.1f}%" if row["mfu"] is not None else f"{'-':>6}"
+        step_text = f"{step * 1000:>7.2f}ms" if step is not None else f"{'-':>9}"
+        lines.append(
+            f"{row['rank']:>5} {row['bottleneck'] or '-':<20} {step_text} {cells} {achieved} {mfu} "
+            f"{row['seconds_lost']:>8.2f}s"
+        )
+    for slow in result["slow_ranks"]:
+        lines.append(
+            f"rank {slow['rank']} computes at {slow['ratio'] * 100:.0f}% of the ranks' median FLOP/s: "
+            "a slower device than its peers'"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sources
+
+
+def from_targets(
+    targets: list[Target], run: str = "", timeout: float = 5.0, via: scrape.Client | None = None
+) -> tuple[str, dict[int, PerfRank]]:
+    """The run and its ranks' records from their endpoints (counters since each rank started)."""
+    results = scrape.scrape_all(
+        [target.address for target in targets], timeout=timeout, via=via, wanted=PERF_METRICS
+    )
+    answered = [samples for samples in results.values() if isinstance(samples, list)]
+    runs = [scrape.labels_of(samples, "flare_rank_info").get("run", "") for samples in answered]
+    run = one_run([r for r in runs if r], run, f"{len(targets)} targets")
+    series: dict[str, Series] = {}
+    for samples in answered:
+        if scrape.labels_of(samples, "flare_rank_info").get("run") != run:
+            continue
+        for sample in samples:
+            series.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return run, records_from_series(series)
+
+
+def from_prometheus(
+    server: Any, run: str, window: str, timeout: float, now: float
+) -> tuple[str, dict[int, PerfRank]]:
+    """The run and its ranks' records from Prometheus: counters' increase over `window`, gauges' last value.
+    Four queries, whatever the rank count."""
+    run = run or the_run(server, window, timeout, now)
+    selected = matcher(run)
+    gauges = "|".join(GAUGES)
+    queries = {
+        PHASES: f"increase({PHASES}{{{selected}}}[{window}])",
+        STEPS: f"increase({STEPS}{{{selected}}}[{window}])",
+        "gauges": f'{{__name__=~"{gauges}",{selected}}}',  # their current values (instant: names kept)
+        "flare_rank_info": f"last_over_time(flare_rank_info{{{selected}}}[{window}])",
+    }
+    series: dict[str, Series] = {}
+    for name, expr in queries.items():
+        for item in promql.query(server, expr, timeout, now):
+            labels = item["metric"]
+            metric = labels.get("__name__", name) if name == "gauges" else name
+            series.setdefault(metric, []).append((labels, float(item["value"][1])))
+    if not series.get("flare_rank_info"):
+        raise SourceError(f"Prometheus has no rank of run {run!r} within {window}")
+    return run, records_from_series(series)
