@@ -69,6 +69,7 @@ def _topology_ok(value: str) -> bool:
 DEFAULT_PORT = 21400
 INCIDENTS_SUBDIRECTORY = "incidents"  # under file_sd_dir, where Prometheus' *.json glob does not look
 INCIDENTS_OFF = "off"
+CANARY_MODES = ("off", "warn", "enforce")
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,36 @@ class Config:
         "basic auth) for the metrics endpoint; see docs/security.md. Empty: plain HTTP.",
     )
 
+    perf: bool = _setting(
+        True,
+        "Break each step into phases (data loader, optimizer, exposed collectives, host gaps, compute) and "
+        "count the model's FLOPs on one step (flare_step_phase_seconds_total, flare_mfu_ratio; "
+        "`flare perf`).",
+    )
+    perf_flops_step: int = _setting(
+        12,
+        "The step whose model FLOPs torch.utils.flop_counter counts on the training thread (from the end "
+        "of step N-1 to the end of step N; flare_model_flops_per_step); 0: never.",
+        lambda v: v == 0 or 2 <= v <= 1_000_000_000,
+        "0 or from 2 to 1000000000",
+    )
+    model_flops_per_step: float = _setting(
+        0.0,
+        "Model FLOPs of one training step, if known; 0: counted on the step perf_flops_step.",
+        *_between(0.0, 1e30),
+    )
+    peak_flops: float = _setting(
+        0.0,
+        "Peak FLOP/s of the rank's device for flare_mfu_ratio; 0: the dense BF16 peak of the GPU model by "
+        "its NVML name (rank/perf.py's table), none on CPU.",
+        *_between(0.0, 1e30),
+    )
+    perf_window_steps: int = _setting(
+        20,
+        "Steps over which flare_achieved_flops averages the step time.",
+        *_between(1, 100_000),
+    )
+
     ild_dispatch_every_steps: int = _setting(
         32,
         "Host dispatch latency is sampled in one step out of this many (a dispatch mode times every op of "
@@ -257,6 +288,90 @@ class Config:
         "Device events in the ILD event pool (kernel issue latency); a launch sampled while all are in use "
         "is counted as dropped.",
         *_between(1, 1_000_000),
+    )
+
+    canary: str = _setting(
+        "off",
+        "The hardware canary (docs/canary.md): `off`; `warn`: benchmark every rank's compute, collective bus "
+        "bandwidth and storage once the process group is up, before the first step, export flare_canary_* "
+        "and log a failure; `enforce`: also end every rank with exit status 75 when one fails, naming the "
+        "rank, its host and the measurement in one line.",
+        lambda v: v in CANARY_MODES,
+        "one of " + ", ".join(CANARY_MODES),
+    )
+    canary_relative_floor: float = _setting(
+        0.7,
+        "A rank fails a canary measurement below this fraction of the job's median (same measurement and "
+        "scope); 0: no relative floor.",
+        *_between(0, 1),
+    )
+    canary_min_gemm_flops: float = _setting(
+        0.0, "Absolute floor of the canary's GEMM, in FLOP/s (0: none).", *_between(0, 1e18)
+    )
+    canary_min_busbw_bytes_per_second: float = _setting(
+        0.0,
+        "Absolute floor of the canary's all-reduce and all-gather bus bandwidth, in bytes/s (0: none).",
+        *_between(0, 1e15),
+    )
+    canary_min_storage_bytes_per_second: float = _setting(
+        0.0,
+        "Absolute floor of the canary's storage read throughput, in bytes/s (0: none).",
+        *_between(0, 1e15),
+    )
+    canary_compute_seconds: float = _setting(
+        0.5,
+        "Seconds the preflight spends in back-to-back GEMMs (a tenth of it in flight).",
+        *_between(0.01, 60),
+    )
+    canary_gemm_size: int = _setting(
+        0,
+        "Side of the canary's square GEMM; 0: sized to the device (256 on a CPU, 8192 in bfloat16 on a GPU).",
+        *_between(0, 65536),
+    )
+    canary_collective_bytes: int = _setting(
+        0,
+        "Bytes per rank of the canary's all-reduce and all-gather; 0: sized to the device (4 MiB on gloo, "
+        "256 MiB on NCCL; in flight a sixteenth).",
+        *_between(0, 1 << 34),
+    )
+    canary_collective_iterations: int = _setting(
+        5, "Timed iterations of each canary collective (after one untimed warm-up).", *_between(1, 1000)
+    )
+    canary_storage_paths: str = _setting(
+        "",
+        "Comma-separated files or directories (dataset, checkpoint mount) whose read throughput the "
+        "preflight measures, at most 8; each read bounded by canary_storage_max_bytes and "
+        "canary_storage_max_seconds.",
+        lambda v: len([path for path in v.split(",") if path.strip()]) <= 8,
+        "at most 8 comma-separated paths",
+    )
+    canary_storage_max_bytes: int = _setting(
+        256 << 20, "Most bytes the canary reads from each storage path.", *_between(1, 1 << 40)
+    )
+    canary_storage_max_seconds: float = _setting(
+        2.0, "Longest the canary reads from each storage path.", *_between(0.01, 600)
+    )
+    canary_interval_steps: int = _setting(
+        0,
+        "Repeat a smaller canary (GEMM, intra-host all-reduce) after every this many optimizer steps, at "
+        "the same step on every rank; 0: preflight only.",
+        *_between(0, 100_000_000),
+    )
+    canary_in_flight_fraction: float = _setting(
+        0.5,
+        "In flight, a measurement fails below this fraction of the rank's own preflight value.",
+        *_between(0, 1),
+    )
+    canary_ewma_alpha: float = _setting(
+        0.3,
+        "Weight of the newest in-flight measurement in its exponentially weighted moving average.",
+        *_between(0.01, 1),
+    )
+    canary_drift_band: float = _setting(
+        0.2,
+        "flare_canary_drift flags a measurement whose moving average fell more than this fraction below "
+        "its preflight value (sustained drift, long before canary_in_flight_fraction).",
+        *_between(0.01, 1),
     )
 
     @property

@@ -1,4 +1,5 @@
-"""The policies both sides apply: when a rank counts as a straggler, when its issue latency has shifted.
+"""The policies both sides apply: when a rank counts as a straggler, when its issue latency has shifted,
+what bounds a rank's step.
 
 The rules engine (engine/diagnosis.py) decides with them; the generated alert rules and dashboards
 (mixin/) draw the same thresholds from them, so that a page and `flare diagnose` agree.
@@ -50,3 +51,44 @@ class IldPolicy:
         that finds no rank there need not read every rank's drift."""
         ks = [bound for bound in (self.ks, self.partial_ks) if not math.isnan(bound)]  # NaN: never reached
         return self.op_shift_seconds, min(ks, default=math.inf), self.min_wasserstein_seconds
+
+
+BOTTLENECKS = ("input_bound", "communication_bound", "transfer_bound", "launch_bound", "compute_bound")
+
+
+@dataclass(frozen=True)
+class BottleneckPolicy:
+    """Which bottleneck class a rank's step is in, from the shares of its step time per phase.
+
+    The first class whose phase reaches its share wins, in this order: input (data), communication
+    (collective time not overlapped by compute), transfer (host-device copies), launch (host gaps); else
+    compute. Versioned: a change of a threshold is a new `version`, which `flare perf` reports.
+    """
+
+    # 2: host gaps measured (launch_bound); a rank that mostly waits for the last arriver takes its class
+    version: int = 2
+    input_share: float = 0.3  # of the step in the data loader's next
+    # of the step waiting for collectives: 4 compute-bound gloo ranks sharing 2 cores waited 31-40 % of
+    # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 % (tests/test_perf.py)
+    communication_share: float = 0.5
+    transfer_share: float = 0.3  # of the step in host-device copies
+    launch_share: float = 0.3  # of the step in host gaps (interpreter, GIL, GC, launch)
+    # a rank whose compute FLOP/s (model FLOPs over compute seconds per step) is below this share of its
+    # peers' median runs on a slower device than theirs (`flare perf`: slow_ranks)
+    slow_device_share: float = 0.8
+
+    def thresholds(self) -> tuple[tuple[str, str, float], ...]:
+        """(class, phase, share) in the order they are tried; compute_bound is the rest."""
+        return (
+            ("input_bound", "data", self.input_share),
+            ("communication_bound", "collective", self.communication_share),
+            ("transfer_bound", "transfer", self.transfer_share),
+            ("launch_bound", "host", self.launch_share),
+        )
+
+    def classify(self, shares: dict[str, float]) -> str:
+        """The class of a step whose phases take `shares` of it (phase -> 0..1)."""
+        for bottleneck, phase, share in self.thresholds():
+            if shares.get(phase, 0.0) >= share:
+                return bottleneck
+        return "compute_bound"

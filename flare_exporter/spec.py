@@ -100,11 +100,36 @@ IN_FLIGHT_STATES = ("issued", "started")
 TERMINATION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 SIGNAL_SENDERS = ("launcher", "unknown")
 ACTIVITIES = ("collective", "data", "compute")
+# Where a step's time goes (flare_step_phase_seconds_total; rank/perf.py); compute: the rest of the step.
+STEP_PHASES = ("data", "optimizer", "collective", "host", "transfer", "compute")
 
 COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
 STEP_DURATION_BUCKETS = log_buckets(1e-3, 1000.0, 2)  # 1 ms .. 1000 s, 13 bounds
 ISSUE_LATENCY_BUCKETS = log_buckets(1e-7, 10.0, 5)  # 100 ns .. 10 s, 41 bounds (ILD)
-ILD_DISTRIBUTIONS = ("kernel_issue", "host_dispatch")
+# host_gap: the training thread's time between ops in the host dispatch windows (rank/dispatch.py); its drift
+# only (flare_ild_drift_*), no histogram
+ILD_DISTRIBUTIONS = ("kernel_issue", "host_dispatch", "host_gap")
+CANARY_MEASUREMENTS = (
+    "gemm_flops",
+    "allreduce_busbw",
+    "allgather_busbw",
+    "h2d_copy",
+    "d2h_copy",
+    "storage_read",
+    "gpu_pcie_width",
+    "gpu_clock_ok",
+)  # in the order a verdict names them: a rank slow at compute is slow at everything after it
+CANARY_MAX_STORAGE_PATHS = 8
+CANARY_SCOPES = (
+    "device",
+    "intra_host",
+    "inter_host",
+    *(f"path{index}" for index in range(CANARY_MAX_STORAGE_PATHS)),
+)
+CANARY_PHASES = ("preflight", "in_flight")
+# A failed preflight under canary=enforce ends every rank with this status (sysexits' EX_TEMPFAIL: the job
+# may succeed elsewhere; a scheduler reschedules it without the named host).
+CANARY_EXIT_CODE = 75
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -294,7 +319,9 @@ METRICS: tuple[MetricSpec, ...] = (
         ("distribution",),
         detail=(
             "Largest CDF difference (0..1) over the histogram buckets, against this rank's own baseline; "
-            "absent until both have enough samples."
+            "absent until both have enough samples. distribution: kernel_issue, host_dispatch, host_gap "
+            "(the training thread's gaps between top-level ops in the host dispatch windows; no histogram "
+            "of its own)."
         ),
     ),
     MetricSpec(
@@ -382,6 +409,55 @@ METRICS: tuple[MetricSpec, ...] = (
         "Last window's mean step time over the best.",
         detail="Best: the rank's own lowest window mean so far; 1: as fast as it has ever been.",
     ),
+    # where the step time goes (rank/perf.py), MFU, and what the badput ledger charges (engine/perf.py)
+    MetricSpec(
+        "flare_step_phase_seconds_total",
+        COUNTER,
+        "seconds",
+        "Seconds of this rank's steps spent in each phase.",
+        ("phase",),
+        detail=(
+            "Over the steps in flare_step_phase_steps_total. data: in the DataLoader iterator's next; "
+            "optimizer: in optimizer.step; collective: waiting for collectives with no newer one issued "
+            "(from each burst's last issue to its completion: not overlapped by compute); host: the training "
+            "thread's time between top-level ops outside data and optimizer (interpreter, GIL waits, garbage "
+            "collection, the script's sleeps; a gap in which a collective completed is its wait, not host), "
+            "timed in the host dispatch windows, a step between windows given the last measured steps' "
+            "share; absent where not measured (no windows, GPU processes); compute: the rest of the step. "
+            "transfer: reserved (not measured yet). The badput ledger charges the rank with the least "
+            "collective time per step with the others' excess (`flare stragglers`)."
+        ),
+    ),
+    MetricSpec(
+        "flare_step_phase_steps_total",
+        COUNTER,
+        "",
+        "Steps accounted in flare_step_phase_seconds_total.",
+    ),
+    MetricSpec(
+        "flare_model_flops_per_step",
+        GAUGE,
+        "",
+        "Model FLOPs of one training step.",
+        detail=(
+            "Counted by torch.utils.flop_counter on one sampled step (perf_flops_step), or configured "
+            "(model_flops_per_step)."
+        ),
+    ),
+    MetricSpec(
+        "flare_achieved_flops",
+        GAUGE,
+        "",
+        "Model FLOPs per second over the last steps.",
+        detail="flare_model_flops_per_step over the mean step time of the last perf_window_steps steps.",
+    ),
+    MetricSpec(
+        "flare_mfu_ratio",
+        GAUGE,
+        "",
+        "Model FLOPs utilization: achieved over peak FLOP/s.",
+        detail="Peak: peak_flops, else the dense BF16 peak of the GPU model by its NVML name; else absent.",
+    ),
     MetricSpec(
         "flare_gpu_health_up",
         GAUGE,
@@ -459,6 +535,75 @@ METRICS: tuple[MetricSpec, ...] = (
         GAUGE,
         "",
         "1 if a row remapping failed (replace the GPU), else 0.",
+    ),
+    # the canary (rank/canary.py): benchmarks of the rank's hardware before the first step and in flight
+    MetricSpec(
+        "flare_canary_value",
+        GAUGE,
+        "",
+        "Last canary measurement of this rank, in base units (FLOP/s, bytes/s, or a ratio).",
+        ("measurement", "scope", "phase"),
+        detail=(
+            "measurement: gemm_flops, allreduce_busbw, allgather_busbw (nccl-tests' bus bandwidth), "
+            "h2d_copy, d2h_copy, storage_read (bytes/s), gpu_pcie_width (current over maximum lanes), "
+            "gpu_clock_ok (0 while a slowdown reason is active); scope: device, intra_host (ranks sharing a "
+            "host), inter_host (one rank per host), path0.. (canary_storage_paths, in order); phase: "
+            "preflight, in_flight."
+        ),
+    ),
+    MetricSpec(
+        "flare_canary_relative",
+        GAUGE,
+        "",
+        "Preflight measurement over the job's median for the same measurement and scope.",
+        ("measurement", "scope"),
+        detail="1: as fast as the job's median rank; canary_relative_floor is the pass line.",
+    ),
+    MetricSpec(
+        "flare_canary_failed",
+        GAUGE,
+        "",
+        "1 if this rank failed the canary's policy for this measurement, else 0.",
+        ("measurement", "scope", "phase"),
+        detail=(
+            "preflight: below an absolute floor (canary_min_*) or below canary_relative_floor of the job's "
+            "median; in_flight: below canary_in_flight_fraction of the rank's own preflight value."
+        ),
+    ),
+    MetricSpec(
+        "flare_canary_ewma_ratio",
+        GAUGE,
+        "",
+        "Exponentially weighted moving average of in-flight measurements over the preflight value.",
+        ("measurement", "scope"),
+    ),
+    MetricSpec(
+        "flare_canary_drift",
+        GAUGE,
+        "",
+        "1 while the in-flight average is below the drift band (canary_drift_band), else 0.",
+        ("measurement", "scope"),
+    ),
+    MetricSpec(
+        "flare_canary_preflight_passed",
+        GAUGE,
+        "",
+        "1 if every rank passed the preflight, 0 if one failed (the same value on every rank).",
+        detail="Absent until the preflight ran; under canary=enforce a failed one ends the job (exit 75).",
+    ),
+    MetricSpec(
+        "flare_canary_runs_total",
+        COUNTER,
+        "",
+        "Canary runs completed, by phase.",
+        ("phase",),
+    ),
+    MetricSpec(
+        "flare_canary_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Wall time of the last canary run, by phase.",
+        ("phase",),
     ),
     MetricSpec(
         "flare_exporter_errors_total",

@@ -206,6 +206,22 @@ def test_a_rank_scraped_before_the_stall_is_not_judged_behind():
     assert verdict.evidence["seen_before_stall"] == [1]
 
 
+def test_a_rank_scraped_after_the_newest_issue_but_before_the_hang_is_not_judged_behind():
+    # the others issued 5 at NOW-60, hung from NOW-30 (HANG 30 s); rank 1's number, scraped at NOW-40 (a
+    # lagging shard), is after their issue but before the hang: it is not judged, as in the alerts
+    records = [rank(0, world=waiting(5)), rank(3, world=waiting(5))]
+    records += [
+        rank(1, world=done(4)._replace(seen_at=NOW - 40)),
+        rank(2, world=done(4)._replace(seen_at=NOW)),
+    ]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    assert verdict.evidence["seen_before_stall"] == [1]
+    # scraped once the group was hung, its 4 is evidence
+    records[2] = rank(1, world=done(4)._replace(seen_at=NOW - 30))
+    assert only(diag(*records)).ranks == (1, 2)
+
+
 def test_late_scrapes_of_most_ranks_do_not_make_the_ranks_ahead_a_mismatch():
     # five of eight ranks were last scraped before the stall: counted behind, they would be a majority
     records = [rank(r, world=seen_before_stall(done(4))) for r in (0, 1, 2, 3, 4)]

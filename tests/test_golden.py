@@ -19,11 +19,13 @@ from flare_exporter.engine.scrape import parse
 from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.rank import progress
 from flare_exporter.rank.attach import build_registry
+from flare_exporter.rank.canary import Canary, CanarySnapshot
 from flare_exporter.rank.collectors import identity as identity_collector
 from flare_exporter.rank.gpu_health import GpuHealthMonitor
 from flare_exporter.rank.groups import GroupTracker
 from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.last_word import RaisedException, Termination
+from flare_exporter.rank.perf import PerfMonitor
 from flare_exporter.rank.stall import StackSample
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
@@ -90,6 +92,23 @@ def fixed_state() -> FlareState:
     state.gpu.poll()
     nvml.raise_xid(nvml.devices[0], 79)
     state.gpu.wait_for_events(5.0)
+    # the hardware canary: a preflight this rank failed at compute, and two in-flight runs drifting
+    state.canary = Canary(Config(canary="warn"), lambda: identity, state.health, lambda: 0)
+    state.canary.snapshot = CanarySnapshot(
+        preflight={("gemm_flops", "device"): 2.5e10, ("allreduce_busbw", "intra_host"): 7.5e8},
+        relative={("gemm_flops", "device"): 0.25, ("allreduce_busbw", "intra_host"): 1.0},
+        failed=frozenset({("gemm_flops", "device", "preflight")}),
+        passed=False,
+        in_flight={("gemm_flops", "device"): 1.5e10},
+        ewma_ratio={("gemm_flops", "device"): 0.75},
+        drift={("gemm_flops", "device"): True},
+        runs={"preflight": 1, "in_flight": 2},
+        durations={"preflight": 1.5, "in_flight": 0.0625},
+    )
+    # the step breakdown: three steps of 0.125 s (40 ms in collectives), 1 GFLOP each, a 100 GFLOP/s peak
+    state.perf = PerfMonitor(None, Config(model_flops_per_step=1e9, peak_flops=1e11))
+    for step in (2, 3, 4):
+        state.perf.on_step(step, 0.125, 0.04)
     return state
 
 

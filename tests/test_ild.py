@@ -388,7 +388,8 @@ def test_collector_exports_histograms_and_drift_gauges(dispatch_timer, state):  
     assert "flare_kernel_issue_latency_seconds_bucket" in names
     assert "flare_host_dispatch_latency_seconds_count" in names
     drifts = {s.labels["distribution"] for s in samples if s.name == "flare_ild_drift_ks"}
-    assert drifts == {"kernel_issue", "host_dispatch"}
+    assert drifts == {"kernel_issue", "host_dispatch", "host_gap"}  # host_gap: drift only, no histogram
+    assert not [name for name in names if "host_gap" in name]
     assert all(s.labels["rank"] == "0" for s in samples if s.name.startswith("flare_ild_"))
     # the per-op shift: host dispatch by the native timer only (kernel launches carry no op name)
     shifts = [s for s in samples if s.name == "flare_ild_op_shift_seconds"]

@@ -116,13 +116,16 @@ def test_contention_on_one_rank_is_named_by_its_host_dispatch_latency(tmp_path, 
     # machine the rank's KS held at 0.33-0.41 with 8 threads, on CI's it crossed the alert's 0.3 only now and
     # then (pending 18 times in 3 minutes, never for 5 s). The engine must name the rank (it looks at every
     # instant); the page is asserted for the same distribution under a fault of fixed size, below.
+    # With flare's extension built the ops are timed in C++, after the op has released the GIL and before it
+    # waits for it again: the wait lies in the gap to the next op (the host_gap distribution; docs/ild.md).
     verdict = _run_fault(
         tmp_path, alerting, "contention", 1, "--fault", "contention", "--contention-threads", "8", page=False
     )
     assert verdict["domain"] == "rank"
-    assert "host_dispatch" in verdict["evidence"]["distributions"]
-    shifted = verdict["evidence"]["shifted"]["1"]["host_dispatch"]
-    median = verdict["evidence"]["median_wasserstein_seconds"]["host_dispatch"]
+    host_side = [d for d in ("host_dispatch", "host_gap") if d in verdict["evidence"]["distributions"]]
+    assert host_side, verdict["evidence"]["distributions"]
+    shifted = verdict["evidence"]["shifted"]["1"][host_side[0]]
+    median = verdict["evidence"]["median_wasserstein_seconds"][host_side[0]]
     assert shifted["wasserstein_seconds"] > 5 * median, (shifted, median)  # 25-80 times in five runs
 
 
@@ -177,4 +180,5 @@ def test_healthy_run_has_no_ild_verdict_from_start_to_end(tmp_path, alerting):
         assert {s.labels["distribution"] for s in samples if s.name == "flare_ild_drift_ks"} == {
             "kernel_issue",
             "host_dispatch",
+            "host_gap",
         }

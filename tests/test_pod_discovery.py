@@ -85,7 +85,7 @@ def missing(server: PrometheusProcess) -> bool:
 
 def panel_value(server: PrometheusProcess, expr: str) -> float:
     """A dashboard query for this run and all its ranks, as Grafana would send it: its one value."""
-    (item,) = server.query(expr.replace("$run", RUN).replace("$rank", ".*"))
+    (item,) = server.query(expr.replace("$run", RUN).replace("$rank", ".*").replace(model.SELECTOR, ""))
     return float(item["value"][1])
 
 
@@ -109,9 +109,10 @@ def test_a_killed_rank_whose_pod_is_dropped_is_paged_and_diagnosed(tmp_path):
         server.wait_ready()
         try:
             processes = start_ranks(tmp_path, base_port)
-            wait_for(lambda: missing(server), 120, "FlareRanksMissing")
             count = f'count(flare_rank_info{{run="{RUN}"}}) == {RANKS - 1}'
-            assert server.query(count) and paged_down(server) == set()  # never seen: not "down" by number
+            wait_for(lambda: server.query(count), 120, "Prometheus scraping the discovered ranks")
+            wait_for(lambda: missing(server), 60, "FlareRanksMissing")
+            assert paged_down(server) == set()  # never seen: not "down" by number
             write_targets(sd_dir, addresses)
             info = wait_for(lambda: ranks_seen(server), 120, "Prometheus scraping every rank")
             assert server.query('up{rank!=""}') == []  # the pods' targets: `up` knows no rank

@@ -555,6 +555,8 @@ def test_diagnose_and_report_read_an_incident_directory(tmp_path, capsys):
     assert result["post_mortem"] and [(v["ranks"], v["cause"]) for v in result["verdicts"]] == [
         ([1], "out_of_memory")
     ]
+    assert cli.main(["diagnose", "--incidents", str(tmp_path)]) == cli.EXIT_ANOMALY  # for people
+    assert "\nrank_down, cause out_of_memory, rank (1): rank 1 raised" in capsys.readouterr().out
     out = tmp_path / "report.md"
     assert cli.main(["report", "--incidents", str(tmp_path), "--out", str(out)]) == cli.EXIT_ANOMALY
     text = out.read_text()

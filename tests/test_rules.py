@@ -140,11 +140,12 @@ def test_recording_rules_follow_level_metric_operation():
                     "host",
                     "distribution",
                     "ago",
+                    "phase",
                 }, rule["record"]
                 assert metric.startswith("flare_") and operation
 
 
-SLOW_GROUPS = {"flare.slow_signals", "flare.dead_runs"}
+SLOW_GROUPS = {"flare.slow_signals", "flare.dead_runs", "flare.canary", "flare.perf", "flare.dashboards"}
 
 
 def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_evaluation():

@@ -855,6 +855,10 @@ def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be
         sources.ISSUED_AT: f"{unfiltered} <= {NOW - 10!r}"
     }
     assert sources.late_scrape_queries(series, {"c"}) == {}
+    # and those scraped before the group was hung: its oldest start + the hang threshold, when later
+    assert sources.late_scrape_queries(series, {"a"}, hang_seconds=30) == {
+        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 20.0!r}"
+    }
 
 
 def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
@@ -872,14 +876,14 @@ def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
         rows = [({"rank": str(r), "group": "world"}, scraped[r]) for r in ranks if scraped[r] <= bound]
         return {sources.ISSUED_AT: rows}
 
-    assert prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch)
+    assert prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch, HANG_SECONDS)
     assert asked == [({sources.ISSUED_AT}, [2, 3], {"world"})]
     late = records.with_fields(snapshot, records.group_fields(series, NOW))
     assert [r for r, record in late.ranks.items() if record.groups["world"].seen_before_stall] == [2]
     (verdict,) = diagnosis.diagnose(late, HANG_SECONDS)
     assert (verdict.kind, verdict.ranks, verdict.evidence["seen_before_stall"]) == ("hang", (3,), [2])
     scraped[2] = NOW - 1  # none late: nothing to build again
-    assert not prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch)
+    assert not prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch, HANG_SECONDS)
 
 
 def test_groups_are_named_to_prometheus_exactly(clusters):

@@ -1,16 +1,29 @@
 """The `flare` command: which rank, and why?
 
-    flare diagnose   (--prometheus URL | --targets FILE|DIR | --incidents DIR) [--run RUN] [--json] [--at T]
+    flare diagnose   (--prometheus URL | --targets FILE|DIR | --incidents DIR | --flight-recorder DIR)
+                     [--run RUN] [--json] [--at T]
     flare ranks      ...   one line per rank: step, heartbeat age, in-flight op and its state
     flare hang       ...   each process group: in flight, how long, who is behind
     flare stragglers ...   each rank's step time, collective wait per step and straggler score
-    flare report     [--prometheus URL] [--targets FILE|DIR] [--incidents DIR] [--out FILE] [--json]
+    flare canary     ...   each rank's hardware canary: value, share of the job's median, failed, drift
+    flare report     [--prometheus URL] [--targets FILE|DIR] [--incidents DIR] [--flight-recorder DIR]
+                     [--out FILE] [--json]
                            the incident report of a run that is gone: who went first, why, and when
+    flare perf       (--prometheus URL | --targets FILE|DIR) [--run RUN] [--window 5m] [--json]
+                           where each rank's step time goes: phases, bottleneck class, MFU, seconds lost
     flare rules [--for D] [--selector M] [--scrape-interval D]   the Prometheus rules for this config
+    flare mcp [--transport stdio|http] [--host 127.0.0.1] [--port N] [--token-file FILE] [--allow-dir DIR]
+              [--prometheus URL and its credentials' flags] [--targets ...] [--incidents ...]
+                           diagnose, ranks, hang, stragglers, canary, perf and report as read-only tools
+                           for agents over the Model Context Protocol (mcp_server.py; what a tool may
+                           read: mcp_policy.py; needs flare-exporter[mcp])
 
 `--prometheus` reads the Prometheus HTTP API (a fixed number of queries, whatever the rank count);
 `--targets` scrapes the ranks' /metrics directly: a file of host:port lines, a file_sd JSON file, or a
-directory of them (what FLARE_FILE_SD_DIR holds); `--incidents` reads the incident files the ranks left.
+directory of them (what FLARE_FILE_SD_DIR holds); `--incidents` reads the incident files the ranks left;
+`--flight-recorder` reads PyTorch's flight-recorder dumps, one per rank (a directory, or their path prefix
+such as /tmp/nccl_trace_rank_), and judges the moment they show (flight_recorder.py); `flare report` over
+them merges the incident files lying beside them.
 When no rank of the run answers, the run is gone: the verdict comes from each rank's last word instead
 (post_mortem.py), from Prometheus's history within --window before --at (default: now), or from the
 incident files beside the targets (their `incidents` subdirectory). The hang threshold is --hang-seconds, else
@@ -19,7 +32,8 @@ FLARE_HANG_SECONDS / the config file's hang_seconds, else the one the run's rank
 FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
 
 Exit codes: 0 healthy; 1 anomaly found; 2 usage, input or connection error; 3 could not decide (no
-rank answered, or several runs and no --run).
+rank answered, or several runs and no --run). `answer(argv)` computes what a diagnosis command's --json
+prints, without printing: the MCP server's tools call it.
 """
 
 from __future__ import annotations
@@ -32,15 +46,19 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from .. import __version__
 from .. import config as config_module
 from ..mixin import rules
 from . import (
+    canary_view,
     diagnosis,
+    flight_recorder,
     history_source,
     incident_source,
+    perf_command,
     post_mortem,
     promql,
     prune,
@@ -52,157 +70,31 @@ from . import (
 from .diagnosis import Snapshot, Verdict
 from .promql import PrometheusError
 from .targets import TargetsError, read_targets
+from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
 
 EXIT_OK, EXIT_ANOMALY, EXIT_USAGE, EXIT_UNDECIDED = 0, 1, 2, 3
 HANG_KINDS = ("host_fault", "rank_down", "mismatch", "hang")
+# the commands answer() answers
+ANSWERING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf", "report")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# views: each turns a snapshot and its verdicts into (rows for JSON, lines for people, verdicts that count)
+@dataclass(frozen=True)
+class Answer:
+    """A diagnosis command's answer: its exit code (0 healthy, 1 anomaly found), the JSON object --json
+    prints, and the text it prints for people (for `report`, the Markdown report)."""
+
+    code: int
+    result: dict[str, Any]
+    text: str
 
 
-def ranks_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
-    rows: list[dict[str, Any]] = []
-    for record in snapshot.ranks.values():
-        flight_group, flight = _oldest_in_flight(record)
-        rows.append(
-            {
-                "rank": record.rank,
-                "host": record.host or None,
-                "up": record.up,
-                "down_reason": record.down_reason
-                or (f"exception {record.exception}" if record.exception else None),
-                "steps": record.steps,
-                "heartbeat_age_seconds": diagnosis.age_of(snapshot, record.heartbeat),
-                "in_flight": None
-                if flight is None
-                else {
-                    "group": flight_group,
-                    "op": flight.op,
-                    "seq": flight.seq,
-                    "state": flight.state,
-                    "age_seconds": diagnosis.age_of(snapshot, flight.started_at),
-                },
-                "activity": record.activity or None,
-                "frames": record.frames or None,
-            }
-        )
-    lines = [f"{'rank':>5} {'host':<14} {'steps':>7} {'heartbeat':>10}  {'in flight':<34} {'state':<8} doing"]
-    for row in rows:
-        if not row["up"]:
-            lines.append(
-                f"{row['rank']:>5} {row['host'] or '-':<14} {'-':>7} {'-':>10}  DOWN: {row['down_reason']}"
-            )
-            continue
-        flight = row["in_flight"]
-        in_flight = (
-            "-"
-            if flight is None
-            else f"{flight['group']} {flight['op']} #{flight['seq']} {flight['age_seconds']:.1f}s"
-        )
-        doing = "-" if not row["activity"] else f"{row['activity']}: {row['frames']}"
-        if row["down_reason"]:
-            doing = f"DYING: {row['down_reason']}"
-        lines.append(
-            f"{row['rank']:>5} {row['host'] or '-':<14} {_int(row['steps']):>7} "
-            f"{_seconds(row['heartbeat_age_seconds']):>10}  {in_flight:<34} "
-            f"{'-' if flight is None else flight['state']:<8} {doing}"
-        )
-    return rows, lines
+class CommandError(Exception):
+    """A command that could not answer: its exit code (2 usage, input or connection; 3 undecided) and the
+    one line `flare` prints on stderr."""
 
-
-def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, Any]], list[str]]:
-    hung = {hang.name for hang in diagnosis.hung_groups(snapshot, hang_seconds)}
-    names = sorted({name for record in snapshot.ranks.values() for name in record.groups})
-    rows: list[dict[str, Any]] = []
-    for name in names:
-        members = diagnosis.members_of(snapshot, name)
-        live = [
-            snapshot.ranks[r] for r in members if snapshot.ranks[r].up and name in snapshot.ranks[r].groups
-        ]
-        issued = {record.rank: record.groups[name].last_issued for record in live}
-        top = max(issued.values(), default=0)
-        ages = [
-            snapshot.now - flight.started_at
-            for record in live
-            if (flight := record.groups[name].in_flight) is not None
-        ]
-        rows.append(
-            {
-                "group": name,
-                "members": len(members),
-                "down": [r for r in members if snapshot.ranks[r].gone],
-                "max_issued_seq": top,
-                "min_completed_seq": min((record.groups[name].last_completed for record in live), default=0),
-                "oldest_in_flight_seconds": round(max(ages), 3) if ages else None,
-                "behind": sorted(rank for rank, seq in issued.items() if seq < top),
-                "hung": name in hung,
-            }
-        )
-    lines = [f"{'group':<36} {'ranks':>5} {'issued':>7} {'completed':>9} {'in flight':>10}  state"]
-    for row in rows:
-        state = "HUNG" if row["hung"] else "ok"
-        if row["behind"]:
-            state += f", behind: {_ranks(row['behind'])}"
-        if row["down"]:
-            state += f", down: {_ranks(row['down'])}"
-        lines.append(
-            f"{row['group']:<36} {row['members']:>5} {row['max_issued_seq']:>7} "
-            f"{row['min_completed_seq']:>9} {_seconds(row['oldest_in_flight_seconds']):>10}  {state}"
-        )
-    return rows, lines
-
-
-def stragglers_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
-    scores = diagnosis.straggler_scores(snapshot)
-    rows = [
-        {"rank": rank, **{key: round(value, 6) for key, value in row.items()}} for rank, row in scores.items()
-    ]
-    lines = [f"{'rank':>5} {'step':>10} {'wait/step':>10} {'score':>7}"]
-    lines += [
-        f"{row['rank']:>5} {row['step_seconds'] * 1000:>8.2f}ms "
-        f"{row['wait_seconds_per_step'] * 1000:>8.2f}ms {row['score']:>7.1f}"
-        for row in rows
-    ]
-    if not rows:
-        lines.append("(no step and collective timings yet)")
-    return rows, lines
-
-
-def format_verdicts(verdicts: list[Verdict]) -> list[str]:
-    if not verdicts:
-        return ["no anomaly found"]
-    lines = []
-    for verdict in verdicts:
-        culprits = f"rank {_ranks(list(verdict.ranks))}" if verdict.ranks else "no single rank"
-        group = f" [group {verdict.group}]" if verdict.group else ""
-        head = f"{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
-        lines.append(f"{head}: {verdict.summary}")
-    return lines
-
-
-def _oldest_in_flight(record: diagnosis.RankRecord) -> tuple[str, diagnosis.InFlight | None]:
-    flights = [
-        (state.in_flight.started_at, name, state.in_flight)
-        for name, state in record.groups.items()
-        if state.in_flight
-    ]
-    if not flights:
-        return "", None
-    _, name, flight = min(flights, key=lambda item: item[:2])
-    return name, flight
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"
-
-
-def _int(value: float | None) -> str:
-    return "-" if value is None else str(int(value))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks))
+    def __init__(self, code: int, line: str) -> None:
+        super().__init__(line)
+        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,15 +105,19 @@ COMMANDS: dict[str, tuple[str, Callable[[Verdict], bool]]] = {
     "ranks": ("one line per rank: step, heartbeat age, in-flight op and state", lambda verdict: True),
     "hang": ("each process group: in flight, for how long, who is behind", lambda v: v.kind in HANG_KINDS),
     "stragglers": ("each rank's step time, collective wait and score", lambda v: v.kind == "straggler"),
+    "canary": (
+        "each rank's hardware canary: value, share of the job's median, failed checks, moving average",
+        lambda v: v.kind == "canary",
+    ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="flare", description="Which rank, and why? Diagnose a training job."
-    )
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    parser = parser_class(prog="flare", description="Which rank, and why? Diagnose a training job.")
     parser.add_argument("--version", action="version", version=f"flare {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # a short usage line
     for name, (help_text, _) in COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text)
         source = command.add_mutually_exclusive_group(required=True)
@@ -234,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="scrape the ranks directly: host:port lines, a file_sd JSON file, or a directory of them",
         )
         source.add_argument("--incidents", metavar="DIR", help="the incident files of a run that is gone")
+        source.add_argument("--flight-recorder", metavar="DIR", help=FLIGHT_RECORDER_HELP)
         _add_post_mortem_arguments(command)
         command.add_argument("--run", default="", help="the run to diagnose (needed when several are seen)")
         command.add_argument("--json", action="store_true", help="print one JSON object for programs")
@@ -245,21 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
             "--window", default="5m", help="Prometheus lookback for rates and gone ranks (default 5m)"
         )
         _add_prometheus_arguments(command)
-        secured = command.add_argument_group(
-            "secured ranks (--targets whose endpoints have a web config file; see docs/security.md)"
-        )
-        secured.add_argument("--scheme", choices=("http", "https"), default=None, help="default: http")
-        secured.add_argument(
-            "--ca-file", default="", help="CA certificate that signed the ranks' certificates"
-        )
-        secured.add_argument("--cert-file", default="", help="client certificate, for ranks that require one")
-        secured.add_argument("--key-file", default="", help="the client certificate's key")
-        secured.add_argument(
-            "--basic-auth-user",
-            default="",
-            help=f"user for basic auth; the password is read from {PASSWORD_ENV}",
-        )
+        if name == "ranks":
+            _add_selection_arguments(command)
+        _add_ranks_access_arguments(command)
     _add_report_command(commands)
+    perf_help = "where each rank's step time goes: phases, bottleneck class, MFU, seconds lost"
+    perf_command_parser = commands.add_parser("perf", help=perf_help, description=perf_help)
+    perf_command.add_arguments(perf_command_parser)
+    _add_prometheus_arguments(perf_command_parser)
+    _add_ranks_access_arguments(perf_command_parser)
     targets_command = commands.add_parser("targets", help="manage the file_sd target files of runs")
     targets_actions = targets_command.add_subparsers(dest="action", required=True)
     prune_help = "remove the target and incident files of runs that ended (e.g. in a Slurm epilog)"
@@ -268,7 +159,106 @@ def build_parser() -> argparse.ArgumentParser:
         "rules", help="print the Prometheus recording and alert rules", description=rules.__doc__
     )
     rules.add_arguments(rules_command)
+    _add_mcp_command(commands)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "a positive number"  # argparse's error: "invalid a positive number value: '0'"
+
+
+def _add_selection_arguments(command: argparse.ArgumentParser) -> None:
+    """`flare ranks` at thousands of ranks: which rows, in which order, how many (views.RankSelection)."""
+    command.add_argument(
+        "--problems",
+        action="store_true",
+        help="only the ranks that are down, dying, behind in a hung group, stalled or named by a verdict",
+    )
+    command.add_argument(
+        "--sort",
+        choices=tuple(SORTS),
+        default="rank",
+        help="order: rank; steps (fewest first); heartbeat or in-flight (oldest first)",
+    )
+    command.add_argument(
+        "--top", type=_positive_int, default=None, metavar="N", help="the first N ranks only"
+    )
+
+
+def _add_ranks_access_arguments(command: argparse.ArgumentParser) -> None:
+    """The flags of secured ranks (what _client reads)."""
+    secured = command.add_argument_group(
+        "secured ranks (--targets whose endpoints have a web config file; see docs/security.md)"
+    )
+    secured.add_argument("--scheme", choices=("http", "https"), default=None, help="default: http")
+    secured.add_argument("--ca-file", default="", help="CA certificate that signed the ranks' certificates")
+    secured.add_argument("--cert-file", default="", help="client certificate, for ranks that require one")
+    secured.add_argument("--key-file", default="", help="the client certificate's key")
+    secured.add_argument(
+        "--basic-auth-user",
+        default="",
+        help=f"user for basic auth; the password is read from {PASSWORD_ENV}",
+    )
+
+
+RANKS_ACCESS_FLAGS = (  # (flag, its dest) of _add_ranks_access_arguments
+    ("--scheme", "scheme"),
+    ("--ca-file", "ca_file"),
+    ("--cert-file", "cert_file"),
+    ("--key-file", "key_file"),
+    ("--basic-auth-user", "basic_auth_user"),
+)
+
+
+def _add_mcp_command(commands: Any) -> None:
+    text = "serve flare's diagnosis commands and views as read-only tools over MCP (docs/mcp.md)"
+    command = commands.add_parser("mcp", help=text, description=text)
+    command.add_argument(
+        "--transport",
+        choices=("stdio", "http"),
+        default="stdio",
+        help="stdio (the client starts `flare mcp`), or http: streamable HTTP at /mcp (default stdio)",
+    )
+    command.add_argument("--host", default="127.0.0.1", help="http: the address to bind (default 127.0.0.1)")
+    command.add_argument("--port", type=int, default=8000, help="http: the port to bind (default 8000)")
+    command.add_argument(
+        "--token-file",
+        default="",
+        metavar="FILE",
+        help="http: the bearer token every request must carry (default: one made at start, printed once)",
+    )
+    command.add_argument(
+        "--allow-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory whose files the tools' targets, incidents, flight_recorder may name (repeatable)",
+    )
+    sources = command.add_argument_group(
+        "the server's own sources: what a tool that names none reads; their paths are always allowed"
+    )
+    sources.add_argument(
+        "--prometheus",
+        metavar="URL",
+        default="",
+        help="the Prometheus the server's credentials go to (a tool naming another URL asks it without them)",
+    )
+    sources.add_argument("--targets", metavar="FILE|DIR", default="", help="the ranks' file_sd targets")
+    sources.add_argument("--incidents", metavar="DIR", default="", help="the ranks' incident files")
+    sources.add_argument("--flight-recorder", metavar="DIR", default="", help=FLIGHT_RECORDER_HELP)
+    _add_prometheus_arguments(command)
+    _add_ranks_access_arguments(command)
+
+
+FLIGHT_RECORDER_HELP = (
+    "PyTorch flight-recorder dumps, one per rank: their directory, or their path prefix (/tmp/trace_)"
+)
 
 
 def _add_post_mortem_arguments(command: argparse.ArgumentParser) -> None:
@@ -289,6 +279,8 @@ def _add_report_command(commands: Any) -> None:
         "--targets", metavar="FILE|DIR", help="the file_sd targets: the incident files beside"
     )
     command.add_argument("--incidents", metavar="DIR", help="the directory of the ranks' incident files")
+    command.add_argument("--flight-recorder", metavar="DIR", help=FLIGHT_RECORDER_HELP)
+    rules.add_engine_arguments(command)  # --hang-seconds: how flight-recorder dumps are judged
     command.add_argument("--run", default="", help="the run (needed when several are seen)")
     command.add_argument("--window", default="10m", help="Prometheus lookback before --at (default 10m)")
     _add_post_mortem_arguments(command)
@@ -362,7 +354,7 @@ def _detail_for(
 ) -> Callable[[Snapshot], set[int]] | None:
     """Whose detail (stack sample, GPU health, ...) `command` shows: the culprits' for `diagnose`, every
     rank's for the views (None)."""
-    if command != "diagnose":
+    if command not in ("diagnose", "canary"):  # `flare canary` reads in rounds, and its own (_canary_round)
         return None
     return lambda snapshot: {
         rank for verdict in diagnosis.diagnose(snapshot, hang_seconds, ild=ild) for rank in verdict.ranks
@@ -379,41 +371,124 @@ def main(argv: list[str] | None = None) -> int:
         return prune.main(args)
     if args.command == "rules":
         return rules.main(args)
+    if args.command == "mcp":
+        return _serve_mcp(args)
     # What a command reads stays alive until it ends (at thousands of ranks, 100 k series and more, then the
     # records): the cyclic garbage collector would walk it again and again and free nothing. At 6,144 ranks
     # it doubled the CPU time of decoding Prometheus's answers.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _run(args)
+        return _print_answer(args)
     finally:
         if collecting:
             gc.enable()
 
 
-def _run(args: argparse.Namespace) -> int:
-    """A diagnosis command (diagnose, ranks, hang, stragglers, report) with its parsed `args`: main's exit
-    code."""
+def answer(argv: list[str]) -> tuple[int, dict[str, Any]]:
+    """What `flare ARGV --json` says, printing nothing and writing no file (not --out): for a diagnosis
+    command (ANSWERING), its exit code (0 healthy, 1 anomaly found) and its JSON object; for a usage, input
+    or connection error, or a run it cannot decide, the exit code (2, 3) and {"error": the one line `flare`
+    prints}. The MCP server's tools call it."""
+    try:
+        args = build_parser(_RefusingParser).parse_args(argv)
+        if args.command not in ANSWERING:
+            raise CommandError(EXIT_USAGE, f"flare {args.command}: not one of {', '.join(ANSWERING)}")
+        found = _answer(args)
+    except CommandError as error:
+        return error.code, {"error": str(error)}
+    except SystemExit:  # --help, --version
+        return EXIT_USAGE, {"error": "flare: asked for help, not for an answer"}
+    return found.code, found.result
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """A parser whose usage errors raise CommandError with the line argparse prints, not exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandError(EXIT_USAGE, f"{self.prog}: error: {message}")
+
+
+def _print_answer(args: argparse.Namespace) -> int:
+    """A diagnosis command's answer as `flare` prints it (its JSON with --json, else its text; the Markdown
+    report written to --out), or its error on stderr: main's exit code."""
+    try:
+        found = _answer(args)
+    except CommandError as error:
+        print(error, file=sys.stderr)
+        return error.code
+    out = getattr(args, "out", "")
+    if out:
+        with open(out, "w") as handle:
+            handle.write(found.text)
+    if args.json:
+        print(json.dumps(found.result, indent=2))
+    elif not out:
+        sys.stdout.write(found.text)
+    return found.code
+
+
+def _perf(args: argparse.Namespace) -> Answer:
+    """`flare perf`: each rank's step breakdown (perf_command.py); exit code 0 (it judges nothing)."""
+    if not 0 < args.timeout <= 3600:
+        raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
+    rules.duration_seconds(args.window, "flag --window")
+    result, text = perf_command.answer(args, _prometheus_connection(args), _client(args))
+    return Answer(EXIT_OK, result, text)
+
+
+def _serve_mcp(args: argparse.Namespace) -> int:
+    """`flare mcp`: the diagnosis commands as tools of a Model Context Protocol server (calls answer())."""
+    from . import mcp_policy, mcp_server  # mcp_server loads the SDK when asked: `flare diagnose` never does
+
+    try:
+        _prometheus_connection(args)  # the server's access flags, checked once at start
+        _client(args)
+        prometheus_flags = [(flag, f"prometheus_{field}") for flag, field, _, _ in PROMETHEUS_ACCESS_FLAGS]
+        policy = mcp_policy.policy(
+            args.allow_dir,
+            {name: getattr(args, name) for name in mcp_policy.SOURCES},
+            _given_flags(args, [*prometheus_flags, ("--header", "prometheus_headers")]),
+            _given_flags(args, RANKS_ACCESS_FLAGS),
+        )
+    except (*ENGINE_ERRORS, mcp_policy.Refused) as error:
+        print(f"flare mcp: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return mcp_server.serve(args.transport, args.host, args.port, answer, policy, args.token_file)
+
+
+def _given_flags(args: argparse.Namespace, flags: Any) -> list[str]:
+    """`--flag=value` of each of `flags` ((flag, dest)) given a value in `args`, once per value of a list."""
+    given = []
+    for flag, dest in flags:
+        value = getattr(args, dest)
+        given += [f"{flag}={one}" for one in (value if isinstance(value, list) else [value]) if one]
+    return given
+
+
+def _answer(args: argparse.Namespace) -> Answer:
+    """The answer of a diagnosis command (diagnose, ranks, hang, stragglers, report) with its parsed `args`;
+    CommandError where it has none."""
     try:
         if args.command == "report":
             return _report(args)
+        if args.command == "perf":
+            return _perf(args)
         config = rules.engine_config(args)
         ild = diagnosis.IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
         _check_common(args)
         if args.incidents or args.at is not None:
-            return _print_dead_run(args, _dead_run(args))
+            return _dead_run_answer(_dead_run(args))
         hang = _hang_threshold(args, config.hang_seconds)
         snapshot, source = _snapshot(args, hang.seconds, ild)
         if snapshot.ranks_seen == 0:
-            return _print_dead_run(args, _dead_run(args))
+            return _dead_run_answer(_dead_run(args))
         hang = thresholds.of_snapshot(snapshot, hang)
     except ENGINE_ERRORS as error:
-        print(f"flare: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(EXIT_USAGE, f"flare: {error}") from None
     except sources.SourceError as error:
-        print(f"flare: cannot decide: {error}", file=sys.stderr)
-        return EXIT_UNDECIDED
-    return _print_snapshot(args, snapshot, source, hang, ild)
+        raise CommandError(EXIT_UNDECIDED, f"flare: cannot decide: {error}") from None
+    return _snapshot_answer(args, snapshot, source, hang, ild)
 
 
 def _hang_threshold(args: argparse.Namespace, configured: float) -> thresholds.Threshold:
@@ -433,6 +508,7 @@ ENGINE_ERRORS = (
     PrometheusError,
     scrape.ScrapeError,
     incident_source.IncidentError,
+    flight_recorder.DumpError,
 )
 
 
@@ -472,9 +548,20 @@ def _snapshot(
     if args.prometheus:
         detail_for = _detail_for(args.command, hang_seconds, ild)
         snapshot = sources.from_prometheus(
-            args.prometheus_connection, args.run, args.window, args.timeout, detail_for, hang_seconds, ild
+            args.prometheus_connection,
+            args.run,
+            args.window,
+            args.timeout,
+            detail_for,
+            hang_seconds,
+            ild,
+            canary_view=args.command == "canary",
         )
         return snapshot, f"prometheus {args.prometheus}"
+    if args.flight_recorder:
+        return flight_recorder.snapshot_from(args.flight_recorder, args.run), (
+            f"flight-recorder {args.flight_recorder}"
+        )
     snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
     return snapshot, f"targets {args.targets}"
 
@@ -503,53 +590,50 @@ def _has_incidents(path: str) -> bool:
     return os.path.isdir(directory) and any(name.endswith(".json") for name in os.listdir(directory))
 
 
-def _print_dead_run(args: argparse.Namespace, run: post_mortem.DeadRun) -> int:
-    """A dead run's verdict, as diagnose prints a live one (JSON with the same keys, and the timeline)."""
+def _dead_run_answer(run: post_mortem.DeadRun) -> Answer:
+    """A dead run's verdict, as diagnose answers a live one (JSON with the same keys, and the timeline)."""
     found = report.incident_report(run)
-    if args.json:
-        result = {
-            "run": run.run,
-            "source": run.source,
-            "timestamp_seconds": found["ended_timestamp_seconds"],
-            "world_size": run.world_size,
-            "ranks_seen": 0,
-            "post_mortem": True,
-            "verdicts": found["verdicts"],
-            "timeline": found["timeline"],
-        }
-        print(json.dumps(result, indent=2))
-    else:
-        heard = f"post-mortem of {len(run.ranks)} ranks' last words"
-        header = f"run {run.run}: no rank answers; {heard} ({run.source})"
-        lines = report.verdict_lines(found["verdicts"]) or ["no rank ended the run: no anomaly found"]
-        events = [f"  {event['rank']:>5}  {event['event']}" for event in found["timeline"]]
-        print("\n".join([header, *lines, "", "timeline:", *events]))
-    return EXIT_ANOMALY if found["verdicts"] else EXIT_OK
+    result = {
+        "run": run.run,
+        "source": run.source,
+        "timestamp_seconds": found["ended_timestamp_seconds"],
+        "world_size": run.world_size,
+        "ranks_seen": 0,
+        "post_mortem": True,
+        "verdicts": found["verdicts"],
+        "timeline": found["timeline"],
+    }
+    heard = f"post-mortem of {len(run.ranks)} ranks' last words"
+    header = f"run {run.run}: no rank answers; {heard} ({run.source})"
+    lines = report.verdict_lines(found["verdicts"]) or ["no rank ended the run: no anomaly found"]
+    events = [f"  {event['rank']:>5}  {event['event']}" for event in found["timeline"]]
+    text = "\n".join([header, *lines, "", "timeline:", *events]) + "\n"
+    return Answer(EXIT_ANOMALY if found["verdicts"] else EXIT_OK, result, text)
 
 
-def _report(args: argparse.Namespace) -> int:
-    """`flare report`: the incident report of a dead run, as Markdown (--out) and/or JSON (--json)."""
-    if not (args.prometheus or args.targets or args.incidents):
-        raise config_module.ConfigError("flare report: name a source: --prometheus, --targets or --incidents")
+def _report(args: argparse.Namespace) -> Answer:
+    """`flare report`: the incident report of a dead run, as JSON and as Markdown."""
+    if not (args.prometheus or args.targets or args.incidents or args.flight_recorder):
+        raise config_module.ConfigError(
+            "flare report: name a source: --prometheus, --targets, --incidents or --flight-recorder"
+        )
     _check_common(args)
-    found = report.incident_report(_dead_run(args))
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(report.markdown(found))
-    if args.json:
-        print(json.dumps(found, indent=2))
-    elif not args.out:
-        print(report.markdown(found), end="")
-    return EXIT_ANOMALY if found["verdicts"] else EXIT_OK
+    if args.flight_recorder:
+        hang = thresholds.configured(rules.engine_config(args).hang_seconds, thresholds.told(args))
+        others = [_dead_run(args)] if args.prometheus or args.targets or args.incidents else []
+        found = flight_recorder.incident_report(args.flight_recorder, args.run, hang, others)
+    else:
+        found = report.incident_report(_dead_run(args))
+    return Answer(EXIT_ANOMALY if found["verdicts"] else EXIT_OK, found, report.markdown(found))
 
 
-def _print_snapshot(
+def _snapshot_answer(
     args: argparse.Namespace,
     snapshot: Snapshot,
     source: str,
     hang: thresholds.Threshold,
     ild: diagnosis.IldPolicy,
-) -> int:
+) -> Answer:
     """The live verdicts of a snapshot, and the command's view (judged by the hang threshold `hang`)."""
     hang_seconds = hang.seconds
     verdicts = diagnosis.diagnose(snapshot, hang_seconds, ild=ild)
@@ -567,19 +651,23 @@ def _print_snapshot(
     }
     lines: list[str] = []
     if args.command == "ranks":
-        result["ranks"], lines = ranks_view(snapshot)
+        selection = RankSelection(args.problems, args.sort, args.top)
+        result["ranks_total"] = len(snapshot.ranks)
+        result["ranks"], lines = ranks_view(snapshot, verdicts, hang_seconds, selection)
     elif args.command == "hang":
         result["groups"], lines = hang_view(snapshot, hang_seconds)
     elif args.command == "stragglers":
         result["scores"], lines = stragglers_view(snapshot)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        header = (
-            f"run {snapshot.run}: {snapshot.ranks_seen} of {len(snapshot.ranks)} ranks answered ({source})"
-        )
-        print("\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]))
-    return EXIT_ANOMALY if shown else EXIT_OK
+        if args.prometheus or args.targets:  # the badput ledger: a column `lost`, most first
+            ledger = lambda: perf_command.records(args, args.prometheus_connection, _client(args))[1]  # noqa: E731
+            result["scores"], lines = perf_command.stragglers_with_losses(result["scores"], ledger)
+    elif args.command == "canary":
+        found, lines = canary_view.canary_view(snapshot)
+        every_rank = not args.prometheus or sources.canary_reads_every_rank(snapshot.ranks_seen)
+        result.update(found, every_rank=every_rank)
+    header = f"run {snapshot.run}: {snapshot.ranks_seen} of {len(snapshot.ranks)} ranks answered ({source})"
+    text = "\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]) + "\n"
+    return Answer(EXIT_ANOMALY if shown else EXIT_OK, result, text)
 
 
 if __name__ == "__main__":

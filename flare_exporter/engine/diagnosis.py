@@ -21,6 +21,10 @@ Straggler: with no hang, the rank that waits least in collectives per step, far 
 ILD regression: with no hang, a rank whose issue-latency distribution (kernel issue, host dispatch) shifted
 from its own baseline (KS over a threshold) while most ranks' did not -> `ild_regression`, domain rank (or
 host); shifted on most or all ranks -> `ild_regression`, domain job.
+Canary: whatever else is found, a live rank that failed a check of the hardware canary (its preflight, an
+in-flight check, a drift) -> `canary`, naming the rank, its host (several of its ranks failed the same
+check) or a link (bus bandwidth within or across hosts) with the measurement and its baseline (canary.py).
+After hangs and deaths, beside stragglers: it masks neither.
 
 No rank is presumed healthy: decisions go by the evidence and by majority.
 """
@@ -38,11 +42,14 @@ from typing import Any, NamedTuple
 
 from ..policies import IldPolicy, StragglerPolicy
 from ..spec import GPU_SLOWDOWN_REASONS
+from .canary import CanaryState, canary_faults
+from .canary import evidence as canary_evidence
+from .canary import summary as canary_summary
 from .verdict_causes import cause_of
 
 # Verdict kinds, most severe first.
-KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "ild_regression")
-DOMAINS = ("rank", "host", "switch", "rack", "group", "job")
+KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "canary", "ild_regression")
+DOMAINS = ("rank", "host", "link", "switch", "rack", "group", "job")
 
 
 # InFlight and GroupState are NamedTuples, not frozen dataclasses: a source builds one of each per rank and
@@ -66,6 +73,9 @@ class GroupState(NamedTuple):
     # Its issued number was scraped before the group's newest issue (Prometheus's scrapes of the rank late):
     # it shows where the rank was then, not whether it issued the collective the group waits in.
     seen_before_stall: bool = False
+    # When its issued number was scraped (Unix seconds; None where the source says not: a direct scrape is
+    # fresh). A number scraped before its group was hung is not judged either (GroupHang.hung_since).
+    seen_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class RankRecord:
     ild_ks: Mapping[str, float] = field(default_factory=dict)
     ild_wasserstein: Mapping[str, float] = field(default_factory=dict)
     ild_op_shift: Mapping[str, float] = field(default_factory=dict)  # host dispatch's per-op shift, seconds
+    canary: CanaryState | None = None  # the hardware canary's readings (None: not exported, or not read)
 
     @property
     def gone(self) -> bool:
@@ -221,6 +232,14 @@ class GroupHang:
     members: tuple[int, ...]
     oldest_age: float
     max_issued: int
+    # When the group became hung: its oldest collective in flight had been for the hang threshold. A rank's
+    # number scraped before then predates the evidence against it and is not judged (GroupState.seen_at).
+    hung_since: float = -math.inf
+
+    def judges(self, state: GroupState) -> bool:
+        """Whether a member's number was scraped after the evidence against it: after the group's newest
+        issue and once the group was hung (as the alerts' run_group_rank:...:behind_since_stall)."""
+        return not state.seen_before_stall and (state.seen_at is None or state.seen_at >= self.hung_since)
 
 
 def diagnose(
@@ -243,6 +262,7 @@ def diagnose(
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
         verdicts.extend(ild_verdicts(snapshot, ild or IldPolicy()))
+    verdicts.extend(canary_verdicts(snapshot))
     verdicts = [host_verdict(snapshot, with_cause(snapshot, verdict)) for verdict in verdicts]
     return sorted(_unique(verdicts), key=lambda verdict: KINDS.index(verdict.kind))
 
@@ -252,7 +272,8 @@ def with_cause(snapshot: Snapshot, verdict: Verdict) -> Verdict:
     if verdict.cause != "unknown":
         return verdict
     culprits = [snapshot.ranks[rank] for rank in verdict.ranks if rank in snapshot.ranks]
-    return dataclasses.replace(verdict, cause=cause_of(verdict.kind, verdict.domain, culprits))
+    cause = cause_of(verdict.kind, verdict.domain, culprits, verdict.evidence)
+    return dataclasses.replace(verdict, cause=cause)
 
 
 def _unique(verdicts: list[Verdict]) -> list[Verdict]:
@@ -338,7 +359,8 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
         if oldest[name] < hang_seconds:
             continue
         max_issued = top_issued(snapshot.live_states[name])
-        hangs.append(GroupHang(name, members_of(snapshot, name), oldest[name], max_issued))
+        hung_since = snapshot.now - oldest[name] + hang_seconds
+        hangs.append(GroupHang(name, members_of(snapshot, name), oldest[name], max_issued, hung_since))
     return hangs
 
 
@@ -348,7 +370,7 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     at; none behind, a mismatch where the members have different collectives in flight, else a hang inside
     the collective."""
     live = snapshot.live_states[hang.name]
-    behind = behind_in(live, hang.max_issued)
+    behind = behind_in(live, hang.max_issued, hang)
     ahead = [rank for rank, state in live if state.last_issued == hang.max_issued]
     evidence = _hang_evidence(hang, live, len(ahead))
     if behind and len(behind) * 2 > len(live):
@@ -381,7 +403,7 @@ def _hang_evidence(hang: GroupHang, live: tuple[tuple[int, GroupState], ...], at
         "ranks_at_max_issued_seq": at_top,
     }
     unjudged = [
-        rank for rank, state in live if state.seen_before_stall and state.last_issued < hang.max_issued
+        rank for rank, state in live if state.last_issued < hang.max_issued and not hang.judges(state)
     ]
     if unjudged:
         evidence["seen_before_stall"] = unjudged
@@ -521,11 +543,13 @@ def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
     return reads
 
 
-def behind_in(live: Iterable[tuple[int, GroupState]], top: int) -> list[int]:
+def behind_in(live: Iterable[tuple[int, GroupState]], top: int, hang: GroupHang | None = None) -> list[int]:
     """The ranks of `live` (a group's live members and their states, Snapshot.live_states) whose last
-    issued number is below `top`, of those scraped since the group's newest issue: a rank whose number was
-    scraped before it (a late scrape) cannot tell whether it issued the collective the group waits in, and
-    is not judged."""
+    issued number is below `top`, of those scraped since the group's newest issue (and, of a `hang`, since
+    the group was hung: GroupHang.judges): a rank whose number was scraped before (a late scrape) cannot
+    tell whether it issued the collective the group waits in, and is not judged."""
+    if hang is not None:
+        return [rank for rank, state in live if state.last_issued < top and hang.judges(state)]
     return [rank for rank, state in live if state.last_issued < top and not state.seen_before_stall]
 
 
@@ -1110,6 +1134,8 @@ def _ild_evidence(
 
 
 def _ild_name(distribution: str) -> str:
+    if distribution == "host_gap":
+        return "the training thread's time between ops (host gaps)"
     return distribution.replace("_", " ") + " latency"
 
 
@@ -1118,12 +1144,32 @@ def _seconds(value: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the hardware canary
+
+
+def canary_verdicts(snapshot: Snapshot) -> list[Verdict]:
+    """The checks of the hardware canary that live ranks failed (canary.canary_faults): a verdict per rank
+    set, host or link, naming the measurement, its value and its baseline (the job's median, or the rank's
+    own preflight value)."""
+    live = (
+        (record.rank, record.host, record.canary)
+        for record in sorted(snapshot.ranks.values(), key=lambda r: r.rank)
+        if record.canary is not None and not record.gone
+    )
+    return [
+        Verdict("canary", fault.ranks, fault.domain, canary_summary(fault), canary_evidence(fault))
+        for fault in canary_faults(live)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # hosts
 
 
 def host_verdict(snapshot: Snapshot, verdict: Verdict) -> Verdict:
-    """A verdict whose several culprits all share one host becomes a host_fault verdict."""
-    if len(verdict.ranks) < 2:
+    """A verdict whose several culprits all share one host becomes a host_fault verdict (but a canary's,
+    which names its host or link itself, below the hangs it must not mask)."""
+    if len(verdict.ranks) < 2 or verdict.kind == "canary":
         return verdict
     hosts = {snapshot.ranks[rank].host for rank in verdict.ranks}
     if len(hosts) != 1 or "" in hosts:

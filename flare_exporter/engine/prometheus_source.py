@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .. import spec
 from ..mixin import rules
-from . import diagnosis, promql
+from . import canary, diagnosis, promql
 from .diagnosis import Snapshot
 from .promql import Prometheus
 from .records import (
@@ -35,6 +35,7 @@ from .records import (
     build_snapshot,
     group_fields,
     one_run,
+    with_canary,
     with_detail,
     with_fields,
     with_pace,
@@ -57,7 +58,33 @@ def _current(names: Iterable[str], labels: str) -> dict[str, str]:
 
 RANK_INFO_NOW = "flare_rank_info_now"  # the key of the ranks present now (not a metric: never in a spec)
 
-# Is a rank gone, is a group hung, and who is behind in it: every rank.
+
+def _canary_series(ranks: str = "") -> str:
+    """Every canary series (each named by its __name__) of the ranks `ranks` selects (`and on (rank) ...`;
+    '': every rank)."""
+    selected = f'{{sel, __name__=~"{"|".join(canary.METRICS)}"}}'
+    kept = f"{selected} and on (rank) ({ranks})" if ranks else selected
+    return f"max by (__name__, rank, measurement, scope, phase) ({kept})"
+
+
+# The hardware canary's series of the ranks that failed one of its checks (one query, with the faults: a row
+# per series of those ranks, none when every rank passed); records.with_canary makes them fields once the
+# pace is read, so that they mask neither a straggler nor a hang (from_prometheus).
+CANARY_FAILING = "canary_failing"
+CANARY_FAILING_QUERY = _canary_series("flare_canary_failed{sel} == 1 or flare_canary_drift{sel} == 1")
+# `flare canary`'s view: every rank's up to CANARY_EVERY_RANK ranks, beyond them the bottom CANARY_BOTTOM
+# ranks of each measurement and scope, by their share of the job's median and by their moving average.
+CANARY_EVERY_RANK = 64
+CANARY_BOTTOM = 3
+CANARY_VIEW_QUERIES = {"canary_every_rank": _canary_series()}
+CANARY_BOTTOM_QUERIES = {
+    "canary_bottom": _canary_series(
+        f"bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_relative{{sel}})"
+        f" or bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_ewma_ratio{{sel}})"
+    )
+}
+
+# Is a rank gone, is a group hung, and who is behind in it: every rank (and the canary's failing ranks).
 FAULT_QUERIES = {
     "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
     "flare_rank_exception_info": (
@@ -71,6 +98,7 @@ FAULT_QUERIES = {
     # discovery finds and drops as they die), `up` cannot say which rank is gone; this can
     RANK_INFO_NOW: "max by (rank) (flare_rank_info{sel})",
     **_current([FLIGHT_STARTED], ", group"),
+    CANARY_FAILING: CANARY_FAILING_QUERY,
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
 # the rank_down evidence. A target that is down has no current series; the other ranks' progress is detail.
@@ -236,6 +264,7 @@ def from_prometheus(
     hang_seconds: float | None = None,
     ild: diagnosis.IldPolicy | None = None,
     stragglers: diagnosis.StragglerPolicy | None = None,
+    canary_view: bool = False,
 ) -> Snapshot:
     """A Snapshot of one run from the Prometheus at `server` (its base URL, or a promql.Connection where it
     is secured), at the current time, in a fixed number of queries.
@@ -247,7 +276,8 @@ def from_prometheus(
     every rank's pace, as the rules' `stragglers` and `ild` policies weigh it; last, the detail of the ranks
     named. At thousands of ranks, most of a snapshot is what no verdict needs. Each round adds fields to the
     records of the rounds before (the same records as build_snapshot makes of all the answers at once),
-    without building them again.
+    without building them again. The canary's series of the ranks that failed a check come with the faults
+    and are added after the pace; `canary_view` (`flare canary`) reads more of them (_canary_round).
     """
     now = time.time()
     connection = promql.connection(server)
@@ -255,8 +285,11 @@ def from_prometheus(
     prometheus = PrometheusRun(connection, matcher(run), window, timeout, now)
     fetch = prometheus.fetch
     if detail_for is None:
-        return _snapshot(fetch(PROMETHEUS_QUERIES), now, run)
+        series = fetch(PROMETHEUS_QUERIES)
+        failing = _canary_taken(series)
+        return _canary_round(fetch, _snapshot(series, now, run), failing, canary_view)
     series, ahead = _faults_round(fetch, now, hang_seconds)
+    failing = _canary_taken(series)
     _restarts_round(fetch, series)
     faults = _snapshot(series, now, run)
     if faults.ranks_seen == 0:  # the run is gone: its last words are judged instead (history_source)
@@ -269,6 +302,9 @@ def from_prometheus(
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
         stragglers = stragglers or diagnosis.StragglerPolicy()
         snapshot = _pace_rounds(prometheus, snapshot, ild or diagnosis.IldPolicy(), stragglers)
+    read = _canary_round(fetch, snapshot, failing, canary_view)
+    if read is not snapshot or not named:  # the verdicts of the pace or of the canary read since
+        snapshot = read
         named = sorted(set(detail_for(snapshot)))
     return _detail_round(fetch, snapshot, named)
 
@@ -319,12 +355,12 @@ class ReadAhead(NamedTuple):
 def _faults_round(
     fetch: Fetch, now: float, hang_seconds: float | None
 ) -> tuple[dict[str, Series], ReadAhead | None]:
-    """Every rank's faults (FAULT_QUERIES, 6 queries: is a rank gone, is a group hung, who is behind); and,
-    told the hang threshold, the issued numbers of the groups in which some rank has had a collective in
-    flight for it (NUMBER_QUERIES, 1 query of those groups: the hung groups, or more where that rank is not
-    up), asked as soon as the starts are in: while the round's other answers come and its records are
-    built. At a hang of thousands of ranks, both rounds' answers take Prometheus hundreds of ms; the records,
-    about 100 ms."""
+    """Every rank's faults (FAULT_QUERIES, 7 queries: is a rank gone, is a group hung, who is behind, which
+    ranks failed a canary check); and, told the hang threshold, the issued numbers of the groups in which
+    some rank has had a collective in flight for it (NUMBER_QUERIES, 1 query of those groups: the hung
+    groups, or more where that rank is not up), asked as soon as the starts are in: while the round's
+    other answers come and its records are built. At a hang of thousands of ranks, both rounds' answers
+    take Prometheus hundreds of ms; the records, about 100 ms."""
     pool = ThreadPoolExecutor(max_workers=2)
     try:
         rest = pool.submit(
@@ -421,7 +457,7 @@ def _with_hang_groups(
             _extend(series, fetch(NUMBER_QUERIES, groups=unread))
         read |= needed
         snapshot = with_fields(faults, group_fields(series, now))
-        if _late_scrapes(snapshot, series, read - timed, fetch):
+        if _late_scrapes(snapshot, series, read - timed, fetch, hang_seconds):
             snapshot = with_fields(faults, group_fields(series, now))
         timed = set(read)
         reads = diagnosis.what_hang_rules_read(snapshot, hang_seconds)
@@ -433,14 +469,16 @@ def _with_hang_groups(
     return snapshot, diagnosis.what_hang_rules_read(snapshot, hang_seconds).flights
 
 
-def _late_scrapes(snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Fetch) -> bool:
+def _late_scrapes(
+    snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Fetch, hang_seconds: float
+) -> bool:
     """Asks the scrape times that could be late (late_scrape_queries) in `groups` of their members below
     the group's top, the only ranks a late scrape leaves unjudged (diagnosis.below_top): at a hang, the few
     behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
     numbers). 1 query; none where no member is below the top or nothing is in flight. True where some were
     late: `series` holds them."""
     below = sorted({rank for group in groups for rank in diagnosis.below_top(snapshot, group)})
-    queries = late_scrape_queries(series, groups)
+    queries = late_scrape_queries(series, groups, hang_seconds)
     if not below or not queries:
         return False
     found = fetch(queries, _selectable(below), groups=groups)
@@ -448,19 +486,20 @@ def _late_scrapes(snapshot: Snapshot, series: dict[str, Series], groups: set[str
     return bool(found.get(ISSUED_AT))
 
 
-def late_scrape_queries(series: Mapping[str, Series], groups: Iterable[str]) -> dict[str, str]:
+def late_scrape_queries(
+    series: Mapping[str, Series], groups: Iterable[str], hang_seconds: float = 0.0
+) -> dict[str, str]:
     """The query of the scrape times of the issued numbers in `groups` that could be late: those scraped at
-    or before the newest start in `groups` that `series` hold; none where nothing is in flight in them.
-    Each group's own newest start decides (records.group_fields); the late scrapes are few, a row each."""
+    or before the newest start in `groups` that `series` hold, or before the oldest start + `hang_seconds`
+    (when its group became hung: diagnosis.GroupHang.judges); none where nothing is in flight in them. Each
+    number's group decides (records.group_fields, diagnosis); the late scrapes are few, a row each."""
     groups = set(groups)
-    newest = max(
-        (started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups),
-        default=None,
-    )
-    if newest is None:
+    starts = [started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups]
+    if not starts:
         return {}
+    bar = max(max(starts), min(starts) + hang_seconds)
     query = GROUP_QUERIES[ISSUED_AT]
-    return {ISSUED_AT: f"{query} <= {newest!r}" if math.isfinite(newest) else query}
+    return {ISSUED_AT: f"{query} <= {bar!r}" if math.isfinite(bar) else query}
 
 
 def _pace_rounds(
@@ -592,6 +631,28 @@ def _cumulative_round(fetch: Fetch, faults: Snapshot, pace: dict[str, Series]) -
     (diagnosis.judged_by_windows)."""
     pace.update(fetch(CUMULATIVE_QUERIES))
     return with_pace(faults, pace)
+
+
+def _canary_taken(series: dict[str, Series]) -> dict[str, Series]:
+    """The canary's series (those of CANARY_FAILING_QUERY), taken out of `series`: they become fields after
+    the pace is read (_canary_round)."""
+    return {name: series.pop(name) for name in canary.METRICS if name in series}
+
+
+def _canary_round(fetch: Fetch, snapshot: Snapshot, failing: Mapping[str, Series], view: bool) -> Snapshot:
+    """`snapshot` with the canary's series of the ranks that failed a check (`failing`, read with the faults)
+    and, for `flare canary` (`view`), of every rank up to CANARY_EVERY_RANK ranks, else of the bottom
+    CANARY_BOTTOM ranks of each measurement (1 query); `snapshot` itself where there are none."""
+    found = {name: list(rows) for name, rows in failing.items()}
+    if view:
+        every = canary_reads_every_rank(snapshot.ranks_seen)
+        _extend(found, fetch(CANARY_VIEW_QUERIES if every else CANARY_BOTTOM_QUERIES))
+    return with_canary(snapshot, found) if found else snapshot
+
+
+def canary_reads_every_rank(ranks_seen: int) -> bool:
+    """Whether `flare canary` from Prometheus shows every rank (else the failing and the bottom few)."""
+    return ranks_seen <= CANARY_EVERY_RANK
 
 
 def _detail_round(fetch: Fetch, snapshot: Snapshot, named: Sequence[int]) -> Snapshot:

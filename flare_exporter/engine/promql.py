@@ -2,7 +2,8 @@
 
 A Prometheus is named by its base URL, or by a `Connection` where it is secured (TLS with a private CA or a
 client certificate, basic auth, a bearer token, headers such as Thanos's or Mimir's X-Scope-OrgID): `connect`
-builds one from the `flare` flags that name them (cli.add_prometheus_arguments).
+builds one from the `flare` flags that name them (cli.add_prometheus_arguments). A VictoriaMetrics store is
+asked for its newest samples, which it would otherwise hold back for its latency offset (see _data).
 """
 
 from __future__ import annotations
@@ -81,12 +82,40 @@ def label_values(
 
 def urlopen(prometheus: Prometheus, path: str, timeout: float) -> Any:
     """The response to GET <base URL><path>, with the connection's headers and TLS context; ValueError if
-    the base URL is not one, urllib's errors as urllib raises them."""
+    the base URL is not one, urllib's errors as urllib raises them. A redirect to another scheme://host:port
+    is followed without the headers (credentials, tenant), which go to the connection's origin only."""
     where = connection(prometheus)
     request = urllib.request.Request(where.url.rstrip("/") + path, headers=dict(where.headers))
-    if where.context is None:
-        return urllib.request.urlopen(request, timeout=timeout)
-    return urllib.request.urlopen(request, timeout=timeout, context=where.context)
+    handlers: list[urllib.request.BaseHandler] = [_SameOriginHeaders()]
+    if where.context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=where.context))
+    return urllib.request.build_opener(*handlers).open(request, timeout=timeout)
+
+
+class _SameOriginHeaders(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, less the request's headers where one leaves the origin (urllib keeps them: an
+    auth proxy that sends a client to its login page elsewhere would be handed the bearer token)."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is None:
+            return None
+        there = _origin(new.full_url)
+        if there is None or there != _origin(req.full_url):
+            new.headers.clear()
+            new.unredirected_hdrs.clear()
+        return new
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None] | None:
+    """(scheme, host, port) of `url`; None where its port is not one (no origin is equal to it)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return parts.scheme, parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
 
 
 def _api(
@@ -100,10 +129,39 @@ def _api(
     return list(data["result"])
 
 
+# VictoriaMetrics answers a query at a time within its -search.latencyOffset of now (30 s by default; 1.79
+# takes no less than 1 s) with its samples of that much earlier, unless the query says nocache=1: flare's
+# "now" would be half a minute old, and a collective then in flight would look hung for half a minute more.
+# It names itself in every answer's X-Server-Hostname header, which Prometheus does not send: a store that
+# does is asked with nocache=1 from then on, and its first answer to a query is asked again so. What
+# flare sends a store that does not (Prometheus) is unchanged.
+STORE_HEADER = "X-Server-Hostname"
+FRESH = {"nocache": "1"}
+_stores_with_latency_offset: set[str] = set()  # their base URLs
+
+
 def _data(prometheus: Prometheus, endpoint: str, params: dict[str, str], timeout: float, asked: str) -> Any:
-    """The `data` of /api/v1/<endpoint>, asked for `asked` (named in errors); PrometheusError (one line)
-    for every way it can fail."""
+    """The `data` of /api/v1/<endpoint>, asked for `asked` (named in errors), with the newest samples of a
+    store that would hold them back (_stores_with_latency_offset); PrometheusError (one line) for every way
+    it can fail."""
     where = connection(prometheus)
+    known = where.url in _stores_with_latency_offset
+    body, holds_back = _answer(where, endpoint, params | FRESH if known else params, timeout, asked)
+    if holds_back and not known:
+        _stores_with_latency_offset.add(where.url)
+        if endpoint == "query":
+            body, _ = _answer(where, endpoint, params | FRESH, timeout, asked)
+    if not isinstance(body, dict) or body.get("status") != "success":
+        why = body.get("error", "unknown error") if isinstance(body, dict) else "not an API answer"
+        raise PrometheusError(f"Prometheus at {where.url} failed {asked}: {why}")
+    return body.get("data")
+
+
+def _answer(
+    where: Connection, endpoint: str, params: dict[str, str], timeout: float, asked: str
+) -> tuple[Any, bool]:
+    """The JSON answer of /api/v1/<endpoint>, and whether it came from a store that names itself as
+    VictoriaMetrics does (STORE_HEADER); PrometheusError (one line) where there is none."""
     try:
         response = urlopen(where, f"/api/v1/{endpoint}?" + urllib.parse.urlencode(params), timeout)
     except urllib.error.HTTPError as error:
@@ -120,15 +178,11 @@ def _data(prometheus: Prometheus, endpoint: str, params: dict[str, str], timeout
         raise PrometheusError(f"Prometheus at {where.url}: not an http(s) URL ({error})") from None
     try:
         with response:
-            body = json.load(response)
+            return json.load(response), response.headers.get(STORE_HEADER) is not None
     except (OSError, TimeoutError) as error:
         raise PrometheusError(f"cannot reach Prometheus at {where.url}: {error}") from None
     except ValueError:
         raise PrometheusError(f"Prometheus at {where.url} answered with something that is not JSON") from None
-    if not isinstance(body, dict) or body.get("status") != "success":
-        why = body.get("error", "unknown error") if isinstance(body, dict) else "not an API answer"
-        raise PrometheusError(f"Prometheus at {where.url} failed {asked}: {why}")
-    return body.get("data")
 
 
 def _rejected(where: Connection, asked: str, error: urllib.error.HTTPError) -> PrometheusError:

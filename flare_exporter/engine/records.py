@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .. import spec
-from . import diagnosis
+from . import canary, diagnosis
 from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
@@ -62,6 +62,7 @@ def build_snapshot(
     heartbeat = _progress(series)["heartbeat"]
     pace_fields = _pace_fields(series)
     detail_fields = _detail_fields(series)
+    canary_fields = canary.canary_fields(series)
 
     records = {}
     for rank in sorted(ranks):
@@ -90,6 +91,7 @@ def build_snapshot(
             **per_rank_groups.get(rank, {}),
             **pace_fields.get(rank, {}),
             **detail_fields.get(rank, {}),
+            **canary_fields.get(rank, {}),
         )
     return Snapshot(records, now, run, world_size, hang_seconds=hang_threshold(series))
 
@@ -137,15 +139,18 @@ def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str
     newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
     for (_, group), started in flight_started.items():
         newest_issue[group] = max(started, newest_issue.get(group, started))
+    seen_at = per_group(ISSUED_AT)
     seen_before_stall = {
-        key
-        for key, at in per_group(ISSUED_AT).items()
-        if key[1] in newest_issue and at <= newest_issue[key[1]]
+        key for key, at in seen_at.items() if key[1] in newest_issue and at <= newest_issue[key[1]]
     }
     groups: dict[int, dict[str, GroupState]] = defaultdict(dict)
     for key in group_keys:
         groups[key[0]][key[1]] = GroupState(
-            int(issued.get(key, 0)), int(completed.get(key, 0)), flights.get(key), key in seen_before_stall
+            int(issued.get(key, 0)),
+            int(completed.get(key, 0)),
+            flights.get(key),
+            key in seen_before_stall,
+            seen_at.get(key),
         )
     return {rank: {"groups": found} for rank, found in groups.items()}
 
@@ -278,6 +283,11 @@ def with_pace(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
     return with_fields(snapshot, _pace_fields(series))
 
 
+def with_canary(snapshot: Snapshot, series: Mapping[str, Series]) -> Snapshot:
+    """The snapshot with the canary readings (canary.canary_fields) that `series` holds of its ranks."""
+    return with_fields(snapshot, canary.canary_fields(series))
+
+
 def with_fields(snapshot: Snapshot, found: Mapping[int, Mapping[str, Any]]) -> Snapshot:
     """The snapshot with the fields `found` of each rank replaced in its record; its group indexes kept
     where no field they are built of changed (Snapshot.replaced)."""
@@ -336,5 +346,6 @@ SNAPSHOT_METRICS = frozenset(
         *GPU_HEALTH_METRICS,
         "flare_gpu_clock_event_active",
         HANG_THRESHOLD,
+        *canary.METRICS,
     ]
 )

@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .diagnosis import Verdict
 from .post_mortem import DeadRun, LastWord, merge_runs, post_mortem, timeline
 
 __all__ = ["incident_report", "markdown", "merge_runs"]
@@ -134,6 +133,7 @@ def _utc(seconds: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}"
 
 
-def verdict_lines(verdicts: list[Verdict]) -> list[str]:
-    """One line per verdict, as `flare diagnose` prints them for a dead run."""
-    return [_verdict_line(verdict.to_json()).replace("**", "").removeprefix("- ") for verdict in verdicts]
+def verdict_lines(verdicts: list[Mapping[str, Any]]) -> list[str]:
+    """One line per verdict (its JSON, as incident_report holds it), as `flare diagnose` prints them for a
+    dead run."""
+    return [_verdict_line(verdict).replace("**", "").removeprefix("- ") for verdict in verdicts]

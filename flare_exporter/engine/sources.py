@@ -11,6 +11,7 @@ The names the CLI, the tests and the benchmarks use of either source, in one pla
 from __future__ import annotations
 
 from .prometheus_source import (
+    CANARY_FAILING_QUERY,
     CUMULATIVE_QUERIES,
     DETAIL_QUERIES,
     FAULT_QUERIES,
@@ -24,6 +25,7 @@ from .prometheus_source import (
     PROGRESS_QUERIES,
     PROMETHEUS_QUERIES,
     WINDOW_METRICS,
+    canary_reads_every_rank,
     from_prometheus,
     ild_candidates,
     ild_screen,
@@ -45,6 +47,7 @@ from .records import (
 from .scrape_source import from_targets
 
 __all__ = [
+    "CANARY_FAILING_QUERY",
     "CUMULATIVE_QUERIES",
     "DETAIL_QUERIES",
     "FAULT_QUERIES",
@@ -65,6 +68,7 @@ __all__ = [
     "Series",
     "SourceError",
     "build_snapshot",
+    "canary_reads_every_rank",
     "from_prometheus",
     "from_targets",
     "ild_candidates",

@@ -9,13 +9,16 @@ Rules, in order (versioned with flare_exporter.causes.CAUSE_RULES_VERSION):
   else software_exception;
 - hang in a group whose members are all inside the collective -> communication; a culprit stalled
   waiting for its input (activity `data`) -> data_stall; otherwise a rank never reached the collective the
-  others wait in -> deadlock.
+  others wait in -> deadlock;
+- canary (a check of the hardware canary failed, by its evidence's measurement): storage_read -> storage;
+  all-reduce and all-gather bus bandwidth -> communication (the link); compute, copies and the GPU's state
+  -> straggler (a slow device: fail-slow, not failed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from .. import causes
 
@@ -33,8 +36,20 @@ class Culprit(Protocol):
     def activity(self) -> str: ...
 
 
-def cause_of(kind: str, domain: str, culprits: Sequence[Culprit]) -> str:
-    """The cause of a verdict of `kind` over `domain` that names `culprits` (their records)."""
+CANARY_CAUSES = {
+    "storage_read": "storage",
+    "allreduce_busbw": "communication",
+    "allgather_busbw": "communication",
+}
+
+
+def cause_of(
+    kind: str, domain: str, culprits: Sequence[Culprit], evidence: Mapping[str, Any] | None = None
+) -> str:
+    """The cause of a verdict of `kind` over `domain` that names `culprits` (their records), with its
+    `evidence` (a canary verdict's names its measurement)."""
+    if kind == "canary":
+        return CANARY_CAUSES.get(str((evidence or {}).get("measurement", "")), "straggler")
     if kind == "mismatch":
         return "collective_mismatch"
     if kind == "straggler":

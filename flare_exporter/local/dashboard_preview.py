@@ -3,10 +3,12 @@
     python -m flare_exporter.local.dashboard_preview [--out docs/dashboards/]
 
 Runs a short 4-rank gloo job under the launcher with every signal a dashboard shows: a fake GPU per rank
-(fake NVML), kernel launches on the fake device, a short ILD baseline, a straggler (rank 1 computes twice
-as long from step 20) and, at the end, a hang (rank 2 loops in its own code before a collective), with a
-real Prometheus evaluating the rules (hang threshold HANG_SECONDS). Once every panel's query returns data,
-each dashboard's panels are queried over the run (query_range, the dashboard's variables filled in as
+(fake NVML; rank 1's held at its power cap), kernel launches on the fake device, a short ILD baseline, the
+step breakdown with a peak FLOP/s for the MFU, the hardware canary (canary=warn: a preflight, which rank 1's
+capped GPU fails, and in-flight checks every CANARY_INTERVAL_STEPS steps), a straggler (rank 1 computes
+twice as long from step 20) and, at the end, a hang (rank 2 loops in its own code before a collective),
+with a real Prometheus evaluating the rules (hang threshold HANG_SECONDS). Once every panel's query returns
+data, each dashboard's panels are queried over the run (query_range, the dashboard's variables filled in as
 Grafana would) and drawn in their grid layout with matplotlib into <out>/<uid>.png. The tests use the same
 job to run every panel's query (tests/test_dashboards.py).
 """
@@ -38,10 +40,16 @@ HANG_SECONDS = 4.0
 STRAGGLER_RANK, STUCK_RANK = 1, 2
 DETAIL_RANK = STRAGGLER_RANK  # the rank dashboard's rank: slow, then waiting in the hung collective
 FAULT_STEP = 120
+CANARY_INTERVAL_STEPS = 25  # in flight after steps 25, 50, 75 and 100: before the hang, never at it
 JOB_ENV = {
     "FLARE_NVML_MODULE": "flare_exporter.local.testing.fake_nvml",  # a fake GPU per rank
     "FLARE_GPU_HEALTH_INTERVAL_SECONDS": "0.5",
-    "FLARE_FAKE_NVML_CLOCK_EVENTS": "0x4",  # sw_power_cap, so that a reason shows
+    "FLARE_PERF": "1",
+    "FLARE_PEAK_FLOPS": "1e11",  # a CPU core's order of magnitude: an MFU to show
+    "FLARE_CANARY": "warn",
+    "FLARE_CANARY_RELATIVE_FLOOR": "0.5",  # four ranks on two shared cores: healthy ones are within 0.8
+    "FLARE_CANARY_COMPUTE_SECONDS": "0.2",
+    "FLARE_CANARY_INTERVAL_STEPS": str(CANARY_INTERVAL_STEPS),
     "FLARE_TIMING_INTERVAL_SECONDS": "0.2",
     "FLARE_ILD_LAUNCH_SAMPLE_EVERY": "1",
     "FLARE_ILD_DISPATCH_EVERY_STEPS": "2",
@@ -86,11 +94,17 @@ class FaultyJob:
 @contextmanager
 def faulty_job(work_dir: str, run: str = RUN) -> Iterator[FaultyJob]:
     """The job described above and a Prometheus (1 s scrapes) evaluating the rules for it."""
-    thresholds = rules.Thresholds(hang_seconds=HANG_SECONDS, scrape_interval_seconds=1).with_for("0s")
+    thresholds = rules.Thresholds(
+        hang_seconds=HANG_SECONDS,
+        scrape_interval_seconds=1,
+        slow_interval="",  # the slow rules at once too
+    ).with_for("0s")
     rules_file = os.path.join(work_dir, "flare.rules.yml")
     with open(rules_file, "w") as out:
         out.write(rules.render(thresholds))
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
+    # sw_power_cap on the straggler's GPU: a throttle reason shows, and its canary fails gpu_clock_ok
+    hosts[STRAGGLER_RANK]["FLARE_FAKE_NVML_CLOCK_EVENTS"] = "0x4"
     started = time.time()
     os.makedirs(os.path.join(work_dir, "job"), exist_ok=True)
     job = ObservedJob(
@@ -120,16 +134,19 @@ class Window:
     def step(self) -> float:
         return float(max(1, math.ceil((self.end - self.start) / 600)))
 
-    def variables(self, run: str, rank: str, group: str = ".*") -> dict[str, str]:
+    def variables(self, run: str, rank: str, group: str = ".*", **view: str) -> dict[str, str]:
+        """Grafana's values of the variables (`view`: $selector and $k, else as Grafana starts them)."""
         scrape = 1  # the test Prometheus scrapes every second
         return {
+            **dashboards.VIEW_DEFAULTS,
+            **view,
             "run": run,
             "rank": rank,
             "group": group,
             "datasource": "prometheus",
             "__rate_interval": f"{int(max(4 * scrape, self.step + scrape))}s",
             "__interval": f"{int(self.step)}s",
-            "__range": f"{int(self.end - self.start)}s",
+            "__range": f"{max(1, int(self.end - self.start))}s",  # Grafana's is never 0
         }
 
 
@@ -370,6 +387,9 @@ def _table_cells(
     hidden: set[str] = set()
     for transformation in panel.get("transformations", []):
         hidden |= set(transformation.get("options", {}).get("excludeByName", {}))
+    renamed: dict[str, str] = {}
+    for transformation in panel.get("transformations", []):
+        renamed |= transformation.get("options", {}).get("renameByName", {})
     columns = sorted({key for _, series in results for key in series.labels} - hidden)
     if "Value" not in hidden:
         columns.append("Value")
@@ -381,7 +401,7 @@ def _table_cells(
         ]
         for _, series in results
     ]
-    return columns, rows
+    return [renamed.get(column, column) for column in columns], rows
 
 
 def _heatmap(axes: Any, results: list[tuple[str, Series]], window: Window) -> None:

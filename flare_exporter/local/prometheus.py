@@ -48,30 +48,38 @@ class ServerProcess:
 
     name = "server"
     connection: promql.Connection | None = None  # how to ask it, where a web config file secures it
+    config_flag = "--config.file"  # the flags that name its config file and its address: Prometheus's
+    listen_flag = "--web.listen-address"
 
-    def __init__(self, work_dir: str, binary: str, config: dict[str, Any], flags: Sequence[str]) -> None:
+    def __init__(
+        self, work_dir: str, binary: str, config: dict[str, Any] | None, flags: Sequence[str]
+    ) -> None:
+        """`config` is written to `work_dir` and named by `config_flag` (none for a server without one)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.address}"
         os.makedirs(work_dir, exist_ok=True)
-        config_path = os.path.join(work_dir, f"{self.name}.yml")
-        with open(config_path, "w") as out:
-            yaml.safe_dump(config, out)
+        command = [binary, f"{self.listen_flag}={self.address}", *flags]
+        if config is not None:
+            config_path = os.path.join(work_dir, f"{self.name}.yml")
+            with open(config_path, "w") as out:
+                yaml.safe_dump(config, out)
+            command.insert(1, f"{self.config_flag}={config_path}")
         self.log_path = os.path.join(work_dir, f"{self.name}.log")
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [binary, f"--config.file={config_path}", f"--web.listen-address={self.address}", *flags],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until the server answers /-/ready."""
+        """Wait until the server is ready (`answers`)."""
         wait_for(self._ready, timeout, f"{self.name} at {self.url} to become ready")
 
     def _ready(self) -> bool:
         if self.process.poll() is not None:
             raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.log_tail()}")
+        return self.answers()
+
+    def answers(self) -> bool:
+        """Whether it is ready: Prometheus and Alertmanager say so at /-/ready."""
         try:
             with promql.urlopen(self.connection or self.url, "/-/ready", timeout=2) as response:
                 return bool(response.status == 200)
@@ -119,8 +127,10 @@ class PrometheusProcess(ServerProcess):
         alertmanager: str | None = None,
         web_config_file: str = "",
         access: promql.Connection | None = None,
+        extra_jobs: Sequence[dict[str, Any]] = (),
     ) -> None:
-        """`rule_files` are evaluated every scrape interval; alerts go to `alertmanager` (host:port).
+        """`rule_files` are evaluated every scrape interval; alerts go to `alertmanager` (host:port);
+        `extra_jobs` are scrape jobs besides the flare job of `file_sd_dir` (e.g. a shard scraping late).
 
         `web_config_file` secures Prometheus's own endpoints (`--web.config.file`: TLS, basic auth); `access`
         is how to ask it then (promql.connect: the scheme of its URL, whose host and port are replaced by
@@ -133,7 +143,7 @@ class PrometheusProcess(ServerProcess):
         self.url = f"http://{self.address}"
         config: dict[str, Any] = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-            "scrape_configs": [scrape_config(file_sd_dir, scrape_interval, scrape_options)],
+            "scrape_configs": [scrape_config(file_sd_dir, scrape_interval, scrape_options), *extra_jobs],
         }
         if rule_files:
             config["rule_files"] = [os.path.abspath(path) for path in rule_files]

@@ -16,18 +16,22 @@ from prometheus_client import CollectorRegistry
 
 from .. import config as config_module
 from . import file_sd, gpu_health, identity, process_group
+from .canary import Canary
 from .collectors import Collector
+from .collectors.canary import CanaryCollector
 from .collectors.collectives import CollectivesCollector
 from .collectors.exporter import ExporterCollector
 from .collectors.gpu_health import GpuHealthCollector
 from .collectors.identity import IdentityCollector
 from .collectors.ild import IldCollector
 from .collectors.in_flight import InFlightCollector
+from .collectors.perf import PerfCollector
 from .collectors.progress import ProgressCollector
 from .collectors.stragglers import StragglersCollector
 from .exposition import FlareCollector, MetricsServer, serve
 from .groups import WORLD
 from .incident import IncidentWriter
+from .perf import PerfMonitor, PhaseClock
 from .stall import StallWatcher
 from .state import FlareState
 
@@ -50,8 +54,12 @@ class Attachment:
         exception (then Prometheus keeps the target, sees it down, and `up` names the rank)."""
         self.watcher.stop()
         self.state.steps.remove()
+        if self.state.canary is not None:
+            self.state.canary.remove()
         if self.state.ild is not None:
             self.state.ild.remove()
+        if self.state.perf is not None and self.state.perf.clock is not None:
+            self.state.perf.clock.remove()
         self.state.manager.stop()
         if self.state.gpu is not None:
             self.state.gpu.stop()
@@ -80,9 +88,12 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         IldCollector(state),
         ProgressCollector(state),
         StragglersCollector(state),
+        PerfCollector(state),
         GpuHealthCollector(state),
         ExporterCollector(state),
     ]
+    if state.canary is not None:  # the canary on: its series, and its collector's meta-metrics
+        collectors.insert(-1, CanaryCollector(state))
     # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
     # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
     # close. The collectors read what the drain left. Before it, the scrape waits for the rank's next
@@ -117,6 +128,37 @@ def start_gpu_health(state: FlareState) -> None:
         monitor.start()
 
 
+def make_canary(state: FlareState) -> Canary | None:
+    """The hardware canary (rank/canary.py), unless `canary` is off; install() hooks it in."""
+    if state.config.canary == "off":
+        return None
+    return Canary(
+        state.config,
+        lambda: state.identity,
+        state.health,
+        lambda: state.steps.steps,
+        lambda: state.gpu if state.gpu is not None and state.gpu.up else None,
+    )
+
+
+def start_perf(state: FlareState) -> None:
+    """The step breakdown and MFU (rank/perf.py), unless `perf` is off: its hooks after the step counter's."""
+    config = state.config
+    if not config.perf:
+        return
+    sampler = state.ild.dispatch if state.ild is not None else None  # host gaps: timed in its windows
+    host_gaps, every = (sampler.host_gaps, sampler.every) if sampler is not None else (None, 0)
+    clock = PhaseClock(state.steps, state.health, config.perf_flops_step, host_gaps, every)
+    clock.install()
+
+    def device_name() -> str:
+        gpu = state.gpu
+        return gpu.device_name() if gpu is not None and gpu.up else ""
+
+    state.perf = PerfMonitor(clock, config, device_name)
+    state.windows.step_listeners.append(state.perf.on_step)
+
+
 def attach(config: config_module.Config | None = None) -> Attachment:
     """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
 
@@ -133,6 +175,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
         log.warning("%s", warning)
     state = FlareState.create(config, rank_identity)
     start_gpu_health(state)
+    state.canary = make_canary(state)
     registry = build_registry(state)
 
     def on_group(tracker_name: str, rank: int, size: int, backend: str) -> None:
@@ -166,6 +209,9 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     state.steps.install()
     if state.ild is not None:
         state.ild.install()
+    start_perf(state)
+    if state.canary is not None:  # its step hook after the step counter's: it reads the step just counted
+        state.canary.install()
     state.manager.start()
     incidents = IncidentWriter(state)
     incidents.install()

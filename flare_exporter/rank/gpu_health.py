@@ -267,6 +267,16 @@ class GpuHealthMonitor:
         self.uuid, self.pci_bus_id = device_identity(nvml, handle)
         self._register_xid_events()
 
+    def device_name(self) -> str:
+        """NVML's name of the rank's GPU ("NVIDIA H100 80GB HBM3"); "" without one (rank/perf.py's peak)."""
+        if self._handle is None:
+            return ""
+        try:
+            return _text(self.nvml.nvmlDeviceGetName(self._handle))
+        except Exception as error:
+            self.health.error("gpu_health", error)
+            return ""
+
     def _register_xid_events(self) -> None:
         nvml = self.nvml
         self._events = None

@@ -1,8 +1,12 @@
-"""Issue-latency distributions (ILD): two histograms per rank, a baseline, and the current drift.
+"""Issue-latency distributions (ILD): three distributions per rank, a baseline, and the current drift.
 
 - kernel_issue: device start minus host launch of sampled kernel launches (one in `ild_launch_sample_every`),
   resolved from device events by the timing manager;
-- host_dispatch: per-op time from dispatch to return, in sampling windows (dispatch.py).
+- host_dispatch: per-op time from dispatch to return, in sampling windows (dispatch.py);
+- host_gap: in the same windows, each gap of the training thread between top-level ops (dispatch.py): the
+  interpreter, GIL waits and garbage collection there, which the native timer's ops do not contain (an op
+  releases the GIL and waits for it again after its timed interval). Kept for its drift only: no histogram
+  of its own is exported (the series budget); its seconds are rank/perf.py's host phase.
 
 Every sample is tagged with the step it was taken in. Steps `ild_warmup_steps` .. + `ild_baseline_steps`
 form the rank's baseline (one bucket-count vector); later steps go into a ring of per-step bucket counts,
@@ -44,7 +48,7 @@ from .histogram import Histogram
 from .progress import StepTracker
 from .timing import EventBackend, TimingManager
 
-KERNEL_ISSUE, HOST_DISPATCH = spec.ILD_DISTRIBUTIONS
+KERNEL_ISSUE, HOST_DISPATCH, HOST_GAP = spec.ILD_DISTRIBUTIONS
 
 
 def bucket_points(bounds: Sequence[float]) -> list[float]:
@@ -245,6 +249,7 @@ class IldState:
         self.health = health
         self.kernel_issue = IssueLatency(KERNEL_ISSUE, config)
         self.host_dispatch = IssueLatency(HOST_DISPATCH, config)
+        self.host_gap = IssueLatency(HOST_GAP, config)
         self.kernels = KernelSampler(
             self.kernel_issue, manager, steps, config.ild_launch_sample_every, health
         )
@@ -257,13 +262,14 @@ class IldState:
             config.ild_events,
             health,
             steps,
+            gaps=self.host_gap,
         )
         self.steps = steps
         manager.after_drain.append(self.refresh)
 
     @property
-    def distributions(self) -> tuple[IssueLatency, IssueLatency]:
-        return (self.kernel_issue, self.host_dispatch)
+    def distributions(self) -> tuple[IssueLatency, IssueLatency, IssueLatency]:
+        return (self.kernel_issue, self.host_dispatch, self.host_gap)
 
     def refresh(self) -> None:
         self.dispatch.collect()

@@ -20,9 +20,10 @@ So that unmodified scripts use it, `install()` wraps torch's group factory
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,6 +165,7 @@ class Wrapping:
         self.max_groups = max_groups
         self.creating_description = ""
         self.unwrapped_backends: set[str] = set()
+        self.unobserved = False  # set while the canary creates its own groups (unobserved() below)
         self.original_helper: Callable[..., Any] | None = None
 
     def create(self, backend_name: str, options: Any, backend_options: Any) -> Any:
@@ -221,6 +223,8 @@ class Wrapping:
         """Replacement for torch's _new_process_group_helper that swaps in the flare backends."""
         assert self.original_helper is not None
         real = _wrappable(backend)
+        if self.unobserved:
+            return self.original_helper(group_size, group_rank, global_ranks, backend, *args, **kwargs)
         if real is None:
             if str(backend) not in self.unwrapped_backends:
                 self.unwrapped_backends.add(str(backend))
@@ -269,6 +273,21 @@ def _create_inner(backend_name: str, options: Any, backend_options: Any) -> Any:
 
 
 _installed: Wrapping | None = None
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Process groups created inside the block are neither wrapped nor tracked: the canary's own, whose
+    benchmark collectives are no part of the training's signals."""
+    wrapping = _installed
+    if wrapping is None:
+        yield
+        return
+    wrapping.unobserved = True
+    try:
+        yield
+    finally:
+        wrapping.unobserved = False
 
 
 def install(wrapping: Wrapping) -> None:

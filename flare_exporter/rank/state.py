@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from . import shim
+from .canary import Canary
 from .exporter_health import ExporterHealth
 from .gpu_health import GpuHealthMonitor
 from .groups import GroupTracker
 from .identity import RankIdentity
 from .ild import IldState
 from .last_word import RaisedException, ScrapeTimes, Termination
+from .perf import PerfMonitor
 from .progress import StepTracker
 from .stall import StackSample
 from .straggler_windows import StepWindows
@@ -35,6 +37,8 @@ class FlareState:
     terminated: Termination | None = None  # the signal ending the rank (incident.IncidentWriter)
     scrapes: ScrapeTimes = field(default_factory=ScrapeTimes)  # when /metrics was scraped (exposition)
     ild: IldState | None = None  # issue-latency distributions and their samplers
+    canary: Canary | None = None  # the hardware canary (None: canary off)
+    perf: PerfMonitor | None = None  # where the step time goes, MFU (None: perf off)
 
     @classmethod
     def create(cls, config: Config, identity: RankIdentity) -> FlareState:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,27 @@ class WindowRing:
         return self.windows[-1].step_seconds / self.best_step_seconds
 
 
+def exposed_seconds(waits: Sequence[tuple], start: float, end: float) -> float:
+    """Seconds of [start, end] in which the rank waited for collectives with none newer issued.
+
+    `waits`: (issued_at, duration, ...) sorted by issue time. Collectives whose lifetimes overlap form one
+    busy period; the thread that issued a newer collective inside it was not blocked before that issue (it
+    was computing, as DDP does while earlier buckets reduce), so a period counts from its last issue to its
+    end: the collective time not overlapped by compute.
+    """
+    exposed = 0.0
+    last_issue = period_end = -math.inf
+    for wait in waits:
+        issued_at, duration = wait[0], wait[1]
+        if issued_at > period_end:
+            exposed += max(0.0, min(period_end, end) - max(last_issue, start))
+            period_end = issued_at + duration
+        else:
+            period_end = max(period_end, issued_at + duration)
+        last_issue = issued_at
+    return exposed + max(0.0, min(period_end, end) - max(last_issue, start))
+
+
 MAX_WAITING = 4096  # finished collectives kept apart until their step ends; beyond it they are summed
 
 
@@ -129,6 +150,8 @@ class StepWindows:
         self._waits: list[tuple] = []  # (issued_at, duration, ...) of collectives of steps not complete yet
         self._last_step = 0
         self._last_boundary: float | None = None
+        # listener(step, step seconds, exposed collective seconds) for every complete step (rank/perf.py)
+        self.step_listeners: list[Callable[[int, float, float], None]] = []
 
     def forget_finished(self) -> None:
         """Called by the timing manager at the end of every drain (it registers us as a group)."""
@@ -160,11 +183,16 @@ class StepWindows:
             if at >= oldest_unfinished:
                 break  # a collective of this step is still running
             wait = 0.0
+            first = taken
             while taken < len(waits) and waits[taken][0] <= at:
                 wait += waits[taken][1]
                 taken += 1
             if step == self._last_step + 1 and self._last_boundary is not None:
                 self.ring.add_step(step, at - self._last_boundary, wait)
+                if self.step_listeners:
+                    exposed = exposed_seconds(waits[first:taken], self._last_boundary, at)
+                    for listener in self.step_listeners:
+                        listener(step, at - self._last_boundary, exposed)
             self._last_step, self._last_boundary = step, at
         self._waits = waits[taken:]
 

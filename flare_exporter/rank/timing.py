@@ -43,6 +43,27 @@ from .exporter_health import ExporterHealth
 from .histogram import Histogram
 
 
+class LastCompletion:
+    """When one of this process's collectives last completed (perf_counter), as its completion callback saw
+    it: a host gap of the training thread in which one completed was a wait for it (dispatch.py)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0  # a Python callback's
+        self.extension: Any = None  # flare's C++ recorder, whose callbacks note theirs there
+
+    def note(self, at: float) -> None:
+        self.at = at
+        if self.extension is not None:
+            self.extension.note_completion(at)  # for the native timer's windows
+
+    def last(self) -> float:
+        native = self.extension.last_completion() if self.extension is not None else 0.0
+        return max(self.at, native)
+
+
+LAST_COMPLETION = LastCompletion()
+
+
 class UpdatedAtDrain(Protocol):
     """Something whose finished collectives each drain lets go of (a GroupTracker, the straggler windows)."""
 
@@ -345,6 +366,8 @@ class FutureTiming(TimingBackend):
         waited: Callable[[Any, Callable[[bool], None]], Any] | None = None,
     ) -> None:
         super().__init__(manager)
+        if extension is not None and hasattr(extension, "note_completion"):
+            LAST_COMPLETION.extension = extension
         self.stamp_completion = getattr(extension, "stamp_completion", None)
         self.stamps = CompletionStamps(manager)
         self.waited = waited  # waited(work, on_waited(failed)): a work that calls on_waited once waited for
@@ -380,7 +403,9 @@ class FutureTiming(TimingBackend):
         if failed:  # a failed collective did not complete: it stays in flight
             self.manager.health.drop("failed_collectives")
             return
-        record.duration = time.perf_counter() - record.issued_at
+        now = time.perf_counter()
+        LAST_COMPLETION.note(now)
+        record.duration = now - record.issued_at
         self.manager.complete(record)
 
 

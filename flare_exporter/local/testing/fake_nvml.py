@@ -80,6 +80,7 @@ class FakeDevice:
     index: int = 0
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
     pci_bus_id: str = "00000000:00:00.0"
+    name: str = "NVIDIA H100 80GB HBM3"
     clock_events: int = 0
     sm_clock_mhz: int = 1980
     sm_clock_max_mhz: int = 1980
@@ -166,6 +167,9 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:  # noqa: N802
         return self._device(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:  # noqa: N802
+        return self._device(handle, "nvmlDeviceGetName").name
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> PciInfo:  # noqa: N802
         return PciInfo(self._device(handle, "nvmlDeviceGetPciInfo").pci_bus_id.encode())  # type: ignore[arg-type]

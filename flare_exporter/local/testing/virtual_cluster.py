@@ -155,6 +155,7 @@ def rank_state(
         _fill(latency.histogram, samples, typical)
         latency.drift.current = (0.04 + 0.001 * (rank % 7), typical * 0.03)
     state.ild.host_dispatch.drift.op_shift = 1e-9 * (rank % 11 - 5)  # a few ns either way: healthy
+    state.ild.host_gap.drift.current = (0.05 + 0.001 * (rank % 5), 2e-6)  # its drift only, no histogram
 
     # the rank's GPU, through the fake NVML: throttling on the straggler
     device = make_device(identity.local_rank)

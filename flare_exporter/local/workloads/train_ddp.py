@@ -25,6 +25,10 @@
   contention   R starts --contention-threads busy Python threads at step S (CPU and interpreter contention,
                as a runaway logging or data thread causes): every op of R is slower to dispatch;
   host-delay   every op R runs from step S is delayed by --host-delay-seconds (busy-waited on the host).
+--gc-rank R --gc-cycles N --gc-from-step S: from step S (default: --fault-step) on, rank R builds N
+  short-lived reference cycles before every step's forward pass (a data or logging path that leaves cyclic
+  garbage behind), which only the cyclic garbage collector frees: it runs several times a step, now and then
+  over the whole heap. Goes with any --fault.
 --step-seconds T paces each step to at least T seconds (a steadier job to watch than a flat-out one): after
   the backward pass (whose all-reduce every rank leaves together) each rank sleeps until T seconds after
   it, so the ranks start each step together as in a real job (pacing from each rank's own start would keep
@@ -41,8 +45,15 @@
 --device cuda trains on the GPU numbered LOCAL_RANK (modulo the GPUs there are) over NCCL instead of on the
   CPU over gloo, and each step waits for the GPU at its end, as a job reading its loss does; --width W sets
   the model's width (default 256; a GPU wants thousands).
+--slow-data-seconds T: with --data-workers N, each batch takes T seconds more to read (a slow dataset: the
+  workers sleep, using no CPU), so that the ranks wait for their input.
 --pg-timeout S sets the process group's collective timeout (a mismatched collective fails after S seconds
   instead of the default 30 minutes).
+--pair-groups also makes process groups of ranks 0-1, 2-3, ... (a tensor-parallel pair's), and each rank
+  all-reduces a small tensor in its pair before every forward pass (after the fault step's fault).
+--fr-dump-after S: with PyTorch's flight recorder on (TORCH_FR_BUFFER_SIZE), dump every rank's recorder to
+  TORCH_FR_DUMP_TEMP_FILE<rank> once a collective has been in flight for S seconds, as NCCL's watchdog dumps
+  on a timeout (flight_recorder_dumps.py: gloo has no dump of its own).
 Signals (SIGKILL, SIGSTOP) are sent from outside, by the demo or the tests.
 """
 
@@ -133,6 +144,17 @@ def busy_thread() -> None:
         total = (total + 1) % 1_000_003
 
 
+def churn_cycles(count: int) -> None:
+    """Build `count` reference cycles, then drop them: garbage that only the cyclic collector frees. Alone on
+    this machine, 5,000 cost ~5.5 ms, 90 % of it in ~7 collections a call, a full one every ~20 calls."""
+    cycles = []
+    for _ in range(count):
+        node: dict[str, object] = {}
+        node["self"] = node
+        cycles.append(node)
+    del cycles
+
+
 def scrape_own_endpoint() -> None:
     """GET this rank's /metrics from the exporter attached to it, and read the whole answer."""
     port = int(os.environ["FLARE_PORT"]) + int(os.environ.get("LOCAL_RANK", "0"))
@@ -188,20 +210,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stall-seconds", type=float, default=0.02)
     parser.add_argument("--contention-threads", type=int, default=2)
     parser.add_argument("--host-delay-seconds", type=float, default=20e-6)
+    parser.add_argument("--gc-rank", type=int, default=-2)  # default: none
+    parser.add_argument("--gc-cycles", type=int, default=10000)
+    parser.add_argument("--gc-from-step", type=int, default=-1)  # default: --fault-step
     parser.add_argument("--fake-kernels", type=int, default=0)
     parser.add_argument("--fake-kernel-seconds", type=float, default=0.001)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--data-workers", type=int, default=0)
+    parser.add_argument("--slow-data-seconds", type=float, default=0.0)
     parser.add_argument("--pg-timeout", type=float, default=0.0)
+    parser.add_argument("--pair-groups", action="store_true")
+    parser.add_argument("--fr-dump-after", type=float, default=0.0)
     return parser.parse_args(argv)
 
 
 class SyntheticData(Dataset):
     """Random samples; on the faulty rank, the sample of the fault step fails to read (a stale NFS handle)."""
 
-    def __init__(self, width: int, batch: int, seed: int, fail_at_batch: int) -> None:
+    def __init__(
+        self, width: int, batch: int, seed: int, fail_at_batch: int, batch_delay: float = 0.0
+    ) -> None:
         self.width, self.batch, self.seed, self.fail_at_batch = width, batch, seed, fail_at_batch
+        self.batch_delay = batch_delay  # seconds slept at each batch's first sample (a slow dataset)
 
     def __len__(self) -> int:
         return 1 << 30
@@ -209,6 +240,8 @@ class SyntheticData(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if index // self.batch == self.fail_at_batch:
             raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), "/mnt/dataset/shard-00017.bin")
+        if self.batch_delay and index % self.batch == 0:
+            time.sleep(self.batch_delay)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         return torch.randn(self.width, generator=generator), torch.randint(0, 10, (), generator=generator)
 
@@ -224,6 +257,7 @@ class Training:
         timeout = datetime.timedelta(seconds=args.pg_timeout) if args.pg_timeout else None
         dist.init_process_group("nccl" if self.on_gpu else "gloo", timeout=timeout)
         self.rank = dist.get_rank()
+        self.pair = pair_group(self.rank, dist.get_world_size(), timeout) if args.pair_groups else None
         cuda = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
         self.tensor_device = cuda or torch.device("cpu")
         self.model = nn.parallel.DistributedDataParallel(make_model(args.width).to(self.tensor_device))
@@ -252,7 +286,7 @@ class Training:
         if not args.data_workers:
             return None
         fail_at = args.fault_step if args.fault == "estale" and self.faulty else -1
-        data = SyntheticData(args.width, args.batch, self.rank, fail_at)
+        data = SyntheticData(args.width, args.batch, self.rank, fail_at, args.slow_data_seconds)
         return iter(DataLoader(data, batch_size=args.batch, num_workers=args.data_workers))
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +308,9 @@ class Training:
                     threading.Thread(target=busy_thread, daemon=True).start()
             if args.fault == "host-delay":
                 HostDelay(args.host_delay_seconds).__enter__()  # stays on for the rest of the run
+        gc_from = args.fault_step if args.gc_from_step < 0 else args.gc_from_step
+        if self.rank == args.gc_rank and step >= gc_from:
+            churn_cycles(args.gc_cycles)
         stalled = args.fault == "host-stall" and self.faulty and step >= args.fault_step
         stall = args.stall_seconds if stalled else 0.0
         if self.device is not None:
@@ -299,6 +336,8 @@ class Training:
         """One training step; returns when DDP's all-reduce finished (perf_counter)."""
         self.before_step(step)
         self.at_fault_step(step)
+        if self.pair is not None:
+            dist.all_reduce(torch.ones(4, device=self.tensor_device), group=self.pair)
         inputs, targets = self.batch()
         loss = nn.functional.cross_entropy(self.model(inputs), targets)
         self.optimizer.zero_grad()
@@ -312,6 +351,16 @@ class Training:
         if self.args.step_seconds:
             time.sleep(max(0.0, self.args.step_seconds - (time.perf_counter() - synced)))
         return synced
+
+
+def pair_group(rank: int, world_size: int, timeout: datetime.timedelta | None) -> Any:
+    """This rank's group of two (ranks 0-1, 2-3, ...; the last alone in an odd world): every rank creates
+    every pair, in the same order, as torch.distributed asks."""
+    pairs = [
+        dist.new_group(list(range(first, min(first + 2, world_size))), timeout=timeout)
+        for first in range(0, world_size, 2)
+    ]
+    return pairs[rank // 2]
 
 
 def out_of_memory(module: nn.Module, inputs: Any) -> None:
@@ -361,6 +410,10 @@ class StepReport:
 def main() -> None:
     args = parse_args()
     training = Training(args)
+    if args.fr_dump_after:
+        from flare_exporter.local.workloads.flight_recorder_dumps import DumpOnHang  # a script: absolute
+
+        DumpOnHang(args.fr_dump_after).start()
     if args.start_after:
         open(f"{args.start_after}.ready", "w").close()
         while not os.path.exists(args.start_after):

@@ -9,16 +9,28 @@ from typing import Any
 
 from .catalog import dashboards
 from .metrics import GROUP_INFO, RANK_INFO
-from .model import DATASOURCE, FIRING_ALERTS, Dashboard, Panel
+from .model import (
+    DATASOURCE,
+    DEFAULT_K,
+    FIRING_ALERTS,
+    K_CHOICES,
+    SELECTOR,
+    Dashboard,
+    Panel,
+    with_selector,
+)
 
 TAG = "flare"
 
 
-def all_json() -> dict[str, dict[str, Any]]:
-    """{file name: JSON model} of every dashboard, each linked to the others."""
+def all_json(selector: str = "") -> dict[str, dict[str, Any]]:
+    """{file name: JSON model} of every dashboard, each linked to the others; `selector` (label matchers,
+    as rules.check_selector returns them) ANDed into every query of flare's own series."""
     every = dashboards()
     return {
-        f"{dashboard.uid}.json": build(dashboard, [other for other in every if other is not dashboard])
+        f"{dashboard.uid}.json": build(
+            dashboard, [other for other in every if other is not dashboard], selector
+        )
         for dashboard in every
     }
 
@@ -28,20 +40,20 @@ def render(model: Mapping[str, Any]) -> str:
     return json.dumps(model, indent=2, sort_keys=True) + "\n"
 
 
-def build(dashboard: Dashboard, others: Iterable[Dashboard] = ()) -> dict[str, Any]:
-    """The dashboard's JSON model, linked to `others`."""
+def build(dashboard: Dashboard, others: Iterable[Dashboard] = (), selector: str = "") -> dict[str, Any]:
+    """The dashboard's JSON model, linked to `others`, `selector` ANDed into its queries (see all_json)."""
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models import dashboard as models
 
     datasource = models.DataSourceRef(type_val="prometheus", uid=DATASOURCE)
     result = _dashboard_settings(dashboard)
-    for variable in _variables(dashboard, datasource):
+    for variable in _variables(dashboard, datasource, selector):
         result = result.with_variable(variable)
     result = result.annotation(_alerts_annotation(datasource))
     for other in others:
         result = result.link(_link_to(other))
     for number, (panel, position) in enumerate(_layout(dashboard), start=1):
-        result = result.with_panel(_panel(panel, number, position, datasource))
+        result = result.with_panel(_panel(panel, number, position, datasource, selector))
     # written as Grafana's typed model reads it back, defaults filled in: a fixed point of the check
     return typed_round_trip(json.loads(json.dumps(result.build(), cls=JSONEncoder)))
 
@@ -77,21 +89,52 @@ def _dashboard_settings(dashboard: Dashboard) -> Any:
     )
 
 
-def _variables(dashboard: Dashboard, datasource: Any) -> list[Any]:
-    """$datasource, $run, $group and $rank (one rank on the rank dashboard, else any number)."""
+def _variables(dashboard: Dashboard, datasource: Any, selector: str) -> list[Any]:
+    """$datasource, $selector (the view's extra label matchers), $run, $group and $rank (one rank on the
+    rank dashboard, else any number), and $k where a panel shows the top or bottom k."""
     from grafana_foundation_sdk.builders import dashboard as builders
 
-    return [
+    scoped = with_selector(SELECTOR, selector)
+    variables = [
         builders.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        _query_variable(datasource, "run", f"label_values({RANK_INFO}, run)"),
-        _query_variable(datasource, "group", f'label_values({GROUP_INFO}{{run="$run"}}, group)', multi=True),
+        builders.TextBoxVariable("selector")
+        .label("Selector")
+        .description(
+            'Extra label matchers ANDed into every query of flare\'s own series, e.g. cluster="eu-1" '
+            "(empty: none)"
+        )
+        .default_value(""),
+        _query_variable(datasource, "run", f"label_values({RANK_INFO}{{{scoped}}}, run)"),
+        _query_variable(
+            datasource, "group", f'label_values({GROUP_INFO}{{run="$run", {scoped}}}, group)', multi=True
+        ),
         _query_variable(
             datasource,
             "rank",
-            f'label_values({RANK_INFO}{{run="$run"}}, rank)',
+            f'label_values({RANK_INFO}{{run="$run", {scoped}}}, rank)',
             multi=not dashboard.single_rank,
         ),
     ]
+    if "k" in dashboard.variables:
+        variables.append(_k_variable())
+    return variables
+
+
+def _k_variable() -> Any:
+    """$k: how many ranks (or groups) the top-k and bottom-k tables and series show."""
+    from grafana_foundation_sdk.builders import dashboard as builders
+    from grafana_foundation_sdk.models import dashboard as models
+
+    return (
+        builders.CustomVariable("k")
+        .label("Top / bottom k")
+        .description("How many ranks (or groups) the top-k and bottom-k tables and series show")
+        .values(",".join(str(k) for k in K_CHOICES))
+        .current(models.VariableOption(selected=True, text=str(DEFAULT_K), value=str(DEFAULT_K)))
+        .options(
+            [models.VariableOption(selected=k == DEFAULT_K, text=str(k), value=str(k)) for k in K_CHOICES]
+        )
+    )
 
 
 def _query_variable(datasource: Any, name: str, query: str, multi: bool = False) -> Any:
@@ -159,7 +202,7 @@ def _layout(dashboard: Dashboard) -> list[tuple[Panel, dict[str, int]]]:
 # a panel: its queries, its values' scale, links and hidden columns, and the options of its kind
 
 
-def _panel(panel: Panel, number: int, position: dict[str, int], datasource: Any) -> Any:
+def _panel(panel: Panel, number: int, position: dict[str, int], datasource: Any, selector: str) -> Any:
     """The panel's builder, numbered `number` and placed at `position`."""
     from grafana_foundation_sdk.builders import (
         bargauge,
@@ -189,16 +232,16 @@ def _panel(panel: Panel, number: int, position: dict[str, int], datasource: Any)
         .datasource(datasource)
         .grid_pos(models.GridPos(x=position["x"], y=position["y"], w=position["w"], h=position["h"]))
     )
-    for query in _queries(panel, datasource):
+    for query in _queries(panel, datasource, selector):
         built = built.with_target(query)
+    if panel.max_points:
+        built = built.max_data_points(panel.max_points)
     built = _with_scale(built, panel)
-    if panel.repeat:
-        built = built.repeat(panel.repeat).repeat_direction("h")
-    built = _with_links_and_hidden_columns(built, panel)
+    built = _with_links_and_columns(built, panel)
     return _with_options_of_kind(built, panel)
 
 
-def _queries(panel: Panel, datasource: Any) -> list[Any]:
+def _queries(panel: Panel, datasource: Any, selector: str) -> list[Any]:
     """The panel's Prometheus queries, refIds A, B, ... in order."""
     from grafana_foundation_sdk.builders import prometheus
     from grafana_foundation_sdk.models import prometheus as prometheus_models
@@ -209,7 +252,7 @@ def _queries(panel: Panel, datasource: Any) -> list[Any]:
             prometheus.Dataquery()
             .ref_id(chr(ord("A") + index))
             .datasource(datasource)
-            .expr(target.expr)
+            .expr(with_selector(target.expr, selector))
             .format(prometheus_models.PromQueryFormat(target.format))
         )
         query = query.instant() if target.instant else query.range()
@@ -224,8 +267,9 @@ def _with_scale(built: Any, panel: Panel) -> Any:
     from grafana_foundation_sdk.builders import dashboard as builders
     from grafana_foundation_sdk.models import dashboard as models
 
-    if panel.unit:
-        built = built.unit(panel.unit)
+    unit = "short" if panel.count and not panel.unit else panel.unit
+    if unit:
+        built = built.unit(unit)
     if panel.min is not None:
         built = built.min(panel.min)
     if panel.max is not None:
@@ -239,26 +283,37 @@ def _with_scale(built: Any, panel: Panel) -> Any:
     return built
 
 
-def _with_links_and_hidden_columns(built: Any, panel: Panel) -> Any:
-    """The panel with data links on its rank field and its hidden table columns, where it has them."""
+def _with_links_and_columns(built: Any, panel: Panel) -> Any:
+    """The panel with data links on its rank field, and a table's hidden columns, value column name and
+    order, where it has them."""
+    from grafana_foundation_sdk.builders import common
     from grafana_foundation_sdk.models import dashboard as models
 
     if panel.links:
         links = [{"title": title, "url": url} for title, url in panel.links]
         built = built.override_by_name("rank", [models.DynamicConfigValue(id_val="links", value=links)])
+    organize: dict[str, Any] = {}
     if panel.hide_columns:
-        hidden = {name: True for name in panel.hide_columns}
-        built = built.with_transformation(
-            models.DataTransformerConfig(id_val="organize", options={"excludeByName": hidden})
+        organize["excludeByName"] = {name: True for name in panel.hide_columns}
+    if panel.value_name:
+        organize["renameByName"] = {"Value": panel.value_name}
+        built = built.sort_by(
+            [common.TableSortByFieldState().display_name(panel.value_name).desc(not panel.ascending)]
         )
+    if organize:
+        built = built.with_transformation(models.DataTransformerConfig(id_val="organize", options=organize))
     return built
 
 
 def _with_options_of_kind(built: Any, panel: Panel) -> Any:
-    """The panel with the options its kind shows: legends, the last value, headers, orientation, cells."""
+    """The panel with the options its kind shows: stacking, legends, the last value, headers, orientation,
+    cells."""
     from grafana_foundation_sdk.builders import common, heatmap
     from grafana_foundation_sdk.models import common as common_models
 
+    if panel.stacked:
+        stacking = common.StackingConfig().mode(common_models.StackingMode.NORMAL)  # type: ignore[arg-type]  # the SDK's StrEnums, under mypy for Python 3.10
+        built = built.stacking(stacking).fill_opacity(60)
     if panel.kind in ("timeseries", "state-timeline"):
         built = built.legend(
             common.VizLegendOptions()
@@ -276,6 +331,7 @@ def _with_options_of_kind(built: Any, panel: Panel) -> Any:
         built = (
             built.calculate(False)
             .rows_frame(heatmap.RowsHeatmapOptions().layout(common_models.HeatmapCellLayout.LE))  # type: ignore[arg-type]  # the SDK's StrEnums, under mypy for Python 3.10
-            .y_axis(heatmap.YAxisConfig().unit(panel.unit or "s"))
+            .y_axis(heatmap.YAxisConfig().unit(panel.unit))
+            .cell_values(heatmap.CellValues().unit(panel.cell_unit))
         )
     return built

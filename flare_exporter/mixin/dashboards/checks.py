@@ -13,11 +13,11 @@ from ... import spec
 from .. import rules
 from .catalog import dashboards
 from .metrics import PROMETHEUS_SERIES, RECORDED
-from .model import DATASOURCE, FIRING, FIRING_ALERTS, slug
+from .model import DATASOURCE, FIRING, FIRING_ALERTS, VARIABLES, Dashboard, K, slug, with_selector
 
 METRIC_BEFORE_SELECTOR = re.compile(r"(?<![\w:.$])([A-Za-z_:][\w:]*)\s*\{")
-VARIABLES = ("datasource", "run", "group", "rank")
 GRID_COLUMNS = 24
+NO_UNIT = ("", "none")
 DATASOURCE_REF = {"type": "prometheus", "uid": DATASOURCE}
 
 
@@ -67,13 +67,28 @@ def _dashboard_problems(where: str, model: Mapping[str, Any], paths: set[str]) -
         found.append(f"{where}: schemaVersion {model.get('schemaVersion')} is older than 36")
     if not re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", model.get("uid", "")):
         found.append(f"{where}: uid {model.get('uid')!r} is not a valid Grafana uid")
-    variables = [variable["name"] for variable in model.get("templating", {}).get("list", [])]
-    if variables != list(VARIABLES):
-        found.append(f"{where}: variables are {variables}, not {list(VARIABLES)}")
+    found += _variable_problems(where, model)
     for link in model.get("links", []):
         to_itself = link.get("url", "").startswith(f"/d/{model['uid']}/")
         if link.get("url", "").split("?")[0] not in paths or to_itself:
             found.append(f"{where}: link {link.get('url')!r} is not another flare dashboard")
+    return found
+
+
+def _variable_problems(where: str, model: Mapping[str, Any]) -> list[str]:
+    """Variables other than every flare dashboard's (and $k where a panel shows the top or bottom k), and a
+    rank variable that takes several ranks (or All) on a dashboard whose queries want one."""
+    found = []
+    variables = {variable["name"]: variable for variable in model.get("templating", {}).get("list", [])}
+    texts = queries(model) + [panel.get("title", "") for panel in model.get("panels", [])]
+    expected = [*VARIABLES, *(["k"] if any(K in text for text in texts) else [])]
+    if list(variables) != expected:
+        found.append(f"{where}: variables are {list(variables)}, not {expected}")
+    rank = variables.get("rank", {})
+    if any('rank="$rank"' in expr for expr in queries(model)) and (
+        rank.get("multi") or rank.get("includeAll")
+    ):
+        found.append(f"{where}: its queries take one rank, but $rank takes several (or All)")
     return found
 
 
@@ -89,7 +104,49 @@ def _panels_problems(where: str, panels: Sequence[Mapping[str, Any]], uids: set[
         found += _grid_problems(title, panel, cells)
         found += _query_problems(title, panel)
         found += _data_link_problems(title, panel, uids)
+        found += _repeat_and_unit_problems(title, panel)
     return found
+
+
+def _repeat_and_unit_problems(title: str, panel: Mapping[str, Any]) -> list[str]:
+    """A panel repeated per value of a variable (at thousands of ranks, thousands of panels), and a numeric
+    panel without a unit (a pure count says so: "short")."""
+    found = []
+    if panel.get("repeat"):
+        found.append(f"{title}: repeats per ${panel['repeat']} (one copy per value)")
+    if _numeric(panel) and panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "") in NO_UNIT:
+        found.append(f"{title}: no unit (a pure count has unit short)")
+    return found
+
+
+def _numeric(panel: Mapping[str, Any]) -> bool:
+    """Whether the panel shows numbers: any but a table whose Value column is hidden."""
+    hidden: set[str] = set()
+    for transformation in panel.get("transformations", []):
+        hidden |= set(transformation.get("options", {}).get("excludeByName", {}))
+    return panel.get("type") != "table" or "Value" not in hidden
+
+
+def unit_problems(every: Iterable[Dashboard]) -> list[str]:
+    """Panels whose unit is missing or says nothing ("none"), unless they declare their values pure counts
+    (count=True, shown as "short"), and counts with another unit."""
+    found = []
+    for dashboard in every:
+        for panel in dashboard.panels:
+            where = f"{dashboard.uid}: panel {panel.title!r}"
+            if panel.count and panel.unit not in ("", "short"):
+                found.append(f"{where}: a count with unit {panel.unit!r}")
+            if panel.numeric and not panel.count and panel.unit in NO_UNIT:
+                found.append(f"{where}: no unit (declare count=True for a pure count)")
+    return found
+
+
+def expanded_panel_count(model: Mapping[str, Any], values: Mapping[str, int]) -> int:
+    """How many panels Grafana draws of the dashboard when each variable has values[name] values selected
+    (a panel repeated per a variable is drawn once per value)."""
+    return sum(
+        values.get(panel["repeat"], 1) if panel.get("repeat") else 1 for panel in model.get("panels", [])
+    )
 
 
 def _grid_problems(title: str, panel: Mapping[str, Any], cells: dict[tuple[int, int], str]) -> list[str]:
@@ -154,9 +211,10 @@ def _data_link_problems(title: str, panel: Mapping[str, Any], uids: set[str]) ->
 
 
 def substitute(expr: str, values: Mapping[str, str]) -> str:
-    """`expr` with $name and ${name} replaced by values[name], longest names first."""
+    """`expr` with $name, ${name} and ${name:raw} replaced by values[name], longest names first."""
     for name in sorted(values, key=len, reverse=True):
-        expr = expr.replace("${" + name + "}", values[name]).replace("$" + name, values[name])
+        for form in ("${" + name + ":raw}", "${" + name + "}", "$" + name):
+            expr = expr.replace(form, values[name])
     return expr
 
 
@@ -178,15 +236,16 @@ class PanelQuery:
     needs: frozenset[str] = field(default_factory=frozenset)
 
 
-def panel_queries() -> list[PanelQuery]:
-    """Every query of every panel, with what its signal needs."""
+def panel_queries(selector: str = "") -> list[PanelQuery]:
+    """Every query of every panel, with what its signal needs (`selector`: as generated with it)."""
     found = []
     for dashboard in dashboards():
         for panel in dashboard.panels:
             for index, target in enumerate(panel.targets):
                 ref_id = chr(ord("A") + index)
+                expr = with_selector(target.expr, selector)
                 found.append(
-                    PanelQuery(dashboard.uid, panel.title, ref_id, target.expr, target.instant, panel.needs)
+                    PanelQuery(dashboard.uid, panel.title, ref_id, expr, target.instant, panel.needs)
                 )
         found.append(
             PanelQuery(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ... import spec
-from .. import rules
+from .. import dashboard_rules, perf_rules, rules
 
 THRESHOLDS = rules.Thresholds()
 DEFAULT_HANG_SECONDS = rules.DEFAULT_HANG_SECONDS
@@ -75,3 +75,26 @@ COLLECTOR_SUCCESS = _defined("flare_exporter_collector_success")
 COLLECTOR_DURATION = _defined("flare_exporter_collector_duration_seconds")
 GROUP_MAX_AGE = _defined("run_group:flare_collective_in_flight:max_age_seconds")
 GROUP_RANK_BEHIND = _defined("run_group_rank:flare_collective_issued:behind")
+# The straggler alert's score: each rank's robust z below the median wait share, its lowest over the last
+# windows (the slow signals' rule group records it).
+STRAGGLER_SCORE = _defined("run_rank:flare_straggler_score:held")
+# where the step time goes (rank/perf.py) and what each rank cost the job (the flare.perf rules)
+PHASE_SECONDS = _defined("flare_step_phase_seconds_total")
+PHASE_STEPS = _defined("flare_step_phase_steps_total")
+MODEL_FLOPS = _defined("flare_model_flops_per_step")
+ACHIEVED_FLOPS = _defined("flare_achieved_flops")
+MFU = _defined("flare_mfu_ratio")
+PHASE_PER_STEP = _defined(perf_rules.PER_STEP)
+PHASE_SHARE = _defined(perf_rules.SHARE)
+BOTTLENECK = _defined(perf_rules.BOTTLENECK)
+LOST_BY_RANK = _defined(perf_rules.LOST_BY_RANK)
+LOST_BY_HOST = _defined(perf_rules.LOST_BY_HOST)
+# the hardware canary (rank/canary.py)
+CANARY_RELATIVE = _defined("flare_canary_relative")
+CANARY_FAILED = _defined("flare_canary_failed")
+CANARY_EWMA = _defined("flare_canary_ewma_ratio")
+CANARY_DURATION = _defined("flare_canary_duration_seconds")
+# the ranks heatmaps' buckets, counted by the flare.dashboards rules
+STEP_TIME_RANKS = _defined(dashboard_rules.STEP_TIME_RANKS)
+WAIT_SHARE_RANKS = _defined(dashboard_rules.WAIT_SHARE_RANKS)
+DRIFT_KS_RANKS = _defined(dashboard_rules.DRIFT_KS_RANKS)

@@ -1,8 +1,21 @@
-"""The run at a glance: ranks up, step rates, the firing alerts (the verdicts) and the groups' hang state."""
+"""The run at a glance: ranks up, step rates and times across ranks, the slowest ranks, the firing alerts (the
+verdicts), the groups' hang state, where the step time goes and what it costs (perf.py), the hardware
+canary (canary.py) and the exporters' own health: as many panels and series at 6,144 ranks as at 4."""
 
 from __future__ import annotations
 
-from .metrics import GROUP_MAX_AGE, LAST_COMPLETED, SLOWDOWN, STEPS
+from . import canary, perf
+from .metrics import (
+    COLLECTOR_DURATION,
+    COLLECTOR_SUCCESS,
+    EXPORTER_DROPPED,
+    EXPORTER_ERRORS,
+    GROUP_MAX_AGE,
+    LAST_COMPLETED,
+    SLOWDOWN,
+    STEP_TIME_RANKS,
+    STEPS,
+)
 from .model import (
     FIRING,
     FIRING_ALERTS,
@@ -14,19 +27,27 @@ from .model import (
     RANK_LINK,
     RANKS,
     RATE,
+    RECORDED_GROUPS,
     RULES,
     Dashboard,
     Panel,
     Row,
     Target,
-    liveness,
     mean_step,
+    rank_heatmap,
+    rank_table,
     ranks_gone,
     ranks_up,
+    sel,
+    spread,
     stat,
     table,
     timeseries,
+    top,
+    window_step,
 )
+
+STEP_RATE = f"sum by (rank) (rate({STEPS}{RANKS}[{RATE}]))"
 
 
 def overview() -> Dashboard:
@@ -34,9 +55,21 @@ def overview() -> Dashboard:
     return Dashboard(
         OVERVIEW_UID,
         "Flare / Run overview",
-        "The run at a glance: which ranks are up, how fast they step, what the alerts (the rules engine's "
-        "verdicts in PromQL) name, and whether a process group is hung.",
-        (_headline_counts(), _ranks_over_time(), _step_times(), _verdicts_and_hangs()),
+        "The run at a glance: how many ranks are up, how fast they step and how far apart, the slowest "
+        "ranks, what the alerts (the rules engine's verdicts in PromQL) name, whether a process group is "
+        "hung, where the step time goes (phases, bottleneck classes, MFU, the GPU-hours each rank and "
+        "host cost), what the hardware canary measured, and the exporters' own health. Ranks show as "
+        "counts, spreads, heatmaps and top-k tables: the same panels at any number of ranks.",
+        (
+            _headline_counts(),
+            _ranks_and_step_rates(),
+            _step_times(),
+            _slowest_ranks(),
+            _verdicts_and_hangs(),
+            *perf.overview_rows(),
+            *canary.overview_rows(),
+            _exporter_health(),
+        ),
     )
 
 
@@ -50,6 +83,7 @@ def _headline_counts() -> Row:
             ranks_up(RANKS),
             width=6,
             height=4,
+            count=True,
         ),
         stat(
             "Ranks down",
@@ -58,14 +92,16 @@ def _headline_counts() -> Row:
             ranks_gone(RANKS),
             width=6,
             height=4,
+            count=True,
             steps=red_from_one,
         ),
         stat(
             "Slowest rank's step rate",
             "Optimizer steps per second of the slowest rank.",
-            f"min(rate({STEPS}{RANKS}[{RATE}]))",
+            f"min({STEP_RATE})",
             width=6,
             height=4,
+            unit="ops",
         ),
         stat(
             "Firing alerts",
@@ -73,65 +109,91 @@ def _headline_counts() -> Row:
             f"count({FIRING_ALERTS})",
             width=6,
             height=4,
+            count=True,
             needs=frozenset({FIRING}),
             steps=red_from_one,
         ),
     )
 
 
-def _ranks_over_time() -> Row:
-    """Each rank's liveness and step rate over time."""
+def _ranks_and_step_rates() -> Row:
+    """How many ranks are up and down over time, and the spread of their step rates."""
     return (
-        Panel(
-            "state-timeline",
-            "Ranks up / down",
-            f"1: the rank reports (its flare_rank_info is scraped); 0: it reported within the last "
-            f"{LIVENESS_WINDOW} and no longer does.",
-            (Target(liveness(RANKS, "rank"), "rank {{rank}}"),),
+        timeseries(
+            "Ranks up and down",
+            f"Up: ranks that report (their flare_rank_info is scraped); down: ranks that reported within "
+            f"the last {LIVENESS_WINDOW} and no longer do. The verdict table names them.",
+            Target(ranks_up(RANKS), "up"),
+            Target(ranks_gone(RANKS), "down"),
             width=12,
             height=8,
-            steps=((None, "red"), (1, "green")),
+            count=True,
         ),
         timeseries(
-            "Step rate by rank",
-            "Optimizer steps per second of each rank.",
-            Target(f"sum by (rank) (rate({STEPS}{RANKS}[{RATE}]))", "rank {{rank}}"),
+            "Step rate across ranks",
+            "Optimizer steps per second: the slowest, the median and the fastest rank.",
+            *spread(STEP_RATE, "rank"),
             width=12,
             height=8,
-            unit="none",
+            unit="ops",
         ),
     )
 
 
 def _step_times() -> Row:
-    """How far apart the ranks' step times are, and how far each is from its own best."""
+    """How far apart the ranks' step times are, and every rank's step time counted per bucket over time."""
     return (
         timeseries(
             "Step time spread across ranks",
             "Each rank's mean step time over the interval: the fastest, the median and the slowest "
-            "rank. A wide gap is a straggler (the Collectives dashboard says which rank).",
-            Target(f"min(\n{mean_step(RANKS)}\n)", "fastest rank"),
-            Target(f"quantile(0.5,\n{mean_step(RANKS)}\n)", "median rank"),
-            Target(f"max(\n{mean_step(RANKS)}\n)", "slowest rank"),
+            "rank. A wide gap is a straggler (the tables below and the Collectives dashboard say which).",
+            *spread(mean_step(RANKS), "rank"),
             width=12,
             height=8,
             unit="s",
         ),
-        timeseries(
-            "Slowdown against each rank's own best",
-            "The last straggler window's mean step time over the rank's own best window (1: as fast "
-            "as it has ever been).",
-            Target(f"max by (rank) ({SLOWDOWN}{RANKS})", "rank {{rank}}"),
+        rank_heatmap(
+            "Ranks by step time",
+            "How many of the run's ranks had each mean step time over their last straggler window, over "
+            "time: the pack is a band, a straggler a lone cell above it (the ranks are counted by the "
+            "flare.dashboards rules once a minute: one series per bucket whatever the number of ranks; "
+            "every rank of the run, whatever $rank and $selector).",
+            STEP_TIME_RANKS,
+            unit="s",
             width=12,
             height=8,
-            unit="none",
+        ),
+    )
+
+
+def _slowest_ranks() -> Row:
+    """The $k ranks with the longest step time, and those most slowed down against their own best."""
+    return (
+        rank_table(
+            "Slowest ranks (top $k by step time)",
+            "The ranks with the longest mean step time over their last straggler window, with their host. "
+            "Click a rank for its detail.",
+            top(window_step()),
+            value="step time",
+            unit="s",
+            width=12,
+            height=8,
+        ),
+        timeseries(
+            "Most slowed down against their own best (top $k)",
+            "The last straggler window's mean step time over the rank's own best window (1: as fast "
+            "as it has ever been), for the $k ranks most slowed down at each time.",
+            Target(top(f"max by (rank) ({SLOWDOWN}{RANKS})"), "rank {{rank}}"),
+            width=12,
+            height=8,
+            unit="suffix:×",
             steps=((None, "green"), (1.5, "orange"), (3, "red")),
         ),
     )
 
 
 def _verdicts_and_hangs() -> Row:
-    """The firing alerts as a table of verdicts, and each group's oldest collective in flight."""
+    """The firing alerts as a table of verdicts, and the $k groups with the oldest collective in flight."""
     return (
         table(
             "Current verdicts (firing alerts)",
@@ -148,14 +210,16 @@ def _verdicts_and_hangs() -> Row:
         ),
         Panel(
             "bargauge",
-            "Hang state per process group",
-            "Age of each group's oldest unfinished collective (0: nothing in flight). At the run's hang "
-            f"threshold (its ranks' hang_seconds; colours at {HANG:g} s, the default) the group is hung and "
-            "FlareCollectiveHang fires.",
+            "Hang state: oldest collective in flight (top $k groups)",
+            "Age of the oldest unfinished collective of the $k groups where it is oldest (0: nothing in "
+            f"flight). At the run's hang threshold (its ranks' hang_seconds; colours at {HANG:g} s, the "
+            "default) the group is hung and FlareCollectiveHang fires.",
             (
                 Target(
-                    f"max by (group) ({GROUP_MAX_AGE}{GROUPS})\n"
-                    f"or max by (group) (0 * {LAST_COMPLETED}{GROUPS})",
+                    top(
+                        f"max by (group) ({GROUP_MAX_AGE}{RECORDED_GROUPS})\n"
+                        f"or max by (group) (0 * {LAST_COMPLETED}{GROUPS})"
+                    ),
                     "{{group}}",
                     instant=True,
                 ),
@@ -167,5 +231,38 @@ def _verdicts_and_hangs() -> Row:
             min=0,
             max=HANG * 1.2,
             steps=HANG_STEPS,
+        ),
+    )
+
+
+def _exporter_health() -> Row:
+    """The $k ranks whose exporter has the most problems, and the $k slowest to collect."""
+    not_failed = sel('queue!="failed_collectives"')  # a failed collective is not the exporter's problem
+    return (
+        rank_table(
+            "Exporter problems (top $k ranks)",
+            "Collectors failing on the last scrape, plus the errors the exporter caught and the events it "
+            "dropped over the dashboard's time range (a failed collective's own drops are not counted). "
+            "0: healthy.",
+            top(
+                f"sum by (rank) (\n  (1 - {COLLECTOR_SUCCESS}{RANKS})\n"
+                f"  or increase({EXPORTER_ERRORS}{RANKS}[$__range])\n"
+                f"  or increase({EXPORTER_DROPPED}{not_failed}[$__range])\n)"
+            ),
+            value="problems",
+            width=12,
+            height=8,
+            count=True,
+            steps=((None, "green"), (1, "red")),
+        ),
+        rank_table(
+            "Slowest exporters (top $k by collection time)",
+            "Time the rank's collectors took on its last scrape, all together: a scrape that nears the "
+            "scrape timeout loses the rank's series.",
+            top(f"sum by (rank) ({COLLECTOR_DURATION}{RANKS})"),
+            value="collection time",
+            unit="s",
+            width=12,
+            height=8,
         ),
     )

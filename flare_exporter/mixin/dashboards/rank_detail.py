@@ -1,8 +1,10 @@
-"""One rank in depth: identity, progress, collectives, where it is stalled, issue latency, GPU, exporter."""
+"""One rank in depth: identity, progress, where its step time goes, collectives, where it is stalled, GPU, its
+canary, issue latency, exporter."""
 
 from __future__ import annotations
 
 from ... import spec
+from . import canary, perf
 from .metrics import (
     BEST_STEP,
     COLLECTIVE_DURATION,
@@ -75,14 +77,17 @@ def rank_detail() -> Dashboard:
     return Dashboard(
         RANK_UID,
         RANK_TITLE,
-        "Everything about one rank: identity, progress, collectives, what it is doing when stalled, its "
-        "issue latency, its GPU's health and the exporter's own health.",
+        "Everything about one rank: identity, progress, where its step time goes, collectives, what it is "
+        "doing when stalled, its GPU's health, its canary measurements, its issue latency and the "
+        "exporter's own health.",
         (
             _identity_and_progress(),
             _step_and_collective_times(),
+            perf.rank_row(),
             _in_flight_and_stalled(),
             _gpu_clocks_and_power(),
             _gpu_link_and_errors(),
+            canary.rank_row(),
             _latency_and_exporter_health(),
         ),
         single_rank=True,
@@ -108,9 +113,10 @@ def _identity_and_progress() -> Row:
             liveness(THE_RANK, "rank"),
             width=4,
             height=5,
+            unit="bool_yes_no",
             steps=((None, "red"), (1, "green")),
         ),
-        stat("Steps", "Optimizer steps taken.", f"max({STEPS}{THE_RANK})", width=4, height=5),
+        stat("Steps", "Optimizer steps taken.", f"max({STEPS}{THE_RANK})", width=4, height=5, count=True),
         stat(
             "Since last progress",
             "Seconds since the training thread last stepped or issued a collective.",
@@ -168,6 +174,7 @@ def _in_flight_and_stalled() -> Row:
             unit="s",
             needs=frozenset({STALLED}),
             hide_columns=("Time",),
+            value_name="age",
         ),
         table(
             "Stalled in / exception",
@@ -195,6 +202,7 @@ def _gpu_clocks_and_power() -> Row:
             ),
             width=8,
             height=8,
+            unit="bool_on_off",
             needs=NEEDS_GPU,
             steps=((None, "transparent"), (1, "orange")),
         ),
@@ -242,7 +250,7 @@ def _gpu_link_and_errors() -> Row:
             Target(f"max({GPU_PCIE_WIDTH_MAX}{THE_RANK})", "width max"),
             width=8,
             height=7,
-            unit="none",
+            count=True,
             needs=NEEDS_GPU,
         ),
         timeseries(
@@ -254,7 +262,7 @@ def _gpu_link_and_errors() -> Row:
             Target(f"max by (counter) (increase({GPU_NVLINK}{THE_RANK}[{RATE}]))", "NVLink {{counter}}"),
             width=8,
             height=7,
-            unit="none",
+            count=True,
             needs=NEEDS_GPU,
         ),
         timeseries(
@@ -268,14 +276,14 @@ def _gpu_link_and_errors() -> Row:
             ),
             width=8,
             height=7,
-            unit="none",
+            count=True,
             needs=NEEDS_GPU,
         ),
     )
 
 
 def _latency_and_exporter_health() -> Row:
-    """The rank's issue latency and its drift, and whether its exporter is healthy."""
+    """The rank's issue latency and its drift, and whether its exporter is healthy and how long it takes."""
     return (
         timeseries(
             "Issue latency p50 / p90",
@@ -284,35 +292,43 @@ def _latency_and_exporter_health() -> Row:
             Target(quantile(0.9, KERNEL_ILD, THE_RANK, "rank"), "kernel issue p90"),
             Target(quantile(0.5, DISPATCH_ILD, THE_RANK, "rank"), "host dispatch p50"),
             Target(quantile(0.9, DISPATCH_ILD, THE_RANK, "rank"), "host dispatch p90"),
-            width=8,
+            width=6,
             height=7,
             unit="s",
             needs=frozenset({KERNEL}),
         ),
         timeseries(
             "ILD drift from baseline (KS)",
-            "Kolmogorov-Smirnov drift of both distributions from this rank's baseline.",
+            "Kolmogorov-Smirnov drift of both distributions from this rank's baseline (0: same "
+            "distribution, 100%: disjoint).",
             Target(f"max by (distribution) ({DRIFT_KS}{THE_RANK})", "{{distribution}}"),
-            width=8,
+            width=6,
             height=7,
-            unit="none",
+            unit="percentunit",
             needs=frozenset({DRIFT}),
             min=0,
             max=1,
         ),
         timeseries(
-            "Exporter health",
-            "Collectors failing (1), and errors and dropped events over the interval, by component "
-            "and queue; the collectors' scrape durations are in the exporter's own series.",
+            "Exporter problems",
+            "Collectors failing (1 each), and errors caught and events dropped over the interval, by "
+            "component and queue.",
             Target(
                 f"max by (collector) (1 - {COLLECTOR_SUCCESS}{THE_RANK})\n"
                 f"or sum by (component) (increase({EXPORTER_ERRORS}{THE_RANK}[{RATE}]))\n"
                 f"or sum by (queue) (increase({EXPORTER_DROPPED}{THE_RANK}[{RATE}]))",
                 "{{collector}}{{component}}{{queue}}",
             ),
-            Target(f"max by (collector) ({COLLECTOR_DURATION}{THE_RANK})", "{{collector}} scrape time"),
-            width=8,
+            width=6,
             height=7,
-            unit="none",
+            count=True,
+        ),
+        timeseries(
+            "Collection time",
+            "Time each of the rank's collectors took on the scrape.",
+            Target(f"max by (collector) ({COLLECTOR_DURATION}{THE_RANK})", "{{collector}}"),
+            width=6,
+            height=7,
+            unit="s",
         ),
     )

@@ -1,4 +1,4 @@
-"""Issue-latency distributions (ILD): the two histograms and their drift from the rank's baseline."""
+"""Issue-latency distributions (ILD): two histograms, and every distribution's drift from its baseline."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ class IldCollector:
         op_shift = families.new("flare_ild_op_shift_seconds")
         if ild is None:
             return [kernel, dispatch, ks, wasserstein, op_shift]
-        for family, latency in ((kernel, ild.kernel_issue), (dispatch, ild.host_dispatch)):
-            if latency.active:  # a source exists (a launch seen, a window opened): absent otherwise
+        histograms = ((kernel, ild.kernel_issue), (dispatch, ild.host_dispatch), (None, ild.host_gap))
+        for family, latency in histograms:  # host_gap: its drift only (ild.py)
+            if family is not None and latency.active:  # a source exists (a launch seen, a window opened)
                 families.add_histogram(family, (), latency.histogram)
             current = latency.drift.current
             if current is not None:

@@ -22,6 +22,7 @@
 // next collective is issued, and renders while training waits for it (TimingManager.await_collective).
 
 #include "collectives.h"
+#include "dispatch_timer.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -348,7 +349,10 @@ class WaitedWork : public c10d::Work {
 
  private:
   void stamp(bool failed) {
-    if (!stamped_.exchange(true, std::memory_order_acq_rel)) CollectiveLog::complete(record_, failed, now_ns());
+    if (stamped_.exchange(true, std::memory_order_acq_rel)) return;
+    int64_t now = now_ns();
+    note_completion(now);  // a wait that returned: the caller's host gap was that wait
+    CollectiveLog::complete(record_, failed, now);
   }
 
   c10::intrusive_ptr<c10d::Work> inner_;
@@ -371,7 +375,9 @@ c10::intrusive_ptr<c10d::Work> CollectiveLog::track(Record* record, const c10::i
   }
   future->addCallback(
       [log = shared_from_this(), record](c10::ivalue::Future& done) {
-        log->complete(record, done.hasError(), now_ns());
+        int64_t now = now_ns();
+        note_completion(now);
+        log->complete(record, done.hasError(), now);
       },
       /*uses_future=*/false);
   return work;
