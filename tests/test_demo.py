@@ -43,3 +43,12 @@ def test_demo_rejects_bad_arguments():
     with pytest.raises(SystemExit) as exit:
         demo.main(["--ranks", "0"])
     assert exit.value.code == 2
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
+def test_make_demo_fault_names_the_stuck_rank_as_soon_as_the_hang_is_declared(capsys):
+    # `make demo-fault FAULT=stuck`: flare asks Prometheus the moment the hang threshold has passed, when no
+    # number Prometheus holds was scraped after the hang began; it must still name rank 2, not a group fault
+    demo.main(["--fault", "stuck", "--fault-rank", "2"])
+    verdicts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("HANG")]
+    assert verdicts and all(line.startswith("HANG (rank: rank 2)") for line in verdicts), verdicts

@@ -222,6 +222,16 @@ def test_a_rank_scraped_after_the_newest_issue_but_before_the_hang_is_not_judged
     assert only(diag(*records)).ranks == (1, 2)
 
 
+def test_right_after_the_hang_the_ranks_behind_since_the_newest_issue_are_judged():
+    # a scrape interval after the hang began no number is yet from after it: rank 2's, scraped after the
+    # others issued 5, still names it (not "every rank inside the collective": a communication fault)
+    records = [rank(0, world=waiting(5)), rank(3, world=waiting(5))]
+    records += [rank(1, world=waiting(5)), rank(2, world=done(4)._replace(seen_at=NOW - 40))]
+    verdict = only(diag(*records))
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    assert "seen_before_stall" not in verdict.evidence
+
+
 def test_late_scrapes_of_most_ranks_do_not_make_the_ranks_ahead_a_mismatch():
     # five of eight ranks were last scraped before the stall: counted behind, they would be a majority
     records = [rank(r, world=seen_before_stall(done(4))) for r in (0, 1, 2, 3, 4)]

@@ -370,9 +370,11 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     at; none behind, a mismatch where the members have different collectives in flight, else a hang inside
     the collective."""
     live = snapshot.live_states[hang.name]
-    behind = behind_in(live, hang.max_issued, hang)
+    # judged on numbers scraped once the group was hung; where none is yet (a scrape interval after the
+    # hang began), on those scraped since its newest issue, as before the hang: never "no one is behind"
+    behind = behind_in(live, hang.max_issued, hang) or behind_in(live, hang.max_issued)
     ahead = [rank for rank, state in live if state.last_issued == hang.max_issued]
-    evidence = _hang_evidence(hang, live, len(ahead))
+    evidence = _hang_evidence(hang, live, len(ahead), behind)
     if behind and len(behind) * 2 > len(live):
         return _issued_alone_verdict(snapshot, hang, ahead, behind, evidence)
     if behind:
@@ -389,10 +391,12 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     return _inside_collective_verdict(hang, inside, evidence)
 
 
-def _hang_evidence(hang: GroupHang, live: tuple[tuple[int, GroupState], ...], at_top: int) -> dict[str, Any]:
+def _hang_evidence(
+    hang: GroupHang, live: tuple[tuple[int, GroupState], ...], at_top: int, behind: list[int]
+) -> dict[str, Any]:
     """What every verdict on a hung group shows: how long it has waited, its top issued number, the live
-    members' numbers below it and how many (`at_top`) are at it, and which members were not judged (their
-    number scraped before the group's newest issue)."""
+    members' numbers below it and how many (`at_top`) are at it, and which members below it were not judged
+    (`behind` are those judged: their number scraped late)."""
     evidence: dict[str, Any] = {
         "oldest_in_flight_seconds": round(hang.oldest_age, 3),
         "max_issued_seq": hang.max_issued,
@@ -402,9 +406,8 @@ def _hang_evidence(hang: GroupHang, live: tuple[tuple[int, GroupState], ...], at
         },
         "ranks_at_max_issued_seq": at_top,
     }
-    unjudged = [
-        rank for rank, state in live if state.last_issued < hang.max_issued and not hang.judges(state)
-    ]
+    judged = set(behind)
+    unjudged = [rank for rank, state in live if state.last_issued < hang.max_issued and rank not in judged]
     if unjudged:
         evidence["seen_before_stall"] = unjudged
     return evidence
