@@ -136,7 +136,9 @@ def test_slowed_issue_path_on_one_rank_is_named_and_paged_by_its_host_dispatch_l
         tmp_path, alerting, "host-delay", 3, "--fault", "host-delay", "--host-delay-seconds", "20e-6"
     )
     assert verdict["domain"] == "rank"
-    assert verdict["evidence"]["distributions"] == ["host_dispatch"]
+    # the busy-wait lies between ops too: the host gaps may shift with it
+    assert "host_dispatch" in verdict["evidence"]["distributions"]
+    assert set(verdict["evidence"]["distributions"]) <= {"host_dispatch", "host_gap"}
     shifted = verdict["evidence"]["shifted"]["3"]["host_dispatch"]
     assert shifted["wasserstein_seconds"] > 5e-6 and shifted["ks"] >= IldPolicy().partial_ks
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -273,7 +274,11 @@ class Canary:
                     file=sys.stderr,
                     flush=True,
                 )
-            raise SystemExit(spec.CANARY_EXIT_CODE)
+            # at once: the interpreter's teardown with the process groups' threads alive aborted a rank
+            # (SIGABRT, "terminate called without an active exception") instead of exiting 75
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(spec.CANARY_EXIT_CODE)
         if speaks:
             log.warning(
                 "flare canary: preflight failed: %s (canary=warn: training goes on)", describe(primary)
