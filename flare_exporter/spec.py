@@ -435,6 +435,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "Steps accounted in flare_step_phase_seconds_total.",
     ),
     MetricSpec(
+        "flare_step_collective_seconds_total",
+        COUNTER,
+        "seconds",
+        "The collective phase of this rank's steps by the role of the group waited on.",
+        ("role",),
+        detail=(
+            "Sums to the collective phase of flare_step_phase_seconds_total. Within a busy period of "
+            "overlapping collectives, the exposed part (from the period's last issue to its end) is the "
+            "role's of the last-issued collective's group (flare_process_group_info: dp, tp, pp, ep, cp, "
+            "world, other). Present for the roles of the rank's process groups, 0 until waited on."
+        ),
+    ),
+    MetricSpec(
         "flare_model_flops_per_step",
         GAUGE,
         "",

@@ -29,7 +29,7 @@ DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 needs_prometheus = pytest.mark.skipif(not shutil.which("prometheus"), reason="prometheus is not installed")
 # The panels of each dashboard: fixed, whatever the number of ranks (none is repeated per rank).
 PANELS = {
-    "flare-overview.json": 26,
+    "flare-overview.json": 27,
     "flare-collectives.json": 11,
     "flare-issue-latency.json": 9,
     "flare-rank.json": 27,
@@ -291,9 +291,13 @@ def nonzero_panels(url, queries, window, run, **variables) -> list[str]:
 
 def recorded_ranks_per_bucket(url, record: str, window, run) -> list[float]:
     """The run's counts of the flare.dashboards recording `record` at the window's end, evaluated from its
-    rule's expression (the CPU job's Prometheus loads no rules), by bucket bound (+Inf last: every rank)."""
+    rule's expression (the CPU job's Prometheus loads no rules), by bucket bound (+Inf last: every rank). The
+    per-rank recordings it counts are inlined (their rules come first in the group)."""
     exprs = {rule.record: rule.expr for rule in dashboard_rules.dashboard_recording_rules(rules.Thresholds())}
-    found = dashboard_preview.evaluate(url, exprs[record], True, window)
+    expr = exprs[record]
+    for name, per_rank in exprs.items():
+        expr = expr.replace(name, f"({per_rank})") if name != record else expr
+    found = dashboard_preview.evaluate(url, expr, True, window)
     counts = sorted((float(s.labels["le"]), s.points[-1][1]) for s in found if s.labels["run"] == run)
     return [value for _, value in counts]
 

@@ -105,10 +105,11 @@ def fixed_state() -> FlareState:
         runs={"preflight": 1, "in_flight": 2},
         durations={"preflight": 1.5, "in_flight": 0.0625},
     )
-    # the step breakdown: three steps of 0.125 s (40 ms in collectives), 1 GFLOP each, a 100 GFLOP/s peak
+    # the step breakdown: three steps of 0.125 s (40 ms in collectives: 30 ms world, 10 ms tp), 1 GFLOP each,
+    # a 100 GFLOP/s peak
     state.perf = PerfMonitor(None, Config(model_flops_per_step=1e9, peak_flops=1e11))
     for step in (2, 3, 4):
-        state.perf.on_step(step, 0.125, 0.04)
+        state.perf.on_step(step, 0.125, 0.04, {"world": 0.03, "tp": 0.01})
     return state
 
 

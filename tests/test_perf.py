@@ -1,6 +1,7 @@
-"""Where the step time goes: the exposed-collective arithmetic, the badput ledger, the bottleneck classes,
-MFU, and real 4-rank gloo jobs built to be input-, communication- and compute-bound, and one with a
-straggler that sleeps a known time in every step.
+"""Where the step time goes: the exposed-collective arithmetic (and its split by group role), the badput
+ledger, the bottleneck classes, MFU, and real 4-rank gloo jobs built to be input-, communication- (with
+tensor-parallel pair groups) and compute-bound, and one with a straggler that sleeps a known time in every
+step.
 
 Each job is the unmodified DDP workload under the launcher; `flare perf --targets` and `flare stragglers
 --targets` read the ranks' endpoints once every rank has accounted its steps. One job per class, shared
@@ -27,7 +28,7 @@ from flare_exporter.local.workloads import train_ddp
 from flare_exporter.mixin import perf_rules, rule_model
 from flare_exporter.policies import BottleneckPolicy
 from flare_exporter.rank.perf import PerfMonitor, peak_flops_of
-from flare_exporter.rank.straggler_windows import exposed_seconds
+from flare_exporter.rank.straggler_windows import exposed_by_role, exposed_seconds
 
 RANKS = 4
 POLICY = BottleneckPolicy()
@@ -44,6 +45,56 @@ def test_exposed_time_counts_each_busy_period_from_its_last_issue():
     # clipped to the step
     assert exposed_seconds([(9.0, 3.0)], 0.0, 10.0) == pytest.approx(1.0)
     assert exposed_seconds([], 0.0, 10.0) == 0.0
+
+
+def test_each_busy_period_s_exposed_time_goes_to_the_role_of_its_last_issued_collective():
+    waits = [
+        (0.0, 5.0, "dp"),  # a DDP bucket reducing while the thread computes; at 2 it issues a tp collective
+        (2.0, 1.0, "tp"),  # ... and then waits 2 .. 5: the thread was blocked after its tp issue, tp's
+        (6.0, 1.0, "dp"),  # alone: 6 .. 7, dp's
+        (8.0, 1.0, "tp"),  # overlapped by the dp issued at 8.5 ...
+        (8.5, 2.0, "dp"),  # ... whose wait, 8.5 .. 10 within the step, is dp's
+    ]
+    by_role = exposed_by_role(waits, 0.0, 10.0)
+    assert by_role == pytest.approx({"tp": 3.0, "dp": 2.5})
+    assert sum(by_role.values()) == pytest.approx(exposed_seconds(waits, 0.0, 10.0))
+    assert exposed_by_role([(1.0, 1.0)], 0.0, 10.0) == {"other": 1.0}  # a wait that names no role
+    assert exposed_by_role([], 0.0, 10.0) == {}
+
+
+def test_the_collective_phase_by_role_adds_up_to_the_phase_also_where_the_step_cut_it():
+    monitor = PerfMonitor(None, Config())
+    monitor.on_step(2, 0.5, 0.2, {"world": 0.15, "tp": 0.05})
+    monitor.on_step(3, 0.1, 0.2, {"world": 0.1, "tp": 0.1})  # 0.2 s exposed in a 0.1 s step: halved
+    monitor.on_step(4, 0.5, 0.0)  # a step handed over without roles, and no collective time
+    assert monitor.collective_by_role == pytest.approx({"world": 0.2, "tp": 0.1})
+    assert sum(monitor.collective_by_role.values()) == pytest.approx(monitor.phase_seconds["collective"])
+
+
+def test_flare_perf_shows_each_ranks_collective_time_per_step_by_role_and_the_jobs_shares():
+    series = {
+        perf.PHASES: [
+            ({"rank": str(rank), "phase": phase}, seconds)
+            for rank in (0, 1)
+            for phase, seconds in (("collective", 4.0), ("compute", 6.0))
+        ],
+        perf.STEPS: [({"rank": str(rank)}, 100.0) for rank in (0, 1)],
+        perf.ROLES: [
+            ({"rank": "0", "role": "dp"}, 3.0),
+            ({"rank": "0", "role": "tp"}, 1.0),
+            ({"rank": "1", "role": "dp"}, 1.0),
+            ({"rank": "1", "role": "tp"}, 3.0),
+            ({"rank": "1", "role": "nonsense"}, 9.0),  # not a role: left out
+        ],
+    }
+    records = perf.records_from_series(series)
+    result, lines = perf.perf_view(records)
+    rows = {row["rank"]: row for row in result["ranks"]}
+    assert rows[0]["collective_by_role"] == {"dp": 0.03, "tp": 0.01}
+    assert rows[1]["collective_by_role"] == {"tp": 0.03, "dp": 0.01}
+    assert result["collective_share_by_role"] == {"dp": 0.2, "tp": 0.2}
+    assert lines[2].endswith("dp 30.00ms tp 10.00ms") and lines[3].endswith("tp 30.00ms dp 10.00ms")
+    assert "collective by group role, of the job's step time: dp 20.0%, tp 20.0%" in lines
 
 
 def rank_record(rank: int, wait_per_step: float, steps: int = 100, host: str = "h0", **phases: float):
@@ -113,8 +164,9 @@ def analytic_flops(width: int, batch: int) -> float:
 JOBS = {
     # every batch takes 60 ms to read, one worker per rank: the ranks wait for their input
     "input": ["--data-workers", "1", "--slow-data-seconds", "0.06", "--steps", "30"],
-    # 4.7 M parameters all-reduced (19 MB) over a batch of 1: the ranks wait for the all-reduce
-    "communication": ["--width", "1536", "--batch", "1", "--steps", "25"],
+    # 4.7 M parameters all-reduced (19 MB) over a batch of 1: the ranks wait for the all-reduce; and in
+    # tensor-parallel pairs (ranks 0-1, 2-3: role tp) a small all-reduce before every forward pass
+    "communication": ["--width", "1536", "--batch", "1", "--steps", "25", "--pair-groups"],
     # a batch of 2048 through the 256-wide model, 0.5 MB all-reduced
     "compute": ["--batch", "2048", "--steps", "30"],
     # rank 1 sleeps 40 ms in every step; paced at 100 ms so that the machine stays quiet
@@ -197,6 +249,45 @@ def test_each_rank_of_a_job_is_in_its_class(jobs, job, expected):
 
 @pytest.mark.multirank
 @pytest.mark.process
+def test_the_collective_phase_splits_into_the_world_and_the_tensor_parallel_pairs(jobs):
+    """DDP's gradient all-reduce is the world group's, the pair all-reduce the tp groups': every rank waits
+    in both, and the roles add up to its collective phase (per step, as `flare perf` rounds them)."""
+    for row in jobs("communication")["perf"]["ranks"]:
+        by_role = row["collective_by_role"]
+        print("communication by role", row["rank"], by_role, row["phases"]["collective"])
+        assert set(by_role) == {"world", "tp"} and min(by_role.values()) > 0, row
+        assert sum(by_role.values()) == pytest.approx(row["phases"]["collective"], abs=1e-5, rel=1e-4)
+        assert by_role["world"] > by_role["tp"], row  # 19 MB against 16 bytes
+
+
+@pytest.mark.multirank
+@pytest.mark.prometheus
+def test_flare_perf_reads_the_collective_time_by_role_from_prometheus(ddp_job):
+    """The same numbers through Prometheus (their increase over --window): the shared DDP job has the world
+    group alone. Each rank exports its groups' roles at 0 from the start, as it does its phases, so that
+    increase() spans the same samples for both (a series born at its first nonzero value would be
+    extrapolated back to zero on its own, and part of the phase would seem missing from its roles)."""
+    if ddp_job.prometheus is None:
+        pytest.skip("prometheus is not installed")
+    shown: dict = {}
+
+    def every_rank_has_roles() -> bool:
+        _, found = flare_json("perf", "--prometheus", ddp_job.prometheus.url, "--run", "test-ddp")
+        shown.update(found)
+        rows = found.get("ranks", [])
+        return len(rows) == RANKS and all("world" in row["collective_by_role"] for row in rows)
+
+    wait_for(every_rank_has_roles, 60, "every rank's collective time by role in Prometheus")
+    for row in shown["ranks"]:
+        assert set(row["collective_by_role"]) == {"world"}, row
+        if row["steps"]:
+            collective = row["phases"]["collective"]
+            print("prometheus", row["rank"], row["collective_by_role"], collective)
+            assert row["collective_by_role"]["world"] == pytest.approx(collective, rel=0.02, abs=1e-5), row
+
+
+@pytest.mark.multirank
+@pytest.mark.process
 def test_model_flops_match_the_analytic_count_and_mfu_is_achieved_over_peak(jobs):
     found = jobs("compute")["perf"]
     for row in found["ranks"]:
@@ -243,6 +334,13 @@ tests:
         eval_time: 10m
         exp_samples:
 {classes}
+      - expr: round(run_role:flare_step_collective_seconds:share, 0.000001)
+        eval_time: 10m
+        exp_samples:
+          - labels: '{{role="tp", run="r"}}'
+            value: {tp_share}
+          - labels: '{{role="world", run="r"}}'
+            value: {world_share}
 """
 
 
@@ -250,7 +348,9 @@ tests:
 def test_the_recording_rules_charge_the_last_arriver_and_classify_like_the_engine(tmp_path):
     """Rank 1 waits 10 ms a step, the others 50 ms; 2 steps a second; rank 3 also waits 0.4 s for data.
     Rank 4 waits 0.35 s in collectives and 0.1 s for data: by its own step (the wait lowered to rank 1's) it
-    is input-bound, but the wait for the last arriver is most of its step, so it takes rank 1's class."""
+    is input-bound, but the wait for the last arriver is most of its step, so it takes rank 1's class.
+    Each rank waits a fifth of its collective time in its tp group, the rest in the world's: per run and
+    role, the share of the run's step time."""
     waits = {0: 0.05, 1: 0.01, 2: 0.05, 3: 0.05, 4: 0.35}
     series = []
     for rank, wait in waits.items():
@@ -258,6 +358,13 @@ def test_the_recording_rules_charge_the_last_arriver_and_classify_like_the_engin
         for phase, per_step in (("collective", wait), ("compute", 0.4 - wait), ("data", data)):
             series.append(
                 (f'flare_step_phase_seconds_total{{phase="{phase}",rank="{rank}",run="r"}}', 120 * per_step)
+            )
+        for role, part in (("world", 0.8), ("tp", 0.2)):
+            series.append(
+                (
+                    f'flare_step_collective_seconds_total{{role="{role}",rank="{rank}",run="r"}}',
+                    120 * wait * part,
+                )
             )
         series.append((f'flare_step_phase_steps_total{{rank="{rank}",run="r"}}', 120))
         series.append((f'flare_rank_info{{rank="{rank}",run="r",host="h{rank}"}}', 0))
@@ -281,7 +388,18 @@ def test_the_recording_rules_charge_the_last_arriver_and_classify_like_the_engin
     }
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules_doc, sort_keys=False))
     lost = (3 * (0.05 - 0.01) + (0.35 - 0.01)) * 2  # seconds per step the others waited, 2 steps a second
-    test = PROMTOOL_TEST.format(series="\n".join(lines), lost=f"{lost:g}", classes="\n".join(classes))
+    step_seconds = 0.4 * len(waits) + 0.4 + 0.1  # summed over the ranks
+    shares = {
+        role: round(part * sum(waits.values()) / step_seconds, 6)
+        for role, part in (("world", 0.8), ("tp", 0.2))
+    }
+    test = PROMTOOL_TEST.format(
+        series="\n".join(lines),
+        lost=f"{lost:g}",
+        classes="\n".join(classes),
+        tp_share=f"{shares['tp']:g}",
+        world_share=f"{shares['world']:g}",
+    )
     (tmp_path / "test.yml").write_text(test)
     done = subprocess.run(
         ["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True

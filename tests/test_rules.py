@@ -141,6 +141,7 @@ def test_recording_rules_follow_level_metric_operation():
                     "distribution",
                     "ago",
                     "phase",
+                    "role",
                 }, rule["record"]
                 assert metric.startswith("flare_") and operation
 

@@ -70,6 +70,7 @@ class FakeSteps:
 class FakeGroup:
     def __init__(self, name: str) -> None:
         self.name = name
+        self.role = name
         self.pending: deque[CollectiveRecord] = deque()
 
 

@@ -11,6 +11,10 @@ Counted at query time, a heatmap evaluated every rank's values once per bound at
 once in many steps), a refresh reads one series per bound and run. The price: a heatmap counts every rank
 of the run (the view's $rank and $selector do not apply; `flare rules --selector` scopes the rules) and
 moves once per slow_interval.
+
+Each heatmap's per-rank values are recorded first, in the same group (its rules run in order), and its
+buckets count that recording: computed inline, each of its 12 to 14 bounds would compute them again (at
+6,144 ranks, the wait share's division alone cost Prometheus about a second a bound; benchmarks/rule_cost.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from .rule_model import Recording, Thresholds, selector
 STEP_TIME_RANKS = "run:flare_straggler_window_step_seconds_bucket:ranks"
 WAIT_SHARE_RANKS = "run:flare_straggler_window_wait_share_bucket:ranks"
 DRIFT_KS_RANKS = "run:flare_ild_drift_ks_bucket:ranks"
+# Each rank's value the buckets count: its last straggler window's, its largest drift.
+STEP_TIME_OF_RANK = "run_rank:flare_straggler_window_step_seconds:last"
+WAIT_SHARE_OF_RANK = "run_rank:flare_straggler_window_wait_share:last"
+DRIFT_KS_OF_RANK = "run_rank:flare_ild_drift_ks:max"
 
 # The heatmaps' bucket bounds. Step time: the step-duration histogram's (1 ms to 1000 s); wait share: finer
 # near 0, where a straggler is; KS drift: 5 % to 100 %.
@@ -38,9 +46,12 @@ def dashboard_recording_rules(t: Thresholds) -> list[Recording]:
     wait = f"max by (run, rank) (flare_straggler_window_wait_seconds{last_window})"
     drift = f"max by (run, rank) (flare_ild_drift_ks{selector(t)})"
     return [
-        Recording(STEP_TIME_RANKS, ranks_per_bucket(step, STEP_TIME_BOUNDS, "run")),
-        Recording(WAIT_SHARE_RANKS, ranks_per_bucket(f"{wait}\n/ {step}", WAIT_SHARE_BOUNDS, "run")),
-        Recording(DRIFT_KS_RANKS, ranks_per_bucket(drift, KS_BOUNDS, "run")),
+        Recording(STEP_TIME_OF_RANK, step),
+        Recording(WAIT_SHARE_OF_RANK, f"{wait}\n/ {step}"),
+        Recording(DRIFT_KS_OF_RANK, drift),
+        Recording(STEP_TIME_RANKS, ranks_per_bucket(STEP_TIME_OF_RANK, STEP_TIME_BOUNDS, "run")),
+        Recording(WAIT_SHARE_RANKS, ranks_per_bucket(WAIT_SHARE_OF_RANK, WAIT_SHARE_BOUNDS, "run")),
+        Recording(DRIFT_KS_RANKS, ranks_per_bucket(DRIFT_KS_OF_RANK, KS_BOUNDS, "run")),
     ]
 
 

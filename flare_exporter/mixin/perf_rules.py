@@ -1,6 +1,7 @@
-"""Recording rules of the step breakdown: seconds per phase per step, each rank's bottleneck class, and the
-badput ledger (seconds lost per second, by rank and host). The same policy as `flare perf` (engine/perf.py):
-policies.BottleneckPolicy. Wired into the rules file as one group of RULE_GROUPS (rules.py):
+"""Recording rules of the step breakdown: seconds per phase per step, each rank's bottleneck class, the
+badput ledger (seconds lost per second, by rank and host), and each run's collective time by group role.
+The same policy as `flare perf` (engine/perf.py): policies.BottleneckPolicy. Wired into the rules file as
+one group of RULE_GROUPS (rules.py):
 
     RuleGroup("flare.perf", recordings=(perf_rules.perf_recording_rules,), slow=True)
 """
@@ -19,6 +20,7 @@ PACER_WAIT = "run_rank:flare_step_pacer_wait:share"  # of its step, the wait for
 EXPOSED = "run_rank:flare_step_collective_seconds:per_step"
 LOST_BY_RANK = "run_rank:flare_badput_seconds:rate5m"
 LOST_BY_HOST = "run_host:flare_badput_seconds:rate5m"
+ROLE_SHARE = "run_role:flare_step_collective_seconds:share"  # of the run's step time, by group role
 
 
 def perf_recording_rules(t: Thresholds, policy: BottleneckPolicy = BottleneckPolicy()) -> list[Recording]:  # noqa: B008
@@ -35,7 +37,18 @@ def perf_recording_rules(t: Thresholds, policy: BottleneckPolicy = BottleneckPol
         Recording(PACER_WAIT, _PACER_WAIT),
         Recording(BOTTLENECK, pacer_expr(policy)),
         *ledger_recordings(t),
+        Recording(ROLE_SHARE, role_share_expr(t)),
     ]
+
+
+def role_share_expr(t: Thresholds) -> str:
+    """Per run and group role (dp, tp, pp, ...), the collective phase spent waiting on that role's groups,
+    as a share of the run's step time (both summed over its ranks): as `flare perf` shows it."""
+    s = selector(t)
+    return (
+        f"sum by (run, role) (increase(flare_step_collective_seconds_total{s}[{PERF_WINDOW}]))\n"
+        f"/ on (run) group_left sum by (run) (increase(flare_step_phase_seconds_total{s}[{PERF_WINDOW}]))"
+    )
 
 
 # Each rank's step as it is judged (engine/perf.py's `judged`): its collective time per step lowered to the

@@ -12,8 +12,10 @@ Two halves, like the rest of the rank side:
   of the step before to the end of that step: forward, backward and optimizer, every op through one
   Python dispatch mode for that step only.
 - PerfMonitor, on the timing manager's thread: the straggler windows (straggler_windows.py) hand it each
-  complete step with its duration and its collective time not overlapped by compute (exposed_seconds); it
-  takes the clock's marks, and adds the step's seconds per phase to its totals (compute: the rest). The
+  complete step with its duration and its collective time not overlapped by compute (exposed_by_role: in
+  total and by the role of the group waited on); it takes the clock's marks, and adds the step's seconds
+  per phase to its totals (compute: the rest), and its collective phase by role, scaled to the phase
+  where the phase was cut to what the step left, so that the roles add up to the phase. The
   host phase of a step that a window covered whole is its gaps outside the data loader and the optimizer
   step (the gaps in which a collective completed, waits for it, are not host gaps: dispatch.py), within
   what is left of the step once data, optimizer and exposed collective time are taken out; a step
@@ -34,7 +36,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from .. import spec
@@ -43,6 +46,7 @@ from .exporter_health import ExporterHealth
 
 STEP_MARKS_KEPT = 4096  # marks the manager has not taken yet (it takes them at every drain)
 HOST_SHARE_STEPS = 8  # measured steps whose host share a step without a window gets (sum over sum)
+NO_ROLES: Mapping[str, float] = MappingProxyType({})  # a step handed over without its wait by group role
 
 # Dense BF16/FP16 tensor-core peak FLOP/s by GPU model, matched as a substring of the NVML name (longest
 # first, so that "H100 PCIe" wins over "H100"). Vendor data sheets; sparsity not counted.
@@ -261,10 +265,11 @@ class PerfMonitor:
         self.phase_seconds = dict.fromkeys(
             spec.STEP_PHASES, 0.0
         )  # replaced whole at every step: readers copy
+        self.collective_by_role: dict[str, float] = {}  # the collective phase by group role; replaced whole
         self.steps = 0
         self.host_measured = False  # a step's host gaps were measured: the host phase is exported
         self.recent: deque[float] = deque(maxlen=config.perf_window_steps)
-        self._pending: deque[tuple[int, float, float]] = deque(maxlen=STEP_MARKS_KEPT)
+        self._pending: deque[tuple[int, float, float, Mapping[str, float]]] = deque(maxlen=STEP_MARKS_KEPT)
         self._marks: dict[int, StepMark] = {}
         self._host_measured: deque[tuple[float, float]] = deque(maxlen=HOST_SHARE_STEPS)  # (host, rest)
         self._newest_mark = 0
@@ -299,16 +304,20 @@ class PerfMonitor:
         achieved, peak = self.achieved_flops, self.peak_flops
         return achieved / peak if achieved is not None and peak else None
 
-    def on_step(self, step: int, step_seconds: float, exposed: float) -> None:
-        """A complete step (the straggler windows' listener, under the drain lock)."""
-        self._pending.append((step, step_seconds, exposed))
+    def on_step(
+        self, step: int, step_seconds: float, exposed: float, by_role: Mapping[str, float] = NO_ROLES
+    ) -> None:
+        """A complete step (the straggler windows' listener, under the drain lock); `by_role`: `exposed` by
+        the role of the group waited on."""
+        self._pending.append((step, step_seconds, exposed, by_role))
         self._take_marks()
         while self._pending:
-            step, step_seconds, exposed = self._pending[0]
+            step, step_seconds, exposed, by_role = self._pending[0]
             if self.clock is not None and step > self._newest_mark:
                 return  # its end's mark is not there yet: the hook after the step counter's has not run
             self._pending.popleft()
-            self._account(step, step_seconds, exposed)
+            collective = self._account(step, step_seconds, exposed)
+            self._account_roles(by_role, exposed, collective)
 
     def _take_marks(self) -> None:
         if self.clock is None:
@@ -321,7 +330,8 @@ class PerfMonitor:
         for old in [step for step in self._marks if step < self._newest_mark - STEP_MARKS_KEPT]:
             del self._marks[old]
 
-    def _account(self, step: int, step_seconds: float, exposed: float) -> None:
+    def _account(self, step: int, step_seconds: float, exposed: float) -> float:
+        """Add the step's seconds per phase; its collective phase's seconds."""
         end, start = self._marks.get(step), self._marks.pop(step - 1, None)  # step's end: the next's start
         data = optimizer = 0.0
         gaps: float | None = None  # the step's host gaps outside data and optimizer, if a window covered it
@@ -341,6 +351,18 @@ class PerfMonitor:
         self.steps += 1
         if step != self.flops_step:  # the counted step ran every op through Python: not a step to average
             self.recent.append(step_seconds)
+        return collective
+
+    def _account_roles(self, by_role: Mapping[str, float], exposed: float, collective: float) -> None:
+        """Add the step's collective phase by role: each role's exposed seconds, scaled by the share of the
+        exposed time the phase kept (all of it, unless the step's data and optimizer time cut it)."""
+        if not by_role or exposed <= 0.0:
+            return
+        kept = collective / exposed
+        seconds = dict(self.collective_by_role)
+        for role, exposed_seconds in by_role.items():
+            seconds[role] = seconds.get(role, 0.0) + exposed_seconds * kept
+        self.collective_by_role = seconds
 
     def _host(self, gaps: float | None, rest: float, measuring: bool) -> float:
         """The step's host phase: its host gaps, within the rest of the step; unmeasured, the last measured

@@ -11,11 +11,12 @@ Where the numbers come from, without touching the training thread beyond the ste
 
 - step boundaries: the optimizer step hook appends (step number, perf_counter time) to
   `StepTracker.boundaries_after`; step n spans (boundary n-1, boundary n];
-- collective wait: every collective's issue time and duration (issue to completion, as in
-  flare_collective_duration_seconds), from the groups' pending queues, and for the collectives the recording
-  backend completed between two drains, from the manager's `finished` list (timing.NativeTiming). A
-  collective belongs to the step in which it was issued; a step is complete once every collective issued
-  before its end has finished.
+- collective wait: every collective's issue time, duration (issue to completion, as in
+  flare_collective_duration_seconds) and its group's role, from the groups' pending queues, and for the
+  collectives the recording backend completed between two drains, from the manager's `finished` list
+  (timing.NativeTiming). A collective belongs to the step in which it was issued; a step is complete once
+  every collective issued before its end has finished. Each complete step goes to the step listeners
+  (rank/perf.py) with its collective time not overlapped by compute, by group role (exposed_by_role).
 
 StepWindows registers with the timing manager like a group, so `forget_finished()` runs at the end of
 every drain (every scrape, and the manager's thread once timing_interval_seconds passed without one), under
@@ -104,27 +105,49 @@ class WindowRing:
         return self.windows[-1].step_seconds / self.best_step_seconds
 
 
-def exposed_seconds(waits: Sequence[tuple], start: float, end: float) -> float:
-    """Seconds of [start, end] in which the rank waited for collectives with none newer issued.
+UNKNOWN_ROLE = "other"  # a wait that names no role (a bare (issued_at, duration) pair)
 
-    `waits`: (issued_at, duration, ...) sorted by issue time. Collectives whose lifetimes overlap form one
+
+def role_of(wait: tuple) -> str:
+    """The role of the group of a wait (issued_at, duration, role)."""
+    return wait[2] if len(wait) > 2 else UNKNOWN_ROLE
+
+
+def exposed_by_role(waits: Sequence[tuple], start: float, end: float) -> dict[str, float]:
+    """Seconds of [start, end] in which the rank waited for collectives with none newer issued, by the role
+    of the group it waited on (only roles with such seconds).
+
+    `waits`: (issued_at, duration, role) sorted by issue time. Collectives whose lifetimes overlap form one
     busy period; the thread that issued a newer collective inside it was not blocked before that issue (it
     was computing, as DDP does while earlier buckets reduce), so a period counts from its last issue to its
-    end: the collective time not overlapped by compute.
+    end: the collective time not overlapped by compute. It was the last-issued collective that the thread
+    waited for: the period's seconds are its group's role's.
     """
-    exposed = 0.0
+    exposed: dict[str, float] = {}
     last_issue = period_end = -math.inf
+    last_role = UNKNOWN_ROLE
     for wait in waits:
         issued_at, duration = wait[0], wait[1]
         if issued_at > period_end:
-            exposed += max(0.0, min(period_end, end) - max(last_issue, start))
+            seconds = min(period_end, end) - max(last_issue, start)
+            if seconds > 0.0:
+                exposed[last_role] = exposed.get(last_role, 0.0) + seconds
             period_end = issued_at + duration
         else:
             period_end = max(period_end, issued_at + duration)
-        last_issue = issued_at
-    return exposed + max(0.0, min(period_end, end) - max(last_issue, start))
+        last_issue, last_role = issued_at, role_of(wait)
+    seconds = min(period_end, end) - max(last_issue, start)
+    if seconds > 0.0:
+        exposed[last_role] = exposed.get(last_role, 0.0) + seconds
+    return exposed
 
 
+def exposed_seconds(waits: Sequence[tuple], start: float, end: float) -> float:
+    """Seconds of [start, end] in which the rank waited for collectives with none newer issued, all roles."""
+    return sum(exposed_by_role(waits, start, end).values())
+
+
+StepListener = Callable[[int, float, float, Mapping[str, float]], None]
 MAX_WAITING = 4096  # finished collectives kept apart until their step ends; beyond it they are summed
 
 
@@ -150,8 +173,9 @@ class StepWindows:
         self._waits: list[tuple] = []  # (issued_at, duration, ...) of collectives of steps not complete yet
         self._last_step = 0
         self._last_boundary: float | None = None
-        # listener(step, step seconds, exposed collective seconds) for every complete step (rank/perf.py)
-        self.step_listeners: list[Callable[[int, float, float], None]] = []
+        # listener(step, step seconds, exposed collective seconds, the same by group role) for every
+        # complete step (rank/perf.py)
+        self.step_listeners: list[StepListener] = []
 
     def forget_finished(self) -> None:
         """Called by the timing manager at the end of every drain (it registers us as a group)."""
@@ -170,10 +194,11 @@ class StepWindows:
             if record.duration is None:
                 still.append(record)
             else:
-                self._waits.append((record.issued_at, record.duration))
+                self._waits.append((record.issued_at, record.duration, record.group.role))
         self._unfinished = still
         if len(self._waits) > MAX_WAITING:  # a long stretch without steps (evaluation): one sum for it
-            self._waits = [(max(wait[0] for wait in self._waits), sum(wait[1] for wait in self._waits))]
+            newest = max(self._waits)
+            self._waits = [(newest[0], sum(wait[1] for wait in self._waits), role_of(newest))]
         oldest_unfinished = min((record.issued_at for record in still), default=math.inf)
         waits = sorted(self._waits)  # by issue time: each boundary takes the ones issued before it
         taken = 0
@@ -190,9 +215,10 @@ class StepWindows:
             if step == self._last_step + 1 and self._last_boundary is not None:
                 self.ring.add_step(step, at - self._last_boundary, wait)
                 if self.step_listeners:
-                    exposed = exposed_seconds(waits[first:taken], self._last_boundary, at)
+                    by_role = exposed_by_role(waits[first:taken], self._last_boundary, at)
+                    exposed = sum(by_role.values())
                     for listener in self.step_listeners:
-                        listener(step, at - self._last_boundary, exposed)
+                        listener(step, at - self._last_boundary, exposed, by_role)
             self._last_step, self._last_boundary = step, at
         self._waits = waits[taken:]
 

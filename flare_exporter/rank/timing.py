@@ -74,6 +74,7 @@ class TrackedGroup(UpdatedAtDrain, Protocol):
     """What the timing manager reads and writes of a process group it times (groups.GroupTracker)."""
 
     name: str
+    role: str  # dp, tp, ... (groups.group_role): the straggler windows split the exposed wait by it
     last_issued_seq: int
     last_completed_seq: int  # written by the timing manager only
     last_progress_at: float
@@ -139,7 +140,7 @@ class TimingManager:
         self.logs: list[
             tuple[NativeTiming, TrackedGroup]
         ] = []  # recording backends' logs, with their GroupTrackers
-        # (issued_at, duration, ...) of the collectives a drain accounted without a record in a pending queue
+        # (issued_at, duration, role) of the collectives a drain accounted without a record in a pending queue
         # (the recording backends'): the straggler windows take them in the same drain, which then clears them
         self.finished: list[tuple] = []
         self.polls_often = False
@@ -453,7 +454,8 @@ class NativeTiming(TimingBackend):
         """Under the drain lock: hand over what the log recorded since the last take (a GroupTracker's).
 
         The log counts the collectives per op itself, so a drain does the same work however many collectives
-        completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, ...) tuples.
+        completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, role) tuples,
+        built here, on the manager's thread.
         """
         completed, counted, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take(
             spec.COLLECTIVE_DURATION_BUCKETS
@@ -462,11 +464,12 @@ class NativeTiming(TimingBackend):
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
         manager = self.manager
         # Every record older than the one in flight was taken: if it completed, it is the first completed.
+        first = 0
         if in_flight is not None and completed and seen == (completed[0][4], completed[0][0]):
             in_flight.duration = completed[0][1]  # the straggler windows follow it: they see its duration
-            manager.finished.extend(completed[1:])
-        else:
-            manager.finished.extend(completed)
+            first = 1
+        role = group.role
+        manager.finished.extend([(done[0], done[1], role) for done in completed[first:]])
         manager.account_counted(group, counted)
         if oldest is not None and oldest[2:] != seen:
             group.remember(CollectiveRecord(group, *oldest))

@@ -49,8 +49,9 @@
   workers sleep, using no CPU), so that the ranks wait for their input.
 --pg-timeout S sets the process group's collective timeout (a mismatched collective fails after S seconds
   instead of the default 30 minutes).
---pair-groups also makes process groups of ranks 0-1, 2-3, ... (a tensor-parallel pair's), and each rank
-  all-reduces a small tensor in its pair before every forward pass (after the fault step's fault).
+--pair-groups also makes process groups of ranks 0-1, 2-3, ... (a tensor-parallel pair's, described "tp":
+  role tp), and each rank all-reduces a small tensor in its pair before every forward pass (after the fault
+  step's fault).
 --fr-dump-after S: with PyTorch's flight recorder on (TORCH_FR_BUFFER_SIZE), dump every rank's recorder to
   TORCH_FR_DUMP_TEMP_FILE<rank> once a collective has been in flight for S seconds, as NCCL's watchdog dumps
   on a timeout (flight_recorder_dumps.py: gloo has no dump of its own).
@@ -355,9 +356,10 @@ class Training:
 
 def pair_group(rank: int, world_size: int, timeout: datetime.timedelta | None) -> Any:
     """This rank's group of two (ranks 0-1, 2-3, ...; the last alone in an odd world): every rank creates
-    every pair, in the same order, as torch.distributed asks."""
+    every pair, in the same order, as torch.distributed asks. Described as "tp", as a tensor-parallel
+    group is: flare names it tp-<hash> and gives it the role tp."""
     pairs = [
-        dist.new_group(list(range(first, min(first + 2, world_size))), timeout=timeout)
+        dist.new_group(list(range(first, min(first + 2, world_size))), timeout=timeout, group_desc="tp")
         for first in range(0, world_size, 2)
     ]
     return pairs[rank // 2]

@@ -12,12 +12,12 @@ from .model import (
     RANK_LINK,
     RANKS,
     THE_RANK,
-    Panel,
     Row,
     Target,
+    bargauge,
     bottom,
+    labels_table,
     rank_table,
-    table,
     timeseries,
     top,
     with_host,
@@ -63,7 +63,7 @@ def _lowest_and_failing() -> Row:
             height=8,
             needs=NEEDS_CANARY,
         ),
-        table(
+        labels_table(
             "Ranks failing the canary (first $k)",
             "Ranks and measurements below the canary's policy, with their host: in the preflight, below an "
             "absolute floor or canary_relative_floor of the job's median; in flight, below "
@@ -74,7 +74,6 @@ def _lowest_and_failing() -> Row:
             width=12,
             height=8,
             links=(("Rank detail", RANK_LINK),),
-            hide_columns=("Time", "Value"),
             needs=NEEDS_CANARY,
         ),
     )
@@ -99,13 +98,13 @@ def _drift_and_duration() -> Row:
             steps=IN_FLIGHT_STEPS,
             needs=NEEDS_CANARY,
         ),
-        Panel(
-            "bargauge",
+        bargauge(
             "Canary run time (slowest rank)",
             "Wall time of the canary's last run on the slowest rank, by phase: the preflight (before the "
             "first step: the job starts this much later) and the in-flight set (training pauses this long "
             "every canary_interval_steps steps).",
-            (Target(f"max by (phase) ({CANARY_DURATION}{RANKS})", "{{phase}}", instant=True),),
+            f"max by (phase) ({CANARY_DURATION}{RANKS})",
+            "{{phase}}",
             width=8,
             height=8,
             unit="s",
@@ -119,13 +118,13 @@ def rank_row() -> Row:
     """The rank detail's canary row: its measurements against the job's median and its own preflight, and
     what it failed."""
     return (
-        Panel(
-            "bargauge",
+        bargauge(
             "Canary against the job's median (preflight)",
             "Each preflight measurement of this rank over the job's median for the same measurement and "
             f"scope (1: as fast as the median rank); below {DEFAULTS.canary_relative_floor:.0%} "
             "(canary_relative_floor, its default) it fails.",
-            (Target(f"max by (measurement, scope) ({CANARY_RELATIVE}{THE_RANK})", MEASURED, instant=True),),
+            f"max by (measurement, scope) ({CANARY_RELATIVE}{THE_RANK})",
+            MEASURED,
             width=8,
             height=8,
             unit="percentunit",
@@ -145,14 +144,13 @@ def rank_row() -> Row:
             steps=IN_FLIGHT_STEPS,
             needs=NEEDS_CANARY,
         ),
-        table(
+        labels_table(
             "Canary failures",
             "The measurements this rank failed, by phase (preflight: against the floors and the job's "
             "median; in_flight: against its own preflight). Empty: it passed.",
             f"max by (measurement, scope, phase) ({CANARY_FAILED}{THE_RANK}) == 1",
             width=8,
             height=8,
-            hide_columns=("Time", "Value"),
             needs=NEEDS_CANARY,
         ),
     )

@@ -305,6 +305,23 @@ def table(title: str, description: str, expr: str, *, width: int, height: int, *
     return Panel("table", title, description, query, width=width, height=height, **options)
 
 
+def labels_table(
+    title: str, description: str, expr: str, *, width: int, height: int, **options: Any
+) -> Panel:
+    """The instant series of `expr`, one a row, their labels only: what they are, not a value."""
+    return table(
+        title, description, expr, width=width, height=height, hide_columns=("Time", "Value"), **options
+    )
+
+
+def bargauge(
+    title: str, description: str, expr: str, legend: str, *, width: int, height: int, **options: Any
+) -> Panel:
+    """One bar per instant series of `expr`, named by `legend`."""
+    query = (Target(expr, legend, instant=True),)
+    return Panel("bargauge", title, description, query, width=width, height=height, **options)
+
+
 def rank_table(
     title: str, description: str, ranks: str, *, value: str, width: int, height: int, **options: Any
 ) -> Panel:

@@ -1,14 +1,17 @@
 """Where the step time goes (the performance monitor, rank/perf.py, and the flare.perf rules): the rows of
-the run overview (the phases of the median rank, the bottleneck classes, MFU, the slowest devices, the
-GPU-hours lost by rank and host) and of the rank detail (the rank's phases, its bottleneck, its FLOP/s): as
-many panels and series at 6,144 ranks as at 4."""
+the run overview (the phases of the median rank, the bottleneck classes, the run's collective time by group
+role, MFU, the slowest devices, the GPU-hours lost by rank and host) and of the rank detail (the rank's
+phases, its bottleneck, its FLOP/s): as many panels and series at 6,144 ranks as at 4."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from ...policies import BottleneckPolicy
 from .metrics import (
     ACHIEVED_FLOPS,
     BOTTLENECK,
+    COLLECTIVE_ROLE_SHARE,
     LOST_BY_HOST,
     LOST_BY_RANK,
     MFU,
@@ -30,7 +33,9 @@ from .model import (
     Panel,
     Row,
     Target,
+    bargauge,
     bottom,
+    labels_table,
     rank_table,
     sel,
     spread,
@@ -72,7 +77,7 @@ def deciding_share() -> str:
 
 def overview_rows() -> tuple[Row, ...]:
     """The run overview's rows: where the step time goes, and what it yields and costs."""
-    return (_phases_and_bottlenecks(), _flops(), _lost())
+    return (_phases_and_bottlenecks(), _collective_by_role(), _flops(), _lost())
 
 
 def _phases_and_bottlenecks() -> Row:
@@ -93,17 +98,13 @@ def _phases_and_bottlenecks() -> Row:
             stacked=True,
             needs=NEEDS_RULES,
         ),
-        Panel(
-            "bargauge",
+        bargauge(
             "Ranks per bottleneck class",
             "How many of the selected ranks are in each bottleneck class (the flare.perf rules, the "
             "thresholds of `flare perf`): input_bound, communication_bound, transfer_bound, launch_bound "
             "where that phase takes its share of the step, else compute_bound.",
-            (
-                Target(
-                    f"count by (bottleneck) ({BOTTLENECK}{RECORDED_RANKS})", "{{bottleneck}}", instant=True
-                ),
-            ),
+            f"count by (bottleneck) ({BOTTLENECK}{RECORDED_RANKS})",
+            "{{bottleneck}}",
             width=4,
             height=8,
             count=True,
@@ -123,30 +124,45 @@ def _phases_and_bottlenecks() -> Row:
     )
 
 
-def _flops() -> Row:
-    """MFU and achieved FLOP/s across ranks, and the $k ranks whose devices compute slowest."""
+def _collective_by_role() -> Row:
+    """The run's collective phase by the role of the process group waited on."""
     return (
         timeseries(
-            "MFU across ranks",
-            "Model FLOPs utilization: achieved FLOP/s over the device's peak (a GPU's by its NVML name, or "
-            "peak_flops): the lowest, median and highest rank.",
-            *spread(f"max by (rank) ({MFU}{RANKS})", "rank"),
-            width=8,
+            "Collective time by group role (share of the run's step time)",
+            "The run's collective phase (waiting for collectives, not overlapped by compute) by the role of "
+            "the process group waited on: dp, tp, pp, ep, cp, world (the default group) or other, as shares "
+            "of the run's step time summed over its ranks (5-minute windows, the flare.perf rules; `flare "
+            "perf` shows it per rank). The role that grows is the parallelism whose communication the steps "
+            "wait on; the Collectives dashboard shows its groups. The run's: $rank does not apply.",
+            Target(f"max by (role) ({COLLECTIVE_ROLE_SHARE}{RECORDED_RUN})", "{{role}}"),
+            width=24,
             height=8,
             unit="percentunit",
             min=0,
+            stacked=True,
+            needs=NEEDS_RULES,
+        ),
+    )
+
+
+def _flops() -> Row:
+    """MFU and achieved FLOP/s across ranks, and the $k ranks whose devices compute slowest."""
+    return (
+        _across_ranks(
+            "MFU across ranks",
+            "Model FLOPs utilization: achieved FLOP/s over the device's peak (a GPU's by its NVML name, or "
+            "peak_flops): the lowest, median and highest rank.",
+            MFU,
+            unit="percentunit",
             needs=frozenset({PEAK}),
         ),
-        timeseries(
+        _across_ranks(
             "Achieved FLOP/s across ranks",
             "Model FLOPs per step over the mean step time of the last steps: the lowest, median and highest "
             "rank. In a synchronous job every rank steps at the pace of the slowest, so this is the run's "
             "pace; the table beside it finds the slow device.",
-            *spread(f"max by (rank) ({ACHIEVED_FLOPS}{RANKS})", "rank"),
-            width=8,
-            height=8,
+            ACHIEVED_FLOPS,
             unit="flops",
-            min=0,
         ),
         rank_table(
             "Slowest devices (bottom $k by compute FLOP/s)",
@@ -218,33 +234,41 @@ def rank_row() -> Row:
             min=0,
             stacked=True,
         ),
-        table(
+        labels_table(
             "Bottleneck",
             "The rank's bottleneck class (the flare.perf rules, over 5 minutes, as `flare perf` classifies "
             "it).",
             f"max by (bottleneck) ({BOTTLENECK}{RECORDED_THE_RANK})",
             width=4,
             height=8,
-            hide_columns=("Time", "Value"),
             needs=NEEDS_RULES,
         ),
-        timeseries(
+        _of_the_rank(
             "MFU",
             "Model FLOPs utilization: achieved FLOP/s over the device's peak.",
-            Target(f"max({MFU}{THE_RANK})", "MFU"),
-            width=5,
-            height=8,
+            MFU,
+            "MFU",
             unit="percentunit",
-            min=0,
             needs=frozenset({PEAK}),
         ),
-        timeseries(
+        _of_the_rank(
             "Achieved FLOP/s",
             "Model FLOPs per step (counted on one sampled step) over the mean step time of the last steps.",
-            Target(f"max({ACHIEVED_FLOPS}{THE_RANK})", "achieved"),
-            width=5,
-            height=8,
+            ACHIEVED_FLOPS,
+            "achieved",
             unit="flops",
-            min=0,
         ),
+    )
+
+
+def _across_ranks(title: str, description: str, gauge: str, **options: Any) -> Panel:
+    """The lowest, median and highest of the selected ranks' `gauge` over time (a third of a row)."""
+    values = f"max by (rank) ({gauge}{RANKS})"
+    return timeseries(title, description, *spread(values, "rank"), width=8, height=8, min=0, **options)
+
+
+def _of_the_rank(title: str, description: str, gauge: str, legend: str, **options: Any) -> Panel:
+    """The rank's `gauge` over time, in a narrow panel of the rank detail's perf row."""
+    return timeseries(
+        title, description, Target(f"max({gauge}{THE_RANK})", legend), width=5, height=8, min=0, **options
     )
