@@ -265,3 +265,11 @@ def test_the_fast_parser_reads_what_prometheus_clients_parser_reads():
         assert (
             samples._parse_plain(text.replace("} ", "}  ", 1)) is None
         )  # not exactly a line: the careful one
+        wanted = {"flare_rank_info", "flare_collective_last_issued_seq"}
+        assert [s for s in fast if s.name in wanted] == samples._parse_plain(text, wanted)
+        second_family = text.index("\n# HELP ", text.index("\n# HELP ") + 1) + 1
+        for stray in ("# a comment\n", "garbage\n", "# TYPE x summary\n", "x 1 2 3\n"):
+            between = text[:second_family] + stray + text[second_family:]
+            assert samples._parse_plain(between) is None, stray  # between two families
+            assert samples._parse_plain(text + stray) is None, stray  # after the last
+        assert samples._parse_plain(text[:second_family] + "\n" + text[second_family:]) == fast

@@ -22,49 +22,60 @@ MAX_EXPOSITION_BYTES = 64 * 1024 * 1024
 
 
 # One sample line exactly as exporters write it (flare's included): name, labels, value, optional timestamp.
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\n"])*"'
+# A label value is runs of plain characters between escapes: unrolled so, `re` reads it a third faster than
+# with one alternation per character, and a direct scrape of thousands of ranks is mostly label values.
+_LABEL_VALUE = r'[^"\\\n]*(?:\\[\\n"][^"\\\n]*)*'
+_LABEL = rf'[a-zA-Z_][a-zA-Z0-9_]*="{_LABEL_VALUE}"'
 _SAMPLE_LINE = re.compile(
     r"([a-zA-Z_:][a-zA-Z0-9_:]*)"
     rf"(?:\{{({_LABEL}(?:,{_LABEL})*)\}})?"
     r" ([+-]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|Inf|NaN))(?: -?[0-9]+)?"
 )
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\n"])*)"')
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_TYPE_LINE = re.compile(r"# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|untyped)")
+_LABEL_PAIR = re.compile(rf'([a-zA-Z_][a-zA-Z0-9_]*)="({_LABEL_VALUE})"')
 _ESCAPED = re.compile(r'\\[\\n"]')
 _UNESCAPE = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 
 
+# Every sample line of a text at once (the line pattern, anchored at line ends), and what may lie between two
+# of them: HELP lines, TYPE lines of the four types, empty lines.
+_SAMPLE_LINES = re.compile(rf"^{_SAMPLE_LINE.pattern}$", re.MULTILINE)
+_BETWEEN_SAMPLES = re.compile(
+    r"(?:(?:# HELP [^\n]*|# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|untyped)|)\n)*"
+)
+
+
 def _parse_plain(text: str, wanted: Collection[str] | None = None) -> list[Sample] | None:
-    """The samples of a well-formed text exposition, line by line; None at the first line that is not
-    exactly one (prometheus_client's parser then decides). Several times faster: a direct scrape parses
-    every rank of the job. With `wanted`, lines of other sample names are skipped unread."""
+    """The samples of a well-formed text exposition; None where any line is not exactly a sample, a HELP
+    or TYPE line or empty (prometheus_client's parser then decides). Several times faster: a direct scrape
+    parses every rank of the job. The sample lines are found by one regular expression over the whole
+    text, and what lies between two of them must be comment or empty lines. With `wanted`, samples of
+    other names are left out."""
     samples = []
-    for line in text.split("\n"):
-        if not line:
-            continue
-        if line[0] == "#":
-            if line.startswith("# HELP ") or _TYPE_LINE.fullmatch(line):
-                continue
+    end = 0
+    for match in _SAMPLE_LINES.finditer(text):
+        if match.start() != end and not _BETWEEN_SAMPLES.fullmatch(text, end, match.start()):
             return None
-        if wanted is not None:
-            name = line[: line.find("{")] if "{" in line else line.split(" ", 1)[0]
-            if name not in wanted and _METRIC_NAME.fullmatch(name):
-                continue
-        match = _SAMPLE_LINE.fullmatch(line)
-        if match is None:
-            return None
+        end = match.end() + 1  # past the line's end
         name, label_text, value = match.groups()
-        labels = {}
-        if label_text:
-            pairs = _LABEL_PAIR.findall(label_text)
-            if "\\" in label_text:
-                pairs = [(key, _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw)) for key, raw in pairs]
-            labels = dict(pairs)
-            if len(labels) != len(pairs):
-                return None  # a label given twice
+        if wanted is not None and name not in wanted:
+            continue
+        labels = _labels(label_text) if label_text else {}
+        if labels is None:
+            return None
         samples.append(Sample(name, labels, float(value)))
+    if end < len(text) and not _BETWEEN_SAMPLES.fullmatch(text, end):
+        return None
     return samples
+
+
+def _labels(label_text: str) -> dict[str, str] | None:
+    """The labels of a sample line's `{...}` text (already matched as well-formed); None if one is given
+    twice."""
+    pairs = _LABEL_PAIR.findall(label_text)
+    if "\\" in label_text:
+        pairs = [(key, _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw)) for key, raw in pairs]
+    labels = dict(pairs)
+    return labels if len(labels) == len(pairs) else None
 
 
 def parse(text: str, target: str = "", wanted: Collection[str] | None = None) -> list[Sample]:

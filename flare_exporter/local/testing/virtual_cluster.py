@@ -239,7 +239,33 @@ def render_phases(
     started with `config` (rank_state's default where None).
 
     Each rank's state is built once and rendered three times."""
-    healthy, later, hung_pages = [], [], []
+    pages = render_pages(world, run, straggler, hung, later_steps, config)
+    return pages.healthy, pages.later, pages.hung
+
+
+@dataclass(frozen=True)
+class PhasePages:
+    """Every rank's page (index = rank) in each phase of a job (render_pages)."""
+
+    healthy: list[bytes]
+    later: list[bytes]
+    hung: list[bytes]
+    resumed: list[bytes]  # empty unless asked for
+
+
+def render_pages(
+    world: int,
+    run: str,
+    straggler: int | None,
+    hung: int,
+    later_steps: int = 40,
+    config: Config | None = None,
+    resumed_steps: int = 0,
+) -> PhasePages:
+    """render_phases' pages, and with `resumed_steps`, a fourth: the hang over (the hung rank issued the
+    collective and every rank completed it) and the job `resumed_steps` steps on, so that every sequence
+    number moves on from the hung pages', as in a job (the `later` pages' are behind them)."""
+    healthy, later, hung_pages, resumed = [], [], [], []
     perf_now = progress.time.perf_counter()
     faults = Faults(straggler=straggler)
     for rank in range(world):
@@ -249,16 +275,36 @@ def render_phases(
         state.manager.drain()
         later.append(render(state))
         hang(state, rank == hung, HANG_SENTINEL)
-        wall_time = progress.wall_time
-        progress.wall_time = lambda perf_time: perf_time  # type: ignore[assignment]
-        try:
-            page = render(state)
-        finally:
-            progress.wall_time = wall_time  # type: ignore[assignment]
-        if HANG_SENTINEL_TEXT not in page:
-            raise RuntimeError(f"rank {rank}: the hang's time is not in its page")
-        hung_pages.append(page)
-    return healthy, later, hung_pages
+        hung_pages.append(render_hung(state, rank))
+        if resumed_steps:
+            steps = later_steps + resumed_steps
+            resume(state, rank, world, resumed_steps, perf_now + steps * STEP_SECONDS, faults)
+            resumed.append(render(state))
+    return PhasePages(healthy, later, hung_pages, resumed)
+
+
+def render_hung(state: FlareState, rank: int) -> bytes:
+    """The page of a rank after `hang`, every timestamp HANG_SENTINEL."""
+    wall_time = progress.wall_time
+    progress.wall_time = lambda perf_time: perf_time  # type: ignore[assignment]
+    try:
+        page = render(state)
+    finally:
+        progress.wall_time = wall_time  # type: ignore[assignment]
+    if HANG_SENTINEL_TEXT not in page:
+        raise RuntimeError(f"rank {rank}: the hang's time is not in its page")
+    return page
+
+
+def resume(state: FlareState, rank: int, world: int, steps: int, perf_now: float, faults: Faults) -> None:
+    """The hang ends: every collective in flight completes (the hung rank issued its own), and the job
+    takes `steps` more steps, the last one ending at `perf_now`."""
+    for tracker in state.groups.values():
+        for record in tracker.pending:
+            record.duration = 0.0
+    state.stack = None
+    advance(state, rank, world, steps, perf_now, faults)
+    state.manager.drain()  # the completed collectives leave the in-flight series
 
 
 def hung_at(pages: list[bytes], unix_time: float) -> list[bytes]:
@@ -300,6 +346,7 @@ class ClusterServer:
         self._loop = asyncio.new_event_loop()
         self._servers: list[asyncio.AbstractServer | None] = []
         self._connections: dict[int, set[asyncio.StreamWriter]] = {}
+        self._filtered: dict[tuple[int, frozenset[str]], tuple[bytes, bytes]] = {}  # _only_samples
         self._thread = threading.Thread(target=self._loop.run_forever, name="virtual-cluster", daemon=True)
 
     def __enter__(self) -> ClusterServer:
@@ -344,7 +391,7 @@ class ClusterServer:
                     names = requested_names(query.decode("latin-1"))
                     page = self.pages[rank]
                     body, status, content_type = (
-                        page if names is None else only_samples(page, names),
+                        page if names is None else self._only_samples(rank, page, names),
                         b"200 OK",
                         CONTENT_TYPE_PLAIN_0_0_4.encode(),
                     )
@@ -369,6 +416,15 @@ class ClusterServer:
         finally:
             connections.discard(writer)
             writer.close()
+
+    def _only_samples(self, rank: int, page: bytes, names: frozenset[str]) -> bytes:
+        """only_samples(page, names), kept for the rank's next request of the same page and names: a real
+        rank filters its own page on its own host, not on the machine that scrapes thousands of them."""
+        kept = self._filtered.get((rank, names))
+        if kept is None or kept[0] is not page:
+            kept = (page, only_samples(page, names))
+            self._filtered[(rank, names)] = kept
+        return kept[1]
 
     def set_pages(self, pages: list[bytes]) -> None:
         """Every rank serves its page of `pages` from the next request on."""
