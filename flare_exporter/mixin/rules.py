@@ -640,14 +640,23 @@ def _hang_culprit(t: Thresholds) -> Alert:
     )
 
 
+def _waiting_since_hung(t: Thresholds) -> str:
+    """Ranks waiting in a collective of the group for as long as a hang takes: what a rank named for a hung
+    group's mismatch does (its own scrape says so, whatever the others' lag)."""
+    return f"run_group_rank:flare_collective_in_flight:age_seconds >= {_threshold(t)}"
+
+
 def _extra_collective(t: Thresholds) -> Alert:
     """A rank of a hung group ahead of most ranks: it issued a collective they never issue."""
     return Alert(
         "FlareCollectiveMismatch",
         _ranks_of_hung_group(
             t,
-            # at the top: a late scrape cannot show a number higher than the rank's
-            "run_group_rank:flare_collective_issued:behind == 0",
+            # at the top (a late scrape cannot show a number higher than the rank's), and waiting there
+            # itself since the group hung: a rank whose collective completed is not ahead of the others,
+            # their scrapes lag it (as when a hang ends: the first ranks scraped after it are at the top)
+            "run_group_rank:flare_collective_issued:behind == 0\n"
+            f"  and on (run, group, rank) ({_waiting_since_hung(t)})",
             "run_group:flare_collective_issued:behind_ranks * 2 >",
         ),
         t.mismatch_for,
@@ -684,7 +693,8 @@ def _odd_collective(t: Thresholds) -> Alert:
         "FlareCollectiveMismatch",
         _with_host(
             f"max by (run, rank, group) (({_ODD_OP})\n  or on (run, group, rank) ({_ODD_SIZE}))\n"
-            f"  and on (run, group) ({_hung(t)})"
+            f"  and on (run, group) ({_hung(t)})\n"
+            f"  and on (run, group, rank) ({_waiting_since_hung(t)})"
         ),
         t.mismatch_for,
         "critical",
