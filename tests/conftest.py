@@ -13,10 +13,13 @@ from typing import Any
 
 import pytest
 
+from flare_exporter.config import Config
 from flare_exporter.engine import cli, promql, scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.workloads import train_ddp
+from flare_exporter.rank.identity import RankIdentity
+from flare_exporter.rank.state import FlareState
 
 RANKS = 4
 STEPS = 40  # past step 32, where the default host-dispatch window (one step in 32) opens
@@ -150,6 +153,23 @@ def one_rank_env(port: int, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def ild_state(run: str, **overrides: Any) -> FlareState:
+    """The state of rank 0 of a one-rank run `run`, with ILD's phases short (warm-up 2 steps, baseline 10,
+    windows of 3, 20 samples), a host-dispatch window every step and no GPU health; `overrides`: Config keys.
+    Nothing installed (its steps, ILD hooks) yet."""
+    settings: dict[str, Any] = dict(
+        ild_dispatch_every_steps=1,
+        ild_warmup_steps=2,
+        ild_baseline_steps=10,
+        ild_window_steps=3,
+        ild_min_samples=20,
+        gpu_health=False,
+    )
+    settings.update(overrides)
+    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run=run, host="h", pid=1)
+    return FlareState.create(Config(**settings), identity)
 
 
 def torch_extension() -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import flare_json, queries_sent
 
+from flare_exporter import spec
 from flare_exporter.config import Config
 from flare_exporter.engine import (
     canary,
@@ -214,6 +215,9 @@ def test_records_read_the_canary_series_and_a_healthy_canary_is_no_verdict():
     )
     assert snapshot.ranks[1].canary == CanaryState({GEMM: CanaryReading(3e9, failed=("preflight",))}, False)
     assert set(canary.METRICS) <= records.SNAPSHOT_METRICS  # a direct scrape asks the ranks for them
+    # read from the spec: every canary metric but the canary's bookkeeping, which the spec declares too
+    assert set(canary.METRICS) == set(series) - {"flare_rank_info"}
+    assert set(canary.BOOKKEEPING) <= set(spec.BY_NAME)
     (verdict,) = diagnose(snapshot, 30.0)
     assert (verdict.kind, verdict.ranks) == ("canary", (1,))
     assert "3e+09 FLOP/s" in verdict.summary and "median" not in verdict.summary  # no relative: no median

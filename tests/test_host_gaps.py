@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import flare_json, torch_extension
+from conftest import flare_json, ild_state, torch_extension
 
 from flare_exporter import spec
 from flare_exporter.config import Config
@@ -30,9 +30,7 @@ from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.workloads import train_ddp
 from flare_exporter.policies import BottleneckPolicy, IldPolicy
 from flare_exporter.rank import perf as rank_perf
-from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.perf import PerfMonitor, PhaseClock, StepMark, step_gaps
-from flare_exporter.rank.state import FlareState
 
 BOUNDS = list(spec.ISSUE_LATENCY_BUCKETS)
 
@@ -104,26 +102,11 @@ def test_other_threads_ops_make_no_gaps_and_a_gap_with_a_completion_is_a_wait():
 # both timers, from the step hook
 
 
-def make_state(**overrides) -> FlareState:
-    settings = dict(
-        ild_dispatch_every_steps=1,
-        ild_launch_sample_every=10**6,
-        ild_warmup_steps=2,
-        ild_baseline_steps=10,
-        ild_window_steps=3,
-        ild_min_samples=20,
-        gpu_health=False,
-    )
-    settings.update(overrides)
-    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="gaps", host="h", pid=1)
-    return FlareState.create(Config(**settings), identity)
-
-
 class Rank:
     """A rank's state with its step hooks, ILD windows and step breakdown installed, and a small model."""
 
     def __init__(self, **overrides) -> None:
-        self.state = make_state(**overrides)
+        self.state = ild_state("gaps", **{"ild_launch_sample_every": 10**6, **overrides})  # no kernel samples
         self.state.steps.install()
         self.state.ild.install()
         sampler = self.state.ild.dispatch

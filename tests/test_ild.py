@@ -8,16 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import torch_extension
+from conftest import ild_state, torch_extension
 from prometheus_client import generate_latest
 
 from flare_exporter import spec
-from flare_exporter.config import Config
 from flare_exporter.engine.scrape import parse
 from flare_exporter.rank import cpp_recorder
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.fake_device import FakeDevice
-from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.ild import Drift, bucket_points, drift
 from flare_exporter.rank.state import FlareState
 
@@ -181,18 +179,8 @@ def test_too_few_samples_export_no_drift():
 
 
 def make_state(**overrides) -> FlareState:
-    settings = dict(
-        ild_launch_sample_every=1,
-        ild_dispatch_every_steps=1,
-        ild_warmup_steps=2,
-        ild_baseline_steps=10,
-        ild_window_steps=3,
-        ild_min_samples=20,
-        gpu_health=False,
-    )
-    settings.update(overrides)
-    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="ild", host="h", pid=1)
-    return FlareState.create(Config(**settings), identity)
+    """ild_state, every kernel launch sampled."""
+    return ild_state("ild", **{"ild_launch_sample_every": 1, **overrides})
 
 
 @pytest.fixture

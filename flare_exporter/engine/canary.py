@@ -34,13 +34,14 @@ PREFLIGHT, IN_FLIGHT = spec.CANARY_PHASES
 DRIFT = "drift"
 CHECKS = (PREFLIGHT, IN_FLIGHT, DRIFT)  # the order a rank's failures are named in
 LINK_SCOPES = ("intra_host", "inter_host")
-METRICS = (
-    "flare_canary_value",
-    "flare_canary_relative",
-    "flare_canary_failed",
-    "flare_canary_ewma_ratio",
-    "flare_canary_drift",
-    "flare_canary_preflight_passed",
+PREFLIGHT_PASSED = "flare_canary_preflight_passed"
+# What the engine reads of a rank's canary: every flare_canary_* metric of the spec but the canary's own
+# bookkeeping (how often it ran, for how long), which says nothing of the hardware.
+BOOKKEEPING = ("flare_canary_runs_total", "flare_canary_duration_seconds")
+METRICS = tuple(
+    metric.name
+    for metric in spec.METRICS
+    if metric.name.startswith("flare_canary_") and metric.name not in BOOKKEEPING
 )
 THROUGHPUTS = ("gemm_flops", "allreduce_busbw", "allgather_busbw", "h2d_copy", "d2h_copy", "storage_read")
 UNITS = {"gemm_flops": "FLOP/s", **{name: "B/s" for name in THROUGHPUTS if name != "gemm_flops"}}
@@ -97,7 +98,7 @@ def canary_fields(series: Mapping[str, Rows]) -> dict[int, dict[str, Any]]:
             entry["failed"] = tuple(sorted({*entry["failed"], labels["phase"]}, key=CHECKS.index))
     for labels, value in series.get("flare_canary_drift", []):
         reading(labels)["drift"] = value == 1
-    passed = {int(labels["rank"]): value == 1 for labels, value in series.get(METRICS[-1], [])}
+    passed = {int(labels["rank"]): value == 1 for labels, value in series.get(PREFLIGHT_PASSED, [])}
     return {
         rank: {
             "canary": CanaryState(

@@ -241,6 +241,14 @@ class GroupHang:
         issue and once the group was hung (as the alerts' run_group_rank:...:behind_since_stall)."""
         return not state.seen_before_stall and (state.seen_at is None or state.seen_at >= self.hung_since)
 
+    def behind(self, live: Iterable[tuple[int, GroupState]]) -> list[int]:
+        """The live members (Snapshot.live_states) behind the group's top issued number, judged on numbers
+        scraped once the group was hung (judges); where none is yet (a scrape interval after the hang
+        began), on those scraped since its newest issue, as before the hang (behind_in): never "no one is
+        behind" for want of a scrape."""
+        below = [(rank, state) for rank, state in live if state.last_issued < self.max_issued]
+        return [rank for rank, state in below if self.judges(state)] or behind_in(below, self.max_issued)
+
 
 def diagnose(
     snapshot: Snapshot,
@@ -370,9 +378,7 @@ def explain_hang(snapshot: Snapshot, hang: GroupHang) -> Verdict:
     at; none behind, a mismatch where the members have different collectives in flight, else a hang inside
     the collective."""
     live = snapshot.live_states[hang.name]
-    # judged on numbers scraped once the group was hung; where none is yet (a scrape interval after the
-    # hang began), on those scraped since its newest issue, as before the hang: never "no one is behind"
-    behind = behind_in(live, hang.max_issued, hang) or behind_in(live, hang.max_issued)
+    behind = hang.behind(live)
     ahead = [rank for rank, state in live if state.last_issued == hang.max_issued]
     evidence = _hang_evidence(hang, live, len(ahead), behind)
     if behind and len(behind) * 2 > len(live):
@@ -546,13 +552,11 @@ def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
     return reads
 
 
-def behind_in(live: Iterable[tuple[int, GroupState]], top: int, hang: GroupHang | None = None) -> list[int]:
+def behind_in(live: Iterable[tuple[int, GroupState]], top: int) -> list[int]:
     """The ranks of `live` (a group's live members and their states, Snapshot.live_states) whose last
-    issued number is below `top`, of those scraped since the group's newest issue (and, of a `hang`, since
-    the group was hung: GroupHang.judges): a rank whose number was scraped before (a late scrape) cannot
-    tell whether it issued the collective the group waits in, and is not judged."""
-    if hang is not None:
-        return [rank for rank, state in live if state.last_issued < top and hang.judges(state)]
+    issued number is below `top`, of those scraped since the group's newest issue: a rank whose number was
+    scraped before (a late scrape) cannot tell whether it issued the collective the group waits in, and is
+    not judged (of a hung group, GroupHang.behind also leaves out those scraped before it was hung)."""
     return [rank for rank, state in live if state.last_issued < top and not state.seen_before_stall]
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from ..mixin import rules
 from . import prometheus_source, promql
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
-from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields
+from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields, per_rank
 
 LAST_SEEN = "last_seen"  # when each rank was last scraped
 FLIGHT_SEEN = "flight_seen"  # when each (rank, group)'s in-flight collective was last scraped
@@ -87,15 +87,15 @@ def dead_run_from_prometheus(
 def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) -> DeadRun:
     """The DeadRun Prometheus's answers describe (pure: the answers in, the last words out)."""
     info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
-    last_seen = _per_rank(series, LAST_SEEN)
+    last_seen = per_rank(series, LAST_SEEN)
     groups = group_fields(_at_the_end(series, last_seen), now)
     exceptions = _exceptions(series)
     terminations = {
         int(labels["rank"]): Termination(labels.get("signal", ""), labels.get("sender", "unknown"), value)
         for labels, value in series.get(TERMINATED, [])
     }
-    heartbeat = _per_rank(series, "flare_heartbeat_timestamp_seconds")
-    steps = _per_rank(series, "flare_steps_total")
+    heartbeat = per_rank(series, "flare_heartbeat_timestamp_seconds")
+    steps = per_rank(series, "flare_steps_total")
     words = {
         rank: LastWord(
             rank,
@@ -115,12 +115,8 @@ def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) ->
     return DeadRun(run, world_size, words, source)
 
 
-def _per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
-    return {int(labels["rank"]): value for labels, value in series.get(name, [])}
-
-
 def _exceptions(series: Mapping[str, Series]) -> dict[int, ExceptionWord]:
-    raised_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
+    raised_at = per_rank(series, "flare_rank_exception_timestamp_seconds")
     return {
         int(labels["rank"]): ExceptionWord(
             labels.get("type", ""),

@@ -58,7 +58,7 @@ def build_snapshot(
         int(labels["rank"]): labels for labels, _ in series.get("flare_rank_exception_info", [])
     }
     exceptions = {rank: labels["type"] for rank, labels in exception_info.items()}
-    exception_at = _per_rank(series, "flare_rank_exception_timestamp_seconds")
+    exception_at = per_rank(series, "flare_rank_exception_timestamp_seconds")
     heartbeat = _progress(series)["heartbeat"]
     pace_fields = _pace_fields(series)
     detail_fields = _detail_fields(series)
@@ -167,13 +167,14 @@ def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
     }
 
 
-def _per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
-    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others)."""
+def per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
+    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others); a rank's
+    one value where a query kept one series per rank (`max by (rank)`)."""
     values: dict[int, float] = defaultdict(float)
     for labels, value in series.get(name, []):
         if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
             values[int(labels["rank"])] += value
-    return values
+    return dict(values)
 
 
 # RankRecord field -> the metric it is read from, per distribution (label `distribution`)
@@ -189,9 +190,9 @@ def _pace_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
     step and collective times over the window, straggler windows, ILD drift. A rank none of these series
     name keeps the fields' defaults."""
     fields: dict[int, dict[str, Any]] = defaultdict(dict)
-    collective_seconds = _per_rank(series, "flare_collective_duration_seconds_sum")
-    step_seconds = _per_rank(series, "flare_step_duration_seconds_sum")
-    step_count = _per_rank(series, "flare_step_duration_seconds_count")
+    collective_seconds = per_rank(series, "flare_collective_duration_seconds_sum")
+    step_seconds = per_rank(series, "flare_step_duration_seconds_sum")
+    step_count = per_rank(series, "flare_step_duration_seconds_count")
     for rank in collective_seconds.keys() | step_seconds.keys() | step_count.keys():
         fields[rank].update(
             collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),

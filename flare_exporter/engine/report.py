@@ -95,10 +95,16 @@ NO_VERDICT = "No rank caused the end: no verdict."
 RANK_COLUMNS = ["rank", "host", "steps", "last seen (UTC)", "exception", "root cause", "terminated"]
 
 
-def _verdict_line(verdict: Mapping[str, Any]) -> str:
+def _verdict_line(verdict: Mapping[str, Any], markdown: bool = True) -> str:
+    """A verdict (its JSON) in one line: a Markdown list item with its kind and cause in bold, else plain."""
+
+    def strong(text: str) -> str:
+        return f"**{text}**" if markdown else text
+
     ranks = ", ".join(map(str, verdict["ranks"])) or "no single rank"
-    head = f"**{verdict['kind']}**, cause **{verdict['cause']}**, {verdict['domain']} ({ranks})"
-    return f"- {head}: {verdict['summary']}"
+    head = f"{strong(verdict['kind'])}, cause {strong(verdict['cause'])}, {verdict['domain']} ({ranks})"
+    line = f"{head}: {verdict['summary']}"
+    return f"- {line}" if markdown else line
 
 
 def _evidence_text(verdict: Mapping[str, Any]) -> str:
@@ -136,4 +142,4 @@ def _utc(seconds: float | None) -> str:
 def verdict_lines(verdicts: list[Mapping[str, Any]]) -> list[str]:
     """One line per verdict (its JSON, as incident_report holds it), as `flare diagnose` prints them for a
     dead run."""
-    return [_verdict_line(verdict).replace("**", "").removeprefix("- ") for verdict in verdicts]
+    return [_verdict_line(verdict, markdown=False) for verdict in verdicts]
