@@ -591,12 +591,21 @@ def collective_alerts(t: Thresholds) -> list[Alert]:
 
 def _ranks_of_hung_group(t: Thresholds, ranks: str, behind: str) -> str:
     """The `ranks` (a condition by run, group and rank) of hung groups where the ranks judged behind,
-    doubled, compare by `behind` (e.g. `behind_ranks * 2 <=`: a minority) with the group's size."""
+    doubled, compare by `behind` (e.g. `behind_ranks * 2 <=`: a minority) with the group's size.
+
+    Hung as its front says: some rank at the group's top issued number waits in a collective since the
+    threshold. Ranks whose scrapes lag still show the old hung collective after it completed, and would
+    look behind the ranks scraped since, which wait in nothing (as when a hang ends)."""
     counts = "run_group:flare_collective_issued"
+    top_waits = (
+        "run_group_rank:flare_collective_issued:behind == 0\n"
+        f"    and on (run, group, rank) ({_waiting_since_hung(t)})"
+    )
     return _with_host(
         f"max by (run, rank, group) ({ranks})\n"
         f"  and on (run, group) ({_hung(t)})\n"
-        f"  and on (run, group) ({behind} {counts}:ranks)"
+        f"  and on (run, group) ({behind} {counts}:ranks)\n"
+        f"  and on (run, group) ({top_waits})"
     )
 
 
