@@ -44,7 +44,8 @@ simulation indexes the caches by virtual address and has no TLB or prefetcher, b
 shows what the exporter's code does to the training thread's caches and branches, apart from the machine's
 noise. `--loaded` adds a side that runs the script under `benchmarks/loaded.py` (flare's modules and extension
 loaded, nothing attached; as `overhead.py --control loaded`), to tell what loading flare's code does from what
-the exporter does.
+the exporter does. `--variant NAME:FLARE_KEY=VALUE[,...]` (repeatable) adds a side with the exporter and
+those variables set, printed against `with`: `--variant perf_off:FLARE_PERF=0` is the step breakdown's cost.
 
 Exit status: 0 when every run completed, 1 when one failed (valgrind missing, a rank that exited non-zero),
 2 for bad arguments.
@@ -62,7 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -116,16 +117,31 @@ def training_events_per_step(
     return per_step
 
 
+class Side(NamedTuple):
+    """What one side runs as (one of SIDES), its steps between scrapes (0: none), and the environment it adds
+    (a --variant's FLARE_* variables)."""
+
+    runs_as: str
+    scrape_every: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+
+
 def run(
-    side: str, steps: int, workdir: Path, timeout: float, scrape_every: int = 0, cache_sim: bool = False
+    side: Side, steps: int, workdir: Path, timeout: float, cache_sim: bool = False
 ) -> dict[int, dict[str, int]]:
     """One rank of `steps` steps under callgrind, counted from its first step: events per thread
-    (thread_events). `side` is one of SIDES; with `scrape_every`, the rank GETs its exporter's /metrics every
-    that many steps."""
-    with_exporter = side == "with"
-    label = f"{side} the exporter, {steps} steps" if side != "loaded" else f"flare loaded, {steps} steps"
-    if scrape_every:
-        label += f", scraped every {scrape_every}"
+    (thread_events). With `side.scrape_every`, the rank GETs its exporter's /metrics every that many
+    steps."""
+    with_exporter = side.runs_as == "with"
+    label = (
+        f"{side.runs_as} the exporter, {steps} steps"
+        if side.runs_as != "loaded"
+        else f"flare loaded, {steps} steps"
+    )
+    if side.scrape_every:
+        label += f", scraped every {side.scrape_every}"
+    if side.env:
+        label += ", " + ", ".join(f"{name}={value}" for name, value in side.env)
     workdir.mkdir(parents=True)
     start = workdir / "start"
     env = dict(
@@ -141,6 +157,7 @@ def run(
     if with_exporter:
         env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
         env.setdefault("FLARE_NVML_MODULE", "flare_exporter.local.testing.fake_nvml")
+        env.update(side.env)
     prefix = {
         "without": [],
         "loaded": [str(REPO / "benchmarks" / "loaded.py")],
@@ -154,13 +171,13 @@ def run(
         *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
         f"--callgrind-out-file={workdir}/cg.%p",
         sys.executable,
-        *prefix[side],
+        *prefix[side.runs_as],
         str(SCRIPT),
         "--steps",
         str(steps),
         "--start-after",
         str(start),
-        *(["--scrape-every", str(scrape_every)] if scrape_every else []),
+        *(["--scrape-every", str(side.scrape_every)] if side.scrape_every else []),
     ]
     log = workdir / "log.txt"
     with open(log, "wb") as out:
@@ -276,6 +293,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="add a side with flare's code loaded and nothing attached (benchmarks/loaded.py)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=variant,
+        metavar="NAME:FLARE_KEY=VALUE[,...]",
+        help="add a side with the exporter and these FLARE_* variables set, compared with `with` "
+        "(repeatable; e.g. perf_off:FLARE_PERF=0)",
+    )
     parser.add_argument("--json", default="", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument(
         "--keep", default="", metavar="DIR", help="keep callgrind's files in DIR (for callgrind_annotate)"
@@ -289,7 +315,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.job_steps_per_scrape <= 0:
         parser.error(f"--job-steps-per-scrape ({args.job_steps_per_scrape}) must be positive")
+    names = [name for name, _ in args.variant]
+    if len(set(names)) < len(names):
+        parser.error(f"--variant names must differ ({', '.join(names)})")
     return args
+
+
+VARIANT = re.compile(r"^(\w+):(FLARE_\w+=[^,]*(?:,FLARE_\w+=[^,]*)*)$")
+
+
+def variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """--variant's value: its name and its (variable, value) pairs."""
+    found = VARIANT.match(text)
+    if found is None or found.group(1) in (*SIDES, "scraped"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME:FLARE_KEY=VALUE[,FLARE_KEY=VALUE...] with a NAME of its own"
+        )
+    pairs = tuple(
+        (name, value) for name, _, value in (pair.partition("=") for pair in found.group(2).split(","))
+    )
+    return found.group(1), pairs
 
 
 def scrapes_between(args: argparse.Namespace) -> int:
@@ -307,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         f"flare instruction-count benchmark: 1 gloo rank, {args.short} and {args.long} steps per side"
         + (", caches and branches simulated" if args.cache_sim else "")
     )
-    sides = {side: (side, 0) for side in SIDES if side != "loaded" or args.loaded}
+    sides = {side: Side(side) for side in SIDES if side != "loaded" or args.loaded}
     if scrapes:
-        sides["scraped"] = ("with", args.scrape_every)
+        sides["scraped"] = Side("with", args.scrape_every)
+    sides |= {name: Side("with", env=env) for name, env in args.variant}
     try:
         results, runs, training = run_sides(args, sides)
     except RunError as error:
@@ -333,26 +379,39 @@ def main(argv: list[str] | None = None) -> int:
         summary["training_thread_events"] = training
     if scrapes:
         summary |= scrape_summary(args, runs, scrapes, without["training_thread"])
+    if args.variant:
+        summary["variants"] = variant_summary(results, [name for name, _ in args.variant])
     if args.json:
         Path(args.json).write_text(json.dumps({**results, **summary}, indent=2))
     return 0
 
 
+def variant_summary(results: dict[str, dict[str, float]], names: list[str]) -> dict[str, dict[str, float]]:
+    """Each --variant's training thread against the side `with` (the exporter at its defaults): the ratio and
+    the instructions per step it adds (printed)."""
+    with_ = results["with"]["training_thread"]
+    summary = {}
+    for name in names:
+        training = results[name]["training_thread"]
+        summary[name] = {"ratio_to_with": training / with_, "instructions_beyond_with": training - with_}
+        print(f"  training thread: {name} / with {training / with_:.4f} ({training - with_:+,.0f} per step)")
+    return summary
+
+
 def run_sides(
-    args: argparse.Namespace, sides: dict[str, tuple[str, int]]
+    args: argparse.Namespace, sides: dict[str, Side]
 ) -> tuple[dict[str, dict[str, float]], dict[str, Runs], dict[str, dict[str, float]]]:
     """Each side's short and long runs: its instructions per step (training thread, other threads; printed),
-    its runs' instructions per thread, and its training thread's events per step. `sides`: name, (the side
-    it runs as, its steps between scrapes)."""
+    its runs' instructions per thread, and its training thread's events per step."""
     steps = args.long - args.short
     results: dict[str, dict[str, float]] = {}
     runs: dict[str, Runs] = {}
     training: dict[str, dict[str, float]] = {}  # the training thread's events per step, per side
     with tempfile.TemporaryDirectory(prefix="flare-instructions-") as scratch:
         tmp = args.keep or scratch
-        for side, (runs_as, scrape_every) in sides.items():
+        for side, how in sides.items():
             short, long = (
-                run(runs_as, count, Path(tmp) / f"{side}-{name}", args.timeout, scrape_every, args.cache_sim)
+                run(how, count, Path(tmp) / f"{side}-{name}", args.timeout, args.cache_sim)
                 for name, count in (("short", args.short), ("long", args.long))
             )
             runs[side] = instructions_of(short), instructions_of(long)

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -305,6 +307,22 @@ def test_the_loaded_control_runs_the_script_with_flares_code_loaded_and_nothing_
 def test_instructions_rejects_bad_arguments():
     done = run_benchmark("instructions.py", "--short", "50", "--long", "50")
     assert done.returncode == 2 and "--short (50) must be positive and below --long (50)" in done.stderr
+
+
+def test_an_instructions_variant_is_a_side_with_the_exporter_and_its_variables_set(capsys):
+    from instructions import parse_args
+
+    args = parse_args(
+        ["--variant", "perf_off:FLARE_PERF=0", "--variant", "flops:FLARE_PERF_FLOPS_STEP=0,FLARE_X="]
+    )
+    assert args.variant == [
+        ("perf_off", (("FLARE_PERF", "0"),)),
+        ("flops", (("FLARE_PERF_FLOPS_STEP", "0"), ("FLARE_X", ""))),
+    ]
+    for bad in ("with:FLARE_PERF=0", "perf_off:PERF=0", "perf_off"):  # a side's name; not FLARE_*; no pair
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--variant", bad])
+        assert exited.value.code == 2 and f"{bad!r} is not NAME:FLARE_KEY=VALUE" in capsys.readouterr().err
 
 
 def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
@@ -748,3 +766,134 @@ def test_post_mortem_names_the_rank_that_raised_first_in_a_run_prometheus_saw_di
     assert results["verdict"]["ranks"] == [12] and results["verdict"]["cause"] == "out_of_memory"
     assert results["summary"]["command_wall"]["n"] == results["summary"]["in_process_wall"]["n"] == 1
     assert "goal: < 1 s of CLI time at 16 ranks: " in done.stdout
+
+
+def test_scale_rejects_bad_arguments():
+    done = run_benchmark("scale.py", "--ranks", "8")
+    assert done.returncode == 2 and "--ranks >= 16" in done.stderr
+    done = run_benchmark("scale.py", "--store", "thanos")
+    assert done.returncode == 2 and "invalid choice: 'thanos'" in done.stderr
+
+
+def post_alerts(url: str, alerts: list[dict]) -> None:
+    """An Alertmanager notification of `alerts` (each a dict of labels), POSTed as Alertmanager does."""
+    body = json.dumps({"alerts": [{"status": "firing", "labels": labels} for labels in alerts]}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def test_scale_fails_on_a_page_naming_another_rank_and_lists_monitoring_pages_apart():
+    from types import SimpleNamespace
+
+    from scale import failures, pages_since
+
+    from flare_exporter.local.alertmanager import WebhookReceiver
+
+    receiver = WebhookReceiver()
+    try:
+        run_labels = {"run": "bench-scale", "severity": "critical"}
+        post_alerts(
+            receiver.url,
+            [
+                {**run_labels, "alertname": "FlareRankDown", "rank": "5"},
+                {**run_labels, "alertname": "FlareCollectiveHangCulprit", "rank": "7", "group": "world"},
+                {**run_labels, "alertname": "FlareCollectiveHangCulprit", "rank": "9", "group": "world"},
+                {**run_labels, "alertname": "FlareRankScrapesLate", "rank": "3"},
+                {**run_labels, "alertname": "FlareCollectiveHang", "group": "world"},
+                {**run_labels, "run": "another", "alertname": "FlareRankDown", "rank": "1"},
+            ],
+        )
+        # the dead phase of a run whose hung rank was 7: its culprit page may still come
+        run = SimpleNamespace(
+            store=SimpleNamespace(pages=receiver),
+            right={("FlareCollectiveHangCulprit", "7"), ("FlareRankDown", "5")},
+        )
+        pages = pages_since(run, 0.0)
+        assert pages["right"] == ["FlareCollectiveHangCulprit[7]", "FlareRankDown[5]"]
+        assert list(pages["wrong"]) == ["FlareCollectiveHangCulprit[9]"]
+        assert pages["wrong"]["FlareCollectiveHangCulprit[9]"]["labels"]["group"] == "world"
+        assert pages["monitoring"] == ["FlareRankScrapesLate[3]"]
+        assert pages["without_rank"] == ["FlareCollectiveHang"]
+        assert pages_since(run, time.time() + 60)["wrong"] == {}  # delivered before the phase
+    finally:
+        receiver.stop()
+    dead = {"rank": 5, "page_seconds": 9.5, "pages": pages}
+    late = {"rank": 5, "page_seconds": None, "pages": {**pages, "wrong": {}}}
+    assert failures({"stores": {"prometheus": {"phases": {"dead": dead}}}}) == [
+        "prometheus, dead: pages naming another rank: FlareCollectiveHangCulprit[9]"
+    ]
+    assert failures({"stores": {"victoria-metrics": {"phases": {"dead": late}}}}) == [
+        "victoria-metrics, dead: no FlareRankDown page naming rank 5"
+    ]
+
+
+def test_a_vmalert_recording_rules_own_time_is_its_difference_with_the_recording_rule_before_it():
+    from scale_stores import slowest_rules
+
+    groups = [
+        {
+            "rules": [
+                {"name": "a", "type": "recording", "evaluationTime": 0.1},
+                {"name": "b", "type": "recording", "evaluationTime": 0.5},
+                {"name": "c", "type": "recording", "evaluationTime": 0.6},
+                {"name": "A", "type": "alerting", "evaluationTime": 0.2},
+            ]
+        }
+    ]
+    assert slowest_rules(groups, 2, cumulative_recordings=True) == {"b": 0.4, "A": 0.2}
+    assert slowest_rules(groups, 2, cumulative_recordings=False) == {"c": 0.6, "b": 0.5}
+
+
+def test_after_a_hang_the_virtual_ranks_sequence_numbers_move_on_and_nothing_is_in_flight():
+    """The scale benchmark's pages once the hang is over: a rank judged on them is never behind the
+    numbers it or its peers served while hung (numbers that went back named hundreds of culprits)."""
+    from flare_exporter.engine import scrape
+    from flare_exporter.local.testing import virtual_cluster as vc
+
+    pages = vc.render_pages(16, "resumed", 6, 12, resumed_steps=40)
+
+    def issued(page: bytes) -> dict[str, float]:
+        samples = scrape.parse(page.decode())
+        return {s.labels["group"]: s.value for s in samples if s.name == "flare_collective_last_issued_seq"}
+
+    for rank in range(16):
+        hung, resumed = issued(pages.hung[rank]), issued(pages.resumed[rank])
+        assert hung.keys() == resumed.keys() and all(resumed[g] > hung[g] for g in hung), (rank, resumed)
+        assert b"flare_collective_in_flight_info{" not in pages.resumed[rank]
+    assert b"flare_collective_in_flight_info{" in pages.hung[0]  # rank 0 waits in the hung all-reduce
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
+def test_rule_cost_measures_every_rule_of_every_group_on_a_quiet_prometheus(tmp_path):
+    """rule_cost.py at 16 virtual ranks: each group's cost is the sum of its rules', every rule of flare's
+    rules file is asked (the per-rank recordings the dashboards' heatmaps count among them), and some
+    rules answer with series: the recorded series they read were there at the time asked."""
+    import yaml
+
+    from flare_exporter.mixin import rules
+
+    out = tmp_path / "cost.json"
+    done = run_benchmark(
+        "rule_cost.py", "--ranks", "16", "--scrape-interval", "1", "--repeats", "1", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    groups = json.loads(out.read_text())["groups"]
+    document = yaml.safe_load(rules.render(rules.Thresholds()))
+    assert set(groups) == {group["name"] for group in document["groups"]}
+    for group in document["groups"]:
+        measured = groups[group["name"]]
+        names = [rule.get("record") or rule["alert"] for rule in group["rules"]]
+        assert sorted(rule["rule"] for rule in measured["rules"]) == sorted(names)
+        for cost in ("seconds", "cpu_seconds"):
+            assert measured[cost] == pytest.approx(sum(rule[cost] for rule in measured["rules"]))
+        assert measured["seconds"] > 0 and 0 <= measured["share_of_interval"] < 1
+    assert sum(group["cpu_seconds"] for group in groups.values()) > 0  # 10 ms ticks: a small group may read 0
+    dashboards = {rule["rule"]: rule["series"] for rule in groups["flare.dashboards"]["rules"]}
+    assert dashboards["run:flare_straggler_window_step_seconds_bucket:ranks"] > 0
+    assert "costliest rules (CPU, wall):" in done.stdout
+
+
+def test_rule_cost_rejects_bad_arguments():
+    done = run_benchmark("rule_cost.py", "--ranks", "4")
+    assert done.returncode == 2 and "--ranks must be at least 8" in done.stderr
