@@ -597,15 +597,21 @@ def _ranks_of_hung_group(t: Thresholds, ranks: str, behind: str) -> str:
     threshold. Ranks whose scrapes lag still show the old hung collective after it completed, and would
     look behind the ranks scraped since, which wait in nothing (as when a hang ends)."""
     counts = "run_group:flare_collective_issued"
-    top_waits = (
-        "run_group_rank:flare_collective_issued:behind == 0\n"
-        f"    and on (run, group, rank) ({_waiting_since_hung(t)})"
-    )
     return _with_host(
         f"max by (run, rank, group) ({ranks})\n"
         f"  and on (run, group) ({_hung(t)})\n"
         f"  and on (run, group) ({behind} {counts}:ranks)\n"
-        f"  and on (run, group) ({top_waits})"
+        f"  and on (run, group) ({_front_waiting(t)})"
+    )
+
+
+def _front_waiting(t: Thresholds) -> str:
+    """The ranks at their group's top issued number that wait in a collective since the hang threshold (a
+    late scrape cannot show a number higher than the rank's; a rank whose collective completed waits in
+    nothing)."""
+    return (
+        "run_group_rank:flare_collective_issued:behind == 0\n"
+        f"    and on (run, group, rank) ({_waiting_since_hung(t)})"
     )
 
 
@@ -661,11 +667,9 @@ def _extra_collective(t: Thresholds) -> Alert:
         "FlareCollectiveMismatch",
         _ranks_of_hung_group(
             t,
-            # at the top (a late scrape cannot show a number higher than the rank's), and waiting there
-            # itself since the group hung: a rank whose collective completed is not ahead of the others,
-            # their scrapes lag it (as when a hang ends: the first ranks scraped after it are at the top)
-            "run_group_rank:flare_collective_issued:behind == 0\n"
-            f"  and on (run, group, rank) ({_waiting_since_hung(t)})",
+            # at the top and waiting there itself since the group hung: a rank whose collective completed
+            # is not ahead of the others, their scrapes lag it (as when a hang ends)
+            _front_waiting(t),
             "run_group:flare_collective_issued:behind_ranks * 2 >",
         ),
         t.mismatch_for,
