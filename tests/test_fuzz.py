@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from unittest import mock
 
 import yaml
@@ -194,11 +195,12 @@ def test_snapshot_from_scraped_ranks(texts, run):
 
     asked = []
 
-    async def served(target: str, *args: object) -> str:
-        asked.append(target)
-        return by_address[target]
+    def served(targets: list[str], *args: object) -> Iterator[tuple[str, str]]:
+        for target in targets:
+            asked.append(target)
+            yield target, by_address[target]
 
-    with mock.patch.object(rank_client, "fetch_text", served):
+    with mock.patch.object(rank_client, "exchange_all", served):
         try:
             snapshot = sources.from_targets(targets, run=run)
         except sources.SourceError:

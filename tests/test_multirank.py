@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 import pytest
 from conftest import RANKS, STEPS
@@ -127,16 +127,18 @@ def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_w
         assert result.returncode == 0, result.stdout + result.stderr
         assert {s.name for s in scrape.parse(text)} <= sources.SNAPSHOT_METRICS
         assert len(text) * 3 < len(everything)  # no histogram buckets, no series the rules never read
-    fetched = rank_client.fetch_text
+    exchanged = rank_client.exchange_all
     asked_for = []
 
-    async def recorded(target: str, timeout: float, via: scrape.Client, names: Collection[str]) -> str:
-        asked_for.append(names)
-        return await fetched(target, timeout, via, names)
+    def recorded(
+        targets: list[str], timeout: float, workers: int, via: scrape.Client, names: Collection[str]
+    ) -> Iterator[tuple[str, str | scrape.ScrapeError]]:
+        asked_for.append((len(targets), names))
+        return exchanged(targets, timeout, workers, via, names)
 
-    monkeypatch.setattr(rank_client, "fetch_text", recorded)
+    monkeypatch.setattr(rank_client, "exchange_all", recorded)
     snapshot = sources.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
-    assert asked_for == [sources.SNAPSHOT_METRICS] * RANKS and snapshot.ranks_seen == RANKS
+    assert asked_for == [(RANKS, sources.SNAPSHOT_METRICS)] and snapshot.ranks_seen == RANKS
 
 
 @pytest.mark.prometheus

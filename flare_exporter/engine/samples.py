@@ -36,36 +36,39 @@ _ESCAPED = re.compile(r'\\[\\n"]')
 _UNESCAPE = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 
 
-# Every sample line of a text at once (the line pattern, anchored at line ends), and what may lie between two
-# of them: HELP lines, TYPE lines of the four types, empty lines.
-_SAMPLE_LINES = re.compile(rf"^{_SAMPLE_LINE.pattern}$", re.MULTILINE)
-_BETWEEN_SAMPLES = re.compile(
-    r"(?:(?:# HELP [^\n]*|# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|untyped)|)\n)*"
+# Every line of a text at once, anchored at line ends: a sample line (its name, labels and value captured), or
+# a HELP line, a TYPE line of the four types or an empty line (nothing captured). After the text's last
+# newline, the pattern matches the empty string once more.
+_LINES = re.compile(
+    rf"^(?:{_SAMPLE_LINE.pattern}"
+    r"|# HELP [^\n]*|# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|untyped)|)$",
+    re.MULTILINE,
 )
 
 
 def _parse_plain(text: str, wanted: Collection[str] | None = None) -> list[Sample] | None:
-    """The samples of a well-formed text exposition; None where any line is not exactly a sample, a HELP
-    or TYPE line or empty (prometheus_client's parser then decides). Several times faster: a direct scrape
-    parses every rank of the job. The sample lines are found by one regular expression over the whole
-    text, and what lies between two of them must be comment or empty lines. With `wanted`, samples of
-    other names are left out."""
+    """The samples of a well-formed text exposition (ending in a newline); None where any line is not
+    exactly a sample, a HELP or TYPE line or empty (prometheus_client's parser then decides). Several times
+    faster: a direct scrape parses every rank of the job. One pattern finds every line it knows in the
+    whole text at once, and it must find them all. With `wanted`, samples of other names are left out."""
+    lines = _LINES.findall(text)
+    if len(lines) != text.count("\n") + 1:
+        return None
     samples = []
-    end = 0
-    for match in _SAMPLE_LINES.finditer(text):
-        if match.start() != end and not _BETWEEN_SAMPLES.fullmatch(text, end, match.start()):
-            return None
-        end = match.end() + 1  # past the line's end
-        name, label_text, value = match.groups()
-        if wanted is not None and name not in wanted:
+    read: dict[str, dict[str, str] | None] = {"": {}}  # a page repeats its label texts: each is read once
+    for name, label_text, value in lines:
+        if not name or (wanted is not None and name not in wanted):
             continue
-        labels = _labels(label_text) if label_text else {}
+        labels = read.get(label_text, _UNREAD)
+        if labels is _UNREAD:
+            labels = read[label_text] = _labels(label_text)
         if labels is None:
             return None
         samples.append(Sample(name, labels, float(value)))
-    if end < len(text) and not _BETWEEN_SAMPLES.fullmatch(text, end):
-        return None
     return samples
+
+
+_UNREAD: dict[str, str] = {}
 
 
 def _labels(label_text: str) -> dict[str, str] | None:

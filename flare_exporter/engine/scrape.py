@@ -32,9 +32,9 @@ def fetch(target: str, timeout: float = 5.0, via: Client | None = None, names: C
     """The text at <scheme>://target/metrics (target is host:port, or a URL), within `timeout` seconds, of
     only the samples `names` names where the rank serves them alone (`name[]`, as Prometheus's client
     libraries do; flare's endpoint does) and of every sample where it does not."""
-    from . import rank_client  # here: asyncio's import is 30 ms of a command that may not scrape
+    from . import rank_client  # here: only a command that scrapes needs it
 
-    return rank_client.run(rank_client.fetch_text(target, timeout, via or Client(), names))
+    return rank_client.fetch_text(target, timeout, via or Client(), names)
 
 
 def scrape(
@@ -52,11 +52,11 @@ def scrape_all(
     wanted: Collection[str] | None = None,
 ) -> dict[str, list[Sample] | ScrapeError]:
     """Scrape every target concurrently, at most `workers` at once, each within `timeout`; each maps to its
-    samples (those `wanted`, see scrape) or to the ScrapeError it raised. One thread, one event loop
+    samples (those `wanted`, see scrape) or to the ScrapeError it raised. One thread, one selector
     (rank_client): threads with urllib cost 2 ms of CPU a rank, mostly in the interpreter's lock and
-    urllib's layers; this, under 1 ms with the parse."""
+    urllib's layers; asyncio's streams 160 µs; this, 60 µs before the parse."""
     if not targets:
         return {}
     from . import rank_client
 
-    return rank_client.run(rank_client.scrape_all(targets, timeout, workers, via or Client(), wanted))
+    return rank_client.scrape_all(targets, timeout, workers, via or Client(), wanted)
