@@ -3,7 +3,7 @@
     python benchmarks/scale.py [--ranks 6144] [--store prometheus|victoria-metrics|both]
                                [--scrape-interval S] [--hang-seconds 20] [--repeats 3]
                                [--direct-repeats 1 | --no-direct] [--json OUT] [--keep]
-    python benchmarks/scale.py --ranks 1024        # the direct-scrape goal's size
+    python benchmarks/scale.py --ranks 1024        # a smaller cluster, 5 s scrapes
 
 The cluster (flare_exporter.local.testing.virtual_cluster): every virtual rank's /metrics rendered by
 flare's own collectors with every signal on (three process groups, straggler windows, ILD, GPU health via
@@ -41,7 +41,8 @@ about a rank's monitoring, such as FlareRankScrapesLate, are listed apart), and
 `flare diagnose --prometheus STORE --json` (as a command and in-process) timed, its first verdict checked:
 the phase's kind naming the phase's rank; with the first store only, `flare diagnose --targets DIR` (direct
 scrape; the store plays no part in it). The load average of this machine is recorded as it goes. Goals:
-the right culprit in < 1 s of CLI time via the store at 6,144 ranks, < 3 s via direct scrape at 1,024.
+the right culprit in < 1 s of CLI time via the store at 6,144 ranks. The direct scrape here shares the
+machine with the store; its goal (< 3 s at 6,144 ranks) is measured alone by benchmarks/direct_scrape.py.
 
 Exit status: 0 when every verdict and page was right (whatever the times), 1 otherwise, 2 for bad arguments.
 """
@@ -76,7 +77,6 @@ from flare_exporter.mixin.rules import LAST_WINDOW
 
 RUN = "bench-scale"
 PROMETHEUS_GOAL_S = 1.0  # via the store, at 6,144 ranks
-DIRECT_GOAL_S = 3.0  # via direct scrape, at 1,024 ranks
 CLI_TIMEOUT_S = 300.0
 PHASES = ("straggler", "hang", "dead")
 VERDICT_KIND = {"straggler": "straggler", "hang": "hang", "dead": "rank_down"}
@@ -665,17 +665,6 @@ def summary(args: argparse.Namespace, results: dict[str, Any]) -> None:
             f"  {name}: goal via the store < {PROMETHEUS_GOAL_S:g} s at {args.ranks} ranks: "
             f"{'PASS' if worst < PROMETHEUS_GOAL_S else 'MISS'} (slowest phase {_seconds(worst)})"
         )
-        directs = [
-            figures["phases"][p]["medians"]["direct"]
-            for p in PHASES
-            if "direct" in figures["phases"][p]["medians"]
-        ]
-        if directs:
-            print(
-                f"  goal via direct scrape < {DIRECT_GOAL_S:g} s (set at 1,024 ranks) at {args.ranks} ranks: "
-                f"{'PASS' if max(directs) < DIRECT_GOAL_S else 'MISS'} "
-                f"(slowest phase {_seconds(max(directs))})"
-            )
 
 
 def wrong_pages(where: str, pages: dict[str, Any]) -> list[str]:

@@ -768,6 +768,20 @@ def test_post_mortem_names_the_rank_that_raised_first_in_a_run_prometheus_saw_di
     assert "goal: < 1 s of CLI time at 16 ranks: " in done.stdout
 
 
+def test_direct_scrape_times_each_fault_and_checks_its_verdict(tmp_path):
+    done, results = run_to_json(tmp_path, "direct_scrape.py", "--ranks", "16", "--repeats", "1")
+    # straggler 16*3//8, hung 16*777//1024, dead 16*5//8, each named in its phase (else exit 1)
+    assert results["faults"] == {"straggler": 6, "hang": 12, "dead": 10}
+    assert [results["phases"][p]["verdicts"].split(" [")[0] for p in results["phases"]] == [
+        "straggler",
+        "hang",
+        "rank_down",
+    ]
+    client = results["client_alone"]
+    assert 0 < client["http_only"]["median"] < client["with_parse"]["median"]
+    assert "goal < 3 s (set at 6,144 ranks) at 16 ranks: PASS" in done.stdout
+
+
 def test_scale_rejects_bad_arguments():
     done = run_benchmark("scale.py", "--ranks", "8")
     assert done.returncode == 2 and "--ranks >= 16" in done.stderr

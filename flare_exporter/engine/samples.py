@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class ScrapeError(RuntimeError):
@@ -73,10 +73,15 @@ _UNREAD: dict[str, str] = {}
 
 def _labels(label_text: str) -> dict[str, str] | None:
     """The labels of a sample line's `{...}` text (already matched as well-formed); None if one is given
-    twice."""
-    pairs = _LABEL_PAIR.findall(label_text)
+    twice. Without an escape, every quote in the text delimits a value: splitting at them is twice as
+    fast as the pattern."""
     if "\\" in label_text:
-        pairs = [(key, _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw)) for key, raw in pairs]
+        pairs: list[Any] = [
+            (key, _ESCAPED.sub(lambda m: _UNESCAPE[m.group(0)], raw))
+            for key, raw in _LABEL_PAIR.findall(label_text)
+        ]
+    else:
+        pairs = [pair.split('="', 1) for pair in label_text[:-1].split('",')]
     labels = dict(pairs)
     return labels if len(labels) == len(pairs) else None
 
