@@ -87,18 +87,27 @@ def recording_rules(t: Thresholds) -> list[Recording]:
     ]
 
 
+RANK_SEEN = "run_rank_host:flare_rank_info:last_seen_timestamp_seconds"
+
+
 def _rank_recordings(t: Thresholds) -> list[Recording]:
     """Each rank's host, whether it is down without an exception, and when it raised one."""
     s = selector(t)
     return [
-        # Every rank's host, one series per rank: the live identity, else the last one seen, else no host
-        # (a rank that died before its first scrape); alerts join it to name the host.
+        # When each rank was last seen on each host, remembered for the lookback: its newest scrape, else
+        # this recording's own last value while younger than that. Two instant selections of a series a rank
+        # each evaluation: last_over_time over the lookback read every scrape of the hour (240 samples a
+        # rank at 15 s), twice, every evaluation.
+        Recording(
+            RANK_SEEN,
+            f"max by (run, rank, host) (timestamp(flare_rank_info{s}))\n"
+            f"or ({RANK_SEEN} > time() - {duration_seconds(t.lookback, 'lookback'):g})",
+        ),
+        # Every rank's host, one series per rank: the one it was last seen on, else no host (a rank that
+        # died before its first scrape); alerts join it to name the host.
         Recording(
             "run_rank:flare_rank_info:host",
-            f"max by (run, rank, host) (flare_rank_info{s})\n"
-            "or on (run, rank)\n"
-            "  topk by (run, rank) (1, max by (run, rank, host) "
-            f"(last_over_time(flare_rank_info{s}[{t.lookback}])))\n"
+            f"group by (run, rank, host) (topk by (run, rank) (1, {RANK_SEEN}))\n"
             "or on (run, rank)\n"
             f"  group by (run, rank) (up{up_selector(t)})",
         ),
@@ -111,7 +120,7 @@ def _rank_recordings(t: Thresholds) -> list[Recording]:
             _with_host(
                 f"(\n  max by (run, rank) (up{up_selector(t)}) == 0\n"
                 "  or 0 * (\n"
-                f"    max by (run, rank) (last_over_time(flare_rank_info{s}[{t.lookback}]))\n"
+                f"    max by (run, rank) ({RANK_SEEN})\n"
                 f"    unless on (run, rank) flare_rank_info{s}\n"
                 f"    and on (run) flare_rank_info{s}\n"
                 "  )\n)\n"
@@ -861,16 +870,39 @@ def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:
     ]
 
 
+XID_RISE = "run_rank:flare_gpu_xid_events:rise_timestamp_seconds"
+ECC_RISE = "run_rank:flare_gpu_ecc_errors_uncorrected:rise_timestamp_seconds"
+
+
+def gpu_error_recordings(t: Thresholds) -> list[Recording]:
+    """When each rank's GPU error counters last rose, while gpu_errors_window still holds the rise."""
+    uncorrected = selector(t, 'type="uncorrected"')
+    return [
+        _rise_memory(XID_RISE, f"flare_gpu_xid_events_total{selector(t)}", t),
+        _rise_memory(ECC_RISE, f"flare_gpu_ecc_errors_total{uncorrected}", t),
+    ]
+
+
+def _rise_memory(name: str, counter: str, t: Thresholds) -> Recording:
+    """`increase(counter[gpu_errors_window]) > 0` per rank, as the time of the last evaluation that saw the
+    counter rise over a few scrapes, kept by this recording's own last value for the rest of the window:
+    every evaluation reads a few samples a rank instead of every scrape of the window (40 at 15 s)."""
+    window = duration_seconds(t.gpu_errors_window, "gpu_errors_window")
+    recent = min(window, max(60.0, 4 * t.scrape_interval_seconds))
+    rose = f"max by (run, rank) (increase({counter}[{recent:g}s]) > 0) * 0 + time()"
+    if recent >= window:
+        return Recording(name, rose)
+    # a rise seen last at T was scraped at most `recent` before: the window holds it until T + window - recent
+    return Recording(name, f"{rose}\nor ({name} > time() - {window - recent:g})")
+
+
 def gpu_error_alerts(t: Thresholds) -> list[Alert]:
     """A GPU that reported errors (XID events, uncorrectable memory errors): pages now."""
     s = selector(t)
-    uncorrected = selector(t, 'type="uncorrected"')
     return [
         Alert(
             "FlareGPUXidErrors",
-            _with_host(
-                f"max by (run, rank) (increase(flare_gpu_xid_events_total{s}[{t.gpu_errors_window}]) > 0)"
-            ),
+            _with_host(f"max by (run, rank) ({XID_RISE})"),
             t.gpu_errors_for,
             "critical",
             "The GPU of rank {{ $labels.rank }} reported XID errors",
@@ -885,8 +917,7 @@ def gpu_error_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareGPUMemoryErrors",
             _with_host(
-                "max by (run, rank) (increase(flare_gpu_ecc_errors_total"
-                f"{uncorrected}[{t.gpu_errors_window}]) > 0)\n"
+                f"max by (run, rank) ({ECC_RISE})\n"
                 f"or on (run, rank) max by (run, rank) (flare_gpu_row_remap_failed{s} == 1)"
             ),
             t.gpu_errors_for,
@@ -989,7 +1020,7 @@ RULE_GROUPS = (
     # slow: its windows look back dead_run_window, and a dead run waits a minute for its page anyway
     RuleGroup("flare.dead_runs", recordings=(dead_run_recordings,), alerts=(dead_run_alerts,), slow=True),
     RuleGroup("flare.collectives", alerts=(collective_alerts,)),
-    RuleGroup("flare.gpu_errors", alerts=(gpu_error_alerts,)),
+    RuleGroup("flare.gpu_errors", recordings=(gpu_error_recordings,), alerts=(gpu_error_alerts,)),
     # One group, so that Prometheus evaluates these one after another, on one core: as four groups, each on
     # its own schedule, their evaluations could meet and take both cores (at 6,144 ranks the straggler
     # group's once took 9.7 s instead of 1.8 s).
