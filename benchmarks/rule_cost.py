@@ -9,10 +9,11 @@ FILE`) at every scrape interval, the slow groups too, until every group has been
 the job's later pages. Then the targets are taken away, so that Prometheus neither scrapes nor ingests, and
 every rule's expression is asked as an instant query at the time of the last evaluation, `--repeats` times,
 one at a time: the recorded series each one reads are there, as they were when the rule ran. Measured, per
-rule: Prometheus's CPU time a query (from /proc, over the repeats) and its own evalTotalTime for it
-(`stats=all`: the engine's wall time, not HTTP's; median of the repeats); per group: the sum of its rules,
-which is what one evaluation of the group costs on one core (a group evaluates its rules one after the
-other), against the group's interval.
+rule: the samples it reads (Prometheus's own count, which this machine's pace does not move; a range longer
+than the history held reads fewer than it will in a long job), Prometheus's CPU time a query (from /proc,
+over the repeats) and its own evalTotalTime for it (`stats=all`: the engine's wall time, not HTTP's; median
+of the repeats); per group: the sum of its rules, which is what one evaluation of the group costs on one
+core (a group evaluates its rules one after the other), against the group's interval.
 
 Why a quiet server, and CPU time: while Prometheus ingests a 6,144-rank job on two shared cores, a group's
 evaluationTime is mostly waiting for a core (benchmarks/README.md): it says how starved the server is, not
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -99,18 +100,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cost_of(url: str, pid: int, expr: str, at: float, repeats: int) -> tuple[float, float, int]:
-    """(median evalTotalTime in seconds, Prometheus's CPU seconds a query, samples in the answer) of `expr`
-    as an instant query at `at`. The CPU time is the measure where the machine is shared: the engine's
-    wall time also counts the time it waited for a core."""
-    timings, size = [], 0
+class Cost(NamedTuple):
+    seconds: float  # the engine's median evalTotalTime
+    cpu_seconds: float  # Prometheus's CPU time a query
+    series: int  # in the answer
+    samples: int  # read: Prometheus's totalQueryableSamples, a count that does not depend on the machine
+
+
+def cost_of(url: str, pid: int, expr: str, at: float, repeats: int) -> Cost:
+    """What `expr` costs as an instant query at `at`. The CPU time is the measure where the machine is
+    shared: the engine's wall time also counts the time it waited for a core."""
+    timings, size, samples = [], 0, 0
     started = cpu_seconds(pid)
     for _ in range(repeats):
         params = {"query": expr, "time": repr(at), "stats": "all"}
         data = promql._data(url, "query", params, 120, repr(expr))  # noqa: SLF001 - with its stats
         timings.append(float(data["stats"]["timings"]["evalTotalTime"]))
+        samples = int(data["stats"]["samples"]["totalQueryableSamples"])
         size = len(data["result"])
-    return statistics.median(timings), (cpu_seconds(pid) - started) / repeats, size
+    return Cost(statistics.median(timings), (cpu_seconds(pid) - started) / repeats, size, samples)
 
 
 def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str, Any]:
@@ -119,14 +127,16 @@ def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str
     for group in groups_of(url):
         costs = []
         for rule in group["rules"]:
-            seconds, cpu, size = cost_of(url, pid, rule["query"], at, args.repeats)
-            costs.append({"rule": rule["name"], "seconds": seconds, "cpu_seconds": cpu, "series": size})
+            costs.append(
+                {"rule": rule["name"], **cost_of(url, pid, rule["query"], at, args.repeats)._asdict()}
+            )
         total = sum(cost["seconds"] for cost in costs)
         cpu = sum(cost["cpu_seconds"] for cost in costs)
         interval = intervals.get(group["name"], float(group["interval"]))
         groups[group["name"]] = {
             "seconds": total,
             "cpu_seconds": cpu,
+            "samples": sum(cost["samples"] for cost in costs),
             "interval_seconds": interval,
             "share_of_interval": cpu / interval,
             "rules": sorted(costs, key=lambda cost: -cost["cpu_seconds"]),
@@ -135,11 +145,14 @@ def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str
 
 
 def report(groups: dict[str, Any]) -> None:
-    print(f"{'group':<22} {'one evaluation: CPU':>20} {'(wall)':>11} {'interval':>9} {'share':>7}")
+    print(
+        f"{'group':<22} {'one evaluation: CPU':>20} {'(wall)':>11} {'samples read':>13} {'interval':>9} "
+        f"{'share':>7}"
+    )
     for name, group in groups.items():
         print(
             f"{name:<22} {group['cpu_seconds'] * 1e3:17.0f} ms {group['seconds'] * 1e3:8.0f} ms "
-            f"{group['interval_seconds']:8.0f}s {group['share_of_interval']:7.1%}"
+            f"{group['samples']:13d} {group['interval_seconds']:8.0f}s {group['share_of_interval']:7.1%}"
         )
     every = sorted(
         (
@@ -152,9 +165,17 @@ def report(groups: dict[str, Any]) -> None:
     print("costliest rules (CPU, wall):")
     for cpu, seconds, group, rule, size in every[:SHOWN]:
         print(f"  {cpu * 1e3:7.0f} ms {seconds * 1e3:7.0f} ms  {group:<20} {rule} ({size} series)")
+    most = sorted(
+        ((rule["samples"], name, rule["rule"]) for name, group in groups.items() for rule in group["rules"]),
+        reverse=True,
+    )
+    print("most samples read:")
+    for samples, group, rule in most[:SHOWN]:
+        print(f"  {samples:10d}  {group:<20} {rule}")
 
 
-def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], float]:
+    """Every group's cost (measure), and the seconds of history Prometheus held when they were asked."""
     started = time.perf_counter()
     healthy, later, _ = vc.render_phases(args.ranks, RUN, args.ranks * 3 // 8, args.ranks * 777 // 1024)
     print(f"{args.ranks} ranks rendered in {time.perf_counter() - started:.1f} s", flush=True)
@@ -169,6 +190,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
         try:
             prometheus.wait_ready()
+            scraping_since = time.time()
             wait_for(lambda: _scraped(prometheus.url) == args.ranks, 900, "every rank scraped")
             server.set_pages(later)
             since = time.time()
@@ -176,7 +198,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             Path(sd_file).write_text("[]")  # no target left: no scrape, no ingestion while we ask
             wait_for(lambda: _scraped(prometheus.url, at + 600) == 0, 300, "the targets to go")
             print(f"every group evaluated {EVALUATIONS} times; asking each rule at {at:.0f}", flush=True)
-            return measure(args, prometheus.url, prometheus.process.pid, at)
+            history = at - scraping_since
+            print(
+                f"history: {history / 60:.1f} minutes (a rule over a longer range reads fewer samples here "
+                "than in a long job)",
+                flush=True,
+            )
+            return measure(args, prometheus.url, prometheus.process.pid, at), history
         finally:
             prometheus.stop()
 
@@ -199,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be at least 8, --scrape-interval and --repeats at least 1")
     tmp = Path(tempfile.mkdtemp(prefix="flare-rule-cost-"))
     try:
-        groups = run(args, tmp)
+        groups, history = run(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(groups)
     if args.json:
-        figures = {"ranks": args.ranks, "load": os.getloadavg(), "groups": groups}
+        figures = {"ranks": args.ranks, "load": os.getloadavg(), "history_seconds": history, "groups": groups}
         Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0 if all(group["share_of_interval"] <= 1 for group in groups.values()) else 1
 

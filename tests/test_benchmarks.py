@@ -902,10 +902,12 @@ def test_rule_cost_measures_every_rule_of_every_group_on_a_quiet_prometheus(tmp_
         for cost in ("seconds", "cpu_seconds"):
             assert measured[cost] == pytest.approx(sum(rule[cost] for rule in measured["rules"]))
         assert measured["seconds"] > 0 and 0 <= measured["share_of_interval"] < 1
+        assert measured["samples"] == sum(rule["samples"] for rule in measured["rules"])
     assert sum(group["cpu_seconds"] for group in groups.values()) > 0  # 10 ms ticks: a small group may read 0
     dashboards = {rule["rule"]: rule["series"] for rule in groups["flare.dashboards"]["rules"]}
     assert dashboards["run:flare_straggler_window_step_seconds_bucket:ranks"] > 0
-    assert "costliest rules (CPU, wall):" in done.stdout
+    assert groups["flare.recording"]["samples"] > 0  # Prometheus's count of the samples the rules read
+    assert "costliest rules (CPU, wall):" in done.stdout and "most samples read:" in done.stdout
 
 
 def test_rule_cost_rejects_bad_arguments():
