@@ -103,3 +103,19 @@ def test_more_ranks_than_exchanges_at_once_are_all_answered(rank):
         for listener, _ in listeners:
             listener.close()
     assert [scrape.value(results[t], "flare_steps_total") for _, t in listeners] == list(range(12))  # type: ignore[arg-type]
+
+
+def test_a_name_the_resolver_answers_too_late_for_is_timed_out(rank, monkeypatch):
+    released = threading.Event()
+
+    def stuck(name: tuple[str, int]) -> list:
+        released.wait(30)  # a resolver that does not answer within the scrape's timeout
+        return []
+
+    monkeypatch.setattr(rank_client, "_resolve", stuck)
+    try:
+        results = scrape.scrape_all(["slow-dns:9400", rank], timeout=0.3)
+    finally:
+        released.set()
+    assert str(results["slow-dns:9400"]) == "slow-dns:9400: cannot scrape (timed out)"
+    assert scrape.value(results[rank], "flare_steps_total") == 7  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -78,7 +78,7 @@ def exchange_all(
     at most `workers` exchanges at once, each ended within `timeout` seconds of its start."""
     query = _names_query(frozenset(names)) if names else ""
     waiting = deque(dict.fromkeys(targets))
-    resolved = _resolve_all(waiting, via.scheme)
+    resolved = _resolve_all(waiting, via.scheme, timeout)
     headers = "".join(f"{key}: {value}\r\n" for key, value in via.headers().items())
     selector = selectors.DefaultSelector()
     active: dict[_Exchange, None] = {}  # in the order they started: the first is the next to time out
@@ -332,9 +332,9 @@ class _Exchange:
         return True
 
 
-def _resolve_all(targets: Collection[str], scheme: str) -> dict[str, _Plan | ScrapeError]:
-    """Each target's _Plan, or the ScrapeError of a bad address or a host name that does not resolve; each
-    host name resolved once, RESOLVERS at once."""
+def _resolve_all(targets: Collection[str], scheme: str, timeout: float) -> dict[str, _Plan | ScrapeError]:
+    """Each target's _Plan, or the ScrapeError of a bad address or a host name that does not resolve within
+    `timeout`; each host name resolved once, RESOLVERS at once."""
     plans: dict[str, _Plan | ScrapeError] = {}
     for target in targets:
         try:
@@ -345,8 +345,7 @@ def _resolve_all(targets: Collection[str], scheme: str) -> dict[str, _Plan | Scr
     found: dict[tuple[str, int], list[Address] | OSError | None] = {host: _literal(*host) for host in hosts}
     names = [host for host, addresses in found.items() if addresses is None]
     if names:
-        with ThreadPoolExecutor(max_workers=min(RESOLVERS, len(names))) as pool:
-            found.update(zip(names, pool.map(_resolve, names), strict=True))
+        found.update(_resolve_names(names, timeout))
     for target, plan in plans.items():
         if isinstance(plan, _Plan):
             addresses = found[(plan.host, plan.port)]
@@ -357,6 +356,23 @@ def _resolve_all(targets: Collection[str], scheme: str) -> dict[str, _Plan | Scr
             else:
                 plans[target] = plan._replace(addresses=addresses)
     return plans
+
+
+def _resolve_names(
+    names: list[tuple[str, int]], timeout: float
+) -> dict[tuple[str, int], list[Address] | OSError]:
+    """What each (host name, port) resolves to, or the error; TimeoutError for one still unresolved after
+    `timeout` (its thread is left to the resolver's own timeout)."""
+    pool = ThreadPoolExecutor(max_workers=min(RESOLVERS, len(names)))
+    try:
+        futures = {name: pool.submit(_resolve, name) for name in names}
+        wait(futures.values(), timeout)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {
+        name: future.result() if future.done() and not future.cancelled() else TimeoutError("timed out")
+        for name, future in futures.items()
+    }
 
 
 def _literal(host: str, port: int) -> list[Address] | None:
