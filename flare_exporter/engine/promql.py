@@ -132,29 +132,38 @@ def _api(
 # VictoriaMetrics answers a query at a time within its -search.latencyOffset of now (30 s by default; 1.79
 # takes no less than 1 s) with its samples of that much earlier, unless the query says nocache=1: flare's
 # "now" would be half a minute old, and a collective then in flight would look hung for half a minute more.
-# It names itself in every answer's X-Server-Hostname header, which Prometheus does not send: a store that
-# does is asked with nocache=1 from then on, and its first answer to a query is asked again so. What
-# flare sends a store that does not (Prometheus) is unchanged.
+# It names itself in every answer's X-Server-Hostname header, which Prometheus does not send. Before its
+# first request to a store, flare asks it `time()` to see whether it does: a store that does is asked with
+# nocache=1. What flare sends a store that does not
+# (Prometheus) is unchanged. Asking each first query again instead had doubled a diagnosis's first round
+# (7 queries at once) against VictoriaMetrics.
 STORE_HEADER = "X-Server-Hostname"
 FRESH = {"nocache": "1"}
-_stores_with_latency_offset: set[str] = set()  # their base URLs
+PROBE = {"query": "time()"}
+_holds_back: dict[str, bool] = {}  # base URL -> whether the store holds back its newest samples
 
 
 def _data(prometheus: Prometheus, endpoint: str, params: dict[str, str], timeout: float, asked: str) -> Any:
     """The `data` of /api/v1/<endpoint>, asked for `asked` (named in errors), with the newest samples of a
-    store that would hold them back (_stores_with_latency_offset); PrometheusError (one line) for every way
-    it can fail."""
+    store that would hold them back (_holds_back); PrometheusError (one line) for every way it can fail."""
     where = connection(prometheus)
-    known = where.url in _stores_with_latency_offset
-    body, holds_back = _answer(where, endpoint, params | FRESH if known else params, timeout, asked)
-    if holds_back and not known:
-        _stores_with_latency_offset.add(where.url)
-        if endpoint == "query":
-            body, _ = _answer(where, endpoint, params | FRESH, timeout, asked)
+    fresh = _store_holds_back(where, timeout, asked)
+    body, _ = _answer(where, endpoint, params | FRESH if fresh else params, timeout, asked)
     if not isinstance(body, dict) or body.get("status") != "success":
         why = body.get("error", "unknown error") if isinstance(body, dict) else "not an API answer"
         raise PrometheusError(f"Prometheus at {where.url} failed {asked}: {why}")
     return body.get("data")
+
+
+def _store_holds_back(where: Connection, timeout: float, asked: str) -> bool:
+    """Whether the store at `where` holds back its newest samples (names itself as VictoriaMetrics does):
+    asked (PROBE) until one answer says; its errors are those of `asked`. Threads that ask at once each
+    probe, so that a store that does not answer keeps none waiting for another's timeout."""
+    known = _holds_back.get(where.url)
+    if known is None:
+        _, known = _answer(where, "query", PROBE, timeout, asked)
+        _holds_back[where.url] = known
+    return known
 
 
 def _answer(
