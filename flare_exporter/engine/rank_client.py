@@ -20,10 +20,11 @@ import ssl
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from enum import Enum
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .rank_auth import Client
 from .samples import MAX_EXPOSITION_BYTES, Sample, ScrapeError, parse
@@ -34,6 +35,11 @@ ACCEPT = "text/plain;version=0.0.4"  # the text format; flare's endpoint and Pro
 RESOLVERS = 16  # host names resolved at once
 
 Address = tuple[int, tuple[Any, ...]]  # (socket family, socket address)
+T = TypeVar("T")
+
+
+class _Blocked(Enum):
+    BLOCKED = "the socket is not ready for the call"
 
 
 class _Plan(NamedTuple):
@@ -184,10 +190,9 @@ class _Exchange:
 
     def close(self) -> None:
         if self.sock is not None:
-            if self.events:
-                self.selector.unregister(self.sock)
+            self._unregister()
             self.sock.close()
-            self.sock, self.events = None, 0
+            self.sock = None
 
     def _want(self, events: int) -> None:
         assert self.sock is not None
@@ -237,28 +242,31 @@ class _Exchange:
             self.selector.unregister(self.sock)
             self.events = 0
 
-    def _handshaking(self) -> bytes | None:
-        assert isinstance(self.sock, ssl.SSLSocket)
+    def _attempt(self, call: Callable[[], T], blocked_on: int) -> T | _Blocked:
+        """call()'s result, or BLOCKED where the socket is not ready for it: then registered for the event
+        it waits on (`blocked_on` for a plain socket; TLS says which)."""
         try:
-            self.sock.do_handshake()
+            return call()
         except ssl.SSLWantReadError:
             self._want(selectors.EVENT_READ)
-            return None
         except ssl.SSLWantWriteError:
             self._want(selectors.EVENT_WRITE)
+        except BlockingIOError:
+            self._want(blocked_on)
+        return _Blocked.BLOCKED
+
+    def _handshaking(self) -> bytes | None:
+        assert isinstance(self.sock, ssl.SSLSocket)
+        if self._attempt(self.sock.do_handshake, selectors.EVENT_READ) is _Blocked.BLOCKED:
             return None
         self.stage = self._sending
         return self._sending()
 
     def _sending(self) -> bytes | None:
-        assert self.sock is not None
-        try:
-            sent = self.sock.send(self.request)
-        except (BlockingIOError, ssl.SSLWantWriteError):
-            self._want(selectors.EVENT_WRITE)
-            return None
-        except ssl.SSLWantReadError:
-            self._want(selectors.EVENT_READ)
+        sock = self.sock
+        assert sock is not None
+        sent = self._attempt(lambda: sock.send(self.request), selectors.EVENT_WRITE)
+        if sent is _Blocked.BLOCKED:
             return None
         self.request = self.request[sent:]
         if self.request:
@@ -269,21 +277,17 @@ class _Exchange:
         return None
 
     def _reading(self) -> bytes | None:
-        assert self.sock is not None
+        sock = self.sock
+        assert sock is not None
         while True:
-            try:
-                chunk = self.sock.recv(READ_BYTES)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                self._want(selectors.EVENT_READ)
-                return None
-            except ssl.SSLWantWriteError:
-                self._want(selectors.EVENT_WRITE)
+            chunk = self._attempt(lambda: sock.recv(READ_BYTES), selectors.EVENT_READ)
+            if chunk is _Blocked.BLOCKED:
                 return None
             self.received += chunk
             body = self._answer(ended=not chunk)
             if body is not None or not chunk:
                 return body
-            if not (isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()):
+            if not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
                 self._want(selectors.EVENT_READ)
                 return None
 
