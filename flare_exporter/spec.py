@@ -92,6 +92,22 @@ COLLECTIVE_OPS = (
     "barrier",
 )
 
+# Point-to-point ops: their own kind, with a peer and no group-wide sequence number (flare_p2p_*).
+POINT_TO_POINT_OPS = frozenset({"send", "recv", "recv_anysource"})
+P2P_DIRECTIONS = ("send", "recv")
+ANY_PEER = "any"  # the peer label of a receive from any source
+
+
+def point_to_point_direction(op: str) -> str:
+    """send for a send, recv for either receive."""
+    return "send" if op == "send" else "recv"
+
+
+def peer_label(peer: int) -> str:
+    """A point-to-point op's peer as a label: its global rank, or `any` (a receive from any source)."""
+    return str(peer) if peer >= 0 else ANY_PEER
+
+
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
 # The group label of collectives the native shim (cuda_hooks/) saw: NCCL calls carry no group name. They are
 # the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
@@ -226,7 +242,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "",
         "Sequence number of the oldest unfinished collective.",
         ("group",),
-        detail="0 for send/recv.",
+        detail="Sends and receives are not collectives: see flare_p2p_in_flight_started_timestamp_seconds.",
     ),
     MetricSpec(
         "flare_collective_in_flight_bytes",
@@ -241,6 +257,60 @@ METRICS: tuple[MetricSpec, ...] = (
         "seconds",
         "Unix time the oldest unfinished collective was issued.",
         ("group",),
+    ),
+    MetricSpec(
+        "flare_p2p_issued_total",
+        COUNTER,
+        "",
+        "Sends or receives this rank issued to or from a peer in the group.",
+        ("group", "peer", "direction"),
+        detail=(
+            "peer: the other side's global rank (`any` for a receive from any source); direction: send or "
+            "recv. Counted apart from the collectives, as the flight recorder's p2p_seq_id: the n-th send "
+            "from A to B matches B's n-th receive from A. One series per peer this rank exchanged with."
+        ),
+    ),
+    MetricSpec(
+        "flare_p2p_completed_total",
+        COUNTER,
+        "",
+        "Sends or receives to or from a peer in the group that completed.",
+        ("group", "peer", "direction"),
+        detail="On gloo a send or receive completes when its wait() returns.",
+    ),
+    MetricSpec(
+        "flare_p2p_bytes_total",
+        COUNTER,
+        "bytes",
+        "Bytes of completed sends or receives to or from a peer in the group.",
+        ("group", "peer", "direction"),
+    ),
+    MetricSpec(
+        "flare_p2p_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Time from issuing a send or receive to its completion, as the backend reports it.",
+        ("group", "direction"),
+        COLLECTIVE_DURATION_BUCKETS,
+        detail=(
+            "gloo: until the op's wait() returned (a send completes once its peer received); NCCL: device "
+            "time from CUDA events."
+        ),
+    ),
+    MetricSpec(
+        "flare_p2p_in_flight_started_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time the group's oldest unfinished send or receive was issued, with its peer and direction.",
+        ("group", "peer", "direction"),
+        detail="Absent when no send or receive is in flight in the group.",
+    ),
+    MetricSpec(
+        "flare_p2p_in_flight_bytes",
+        GAUGE,
+        "bytes",
+        "Payload of the group's oldest unfinished send or receive.",
+        ("group", "peer", "direction"),
     ),
     MetricSpec(
         "flare_rank_stack_info",

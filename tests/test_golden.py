@@ -61,6 +61,11 @@ def fixed_state() -> FlareState:
         state.manager.complete(record)
     world.last_issued_seq = 4  # one still in flight
     world.pending.append(CollectiveRecord(world, "broadcast", 1024, 4, 1_700_000_000.25))
+    for op, peer, duration in (("send", 4, 0.003), ("recv", 2, 0.0015)):  # a pipeline stage's exchanges
+        record = CollectiveRecord(world, op, 2048, 0, 0.0, peer)
+        record.duration = duration
+        state.manager.complete(record)
+    world.p2p_pending.append(CollectiveRecord(world, "recv", 2048, 0, 1_700_000_000.375, 2))
     state.manager.drain()
     state.stack = StackSample(
         "compute", ("train.py:42 forward", "module.py:1 _call_impl", "train.py:90 main")

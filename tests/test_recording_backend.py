@@ -76,7 +76,7 @@ def taken_until(log: Any, condition: Callable[[tuple], bool], what: str) -> tupl
     counts = [0, 0]
 
     def taken() -> tuple | None:
-        done, _, oldest, last_seq, last_issued_at, dropped, failed = log.take(COLLECTIVE_DURATION_BUCKETS)
+        done, _, oldest, _, last_seq, last_issued_at, dropped, failed = log.take(COLLECTIVE_DURATION_BUCKETS)
         completed.extend(done)
         counts[0] += dropped
         counts[1] += failed
@@ -137,7 +137,7 @@ def test_each_collective_is_recorded_with_the_bytes_the_python_hooks_count(metho
             logs[rank], lambda taken: bool(taken[0]), f"rank {rank}'s {method} to complete"
         )
         assert len(completed) == 1 and oldest is None and (dropped, failed) == (0, 0)
-        issued_at, seconds, op, nbytes, seq = completed[0]
+        issued_at, seconds, op, nbytes, seq, peer = completed[0]
         expected = 0 if payload_index is None else payload_bytes(arguments[rank][payload_index])
         assert (op, nbytes, seq, last_seq) == (method.lstrip("_"), expected, 1, 1)
         assert before <= issued_at == last_issued_at <= issued_at + seconds <= after + 1.0
@@ -146,29 +146,41 @@ def test_each_collective_is_recorded_with_the_bytes_the_python_hooks_count(metho
 def test_a_collective_is_in_flight_until_its_peer_joins():
     backends, logs = recorded_pair()
     work = backends[0].allreduce([ones()])
-    completed, _, oldest, last_seq, *_ = logs[0].take(COLLECTIVE_DURATION_BUCKETS)
+    completed, _, oldest, _, last_seq, *_ = logs[0].take(COLLECTIVE_DURATION_BUCKETS)
     assert completed == [] and oldest[:3] == ("allreduce", 16, 1) and last_seq == 1
     assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[2] == oldest  # the same collective: nothing else issued
     joined_at = time.perf_counter()
     backends[1].allreduce([ones()]).wait()
     work.wait()
     completed, oldest, *_ = taken_until(logs[0], lambda taken: bool(taken[0]), "the all-reduce to complete")
-    (issued_at, seconds, op, nbytes, seq) = completed[0]
+    (issued_at, seconds, op, nbytes, seq, _) = completed[0]
     assert oldest is None and (op, seq) == ("allreduce", 1)
     assert issued_at + seconds >= joined_at  # it completed after the peer joined, not when it was issued
 
 
-def test_point_to_point_ops_have_no_sequence_number_and_complete_when_polled():
+def test_point_to_point_ops_carry_their_peer_and_complete_when_waited_for():
     backends, logs = recorded_pair()
     received = torch.zeros(3)
-    on_both(
-        lambda rank: (
-            backends[0].send([torch.ones(3)], 1, 7) if rank == 0 else backends[1].recv([received], 0, 7)
-        ).wait()
-    )
-    for rank, op in ((0, "send"), (1, "recv")):
+    send = backends[0].send([torch.ones(3)], 1, 7)
+    in_flight = logs[0].take(COLLECTIVE_DURATION_BUCKETS)[3]
+    assert [flight[:3] for flight in in_flight] == [("send", 12, 1)]  # in flight until waited for
+    waited_at = {}
+
+    def exchange(rank: int) -> None:
+        if rank == 0:
+            time.sleep(0.2)  # the receive waits for the send's wait, which stamps its completion
+            send.wait()
+        else:
+            backends[1].recv([received], 0, 7).wait()
+        waited_at[rank] = time.perf_counter()
+
+    on_both(exchange)
+    for rank, op, peer in ((0, "send", 1), (1, "recv", 0)):
         completed, oldest, last_seq, *_ = taken_until(logs[rank], lambda taken: bool(taken[0]), op)
-        assert [record[2:] for record in completed] == [(op, 12, 0)] and last_seq == 0
+        assert [record[2:] for record in completed] == [(op, 12, 0, peer)] and last_seq == 0
+        issued_at, seconds = completed[0][:2]
+        assert issued_at + seconds <= waited_at[rank]  # stamped by the wait, not by a later take
+        assert oldest is None and logs[rank].take(COLLECTIVE_DURATION_BUCKETS)[3] == []
     assert received.tolist() == [1.0, 1.0, 1.0]
 
 
@@ -176,10 +188,11 @@ def test_a_collective_the_real_backend_rejects_is_not_left_in_flight():
     backends, logs = recorded_pair()
     with pytest.raises(RuntimeError, match="invalid tensor size"):
         backends[0].allreduce([ones(4), ones(3)])
-    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[:4] == (
+    assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[:5] == (
         [],
         [],
         None,
+        [],
         1,
     )  # its number taken, as every rank's
     on_both(lambda rank: backends[rank].allreduce([ones()]).wait())
@@ -196,6 +209,7 @@ def test_a_failed_collective_is_counted_once_and_stays_in_flight():
     assert completed == [] and oldest[:3] == ("allreduce", 16, 1)
     assert logs[0].take(COLLECTIVE_DURATION_BUCKETS)[2:] == (
         oldest,
+        [],
         1,
         oldest[3],
         0,
@@ -235,7 +249,7 @@ def test_the_log_counts_each_ops_collectives_as_the_histogram_would():
 
     wait_for(all_taken, 10, "the eight collectives to complete")
     expected: dict[str, tuple[Histogram, int, int]] = {}
-    for _, seconds, op, nbytes, seq in completed:
+    for _, seconds, op, nbytes, seq, _ in completed:
         histogram, total_bytes, last_seq = expected.get(op) or (Histogram(COLLECTIVE_DURATION_BUCKETS), 0, 0)
         histogram.observe(seconds)
         expected[op] = (histogram, total_bytes + nbytes, max(last_seq, seq))

@@ -142,6 +142,7 @@ def test_recording_rules_follow_level_metric_operation():
                     "ago",
                     "phase",
                     "role",
+                    "peer",
                 }, rule["record"]
                 assert metric.startswith("flare_") and operation
 

@@ -127,16 +127,22 @@ def test_stats_accumulate_per_group_and_op(completion_extension):
     assert tp.last_completed_seq == 1
 
 
-def test_point_to_point_does_not_move_last_completed_seq():
+def test_point_to_point_is_counted_per_peer_apart_from_the_collectives():
     manager = make_manager()
     group = FakeGroup()
     group.last_completed_seq = 4
     work = FakeWork()
-    FutureTiming(manager).track(make_record(group, "send", seq=0), work)
+    record = make_record(group, "send", seq=0, age=0.25)
+    record.peer = 3
+    FutureTiming(manager).track(record, work)
     work.finish()
     manager.drain()
-    assert manager.stats[(group.name, "send")].bytes_total == 64
+    assert manager.stats == {}  # not a collective: no collective histogram, no sequence number moved
     assert group.last_completed_seq == 4
+    peer = manager.point_to_point.peers[(group.name, 3, "send")]
+    assert (peer.completed, peer.bytes_total) == (1, 64)
+    durations = manager.point_to_point.durations[(group.name, "send")]
+    assert 0.25 <= durations.sum < 1.0
 
 
 def test_work_without_future_is_polled_until_completed():
@@ -152,8 +158,8 @@ def test_work_without_future_is_polled_until_completed():
     work.finish()
     manager.drain()
     assert len(manager.polled) == 0
-    assert bucket_counts(manager, group.name, "recv")["+Inf"] == 1
-    assert manager.stats[(group.name, "recv")].durations.snapshot()[1] >= 0.25
+    assert manager.point_to_point.peers[(group.name, -1, "recv")].completed == 1
+    assert manager.point_to_point.durations[(group.name, "recv")].sum >= 0.25
 
 
 def test_base_backend_polls():

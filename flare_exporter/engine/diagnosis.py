@@ -46,6 +46,7 @@ from .canary import CanaryState, canary_faults
 from .canary import evidence as canary_evidence
 from .canary import summary as canary_summary
 from .verdict_causes import cause_of
+from .wait_for import WaitGraph, point_to_point_edges, wait_graph
 
 # Verdict kinds, most severe first.
 KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "canary", "ild_regression")
@@ -64,6 +65,15 @@ class InFlight(NamedTuple):
     started_at: float  # Unix time it was issued
 
 
+class PointToPoint(NamedTuple):
+    """One rank's sends and receives in one group: counted per (direction, peer), as the flight recorder's
+    p2p_seq_id (the n-th send from A to B matches B's n-th receive from A), and the oldest in flight."""
+
+    issued: Mapping[tuple[str, int], int]  # (send | recv, peer's global rank) -> ops issued
+    completed: Mapping[tuple[str, int], int]
+    in_flight: tuple[str, int, float] | None = None  # (direction, peer (-1: any source), Unix time issued)
+
+
 class GroupState(NamedTuple):
     """One rank's view of one process group."""
 
@@ -76,6 +86,7 @@ class GroupState(NamedTuple):
     # When its issued number was scraped (Unix seconds; None where the source says not: a direct scrape is
     # fresh). A number scraped before its group was hung is not judged either (GroupHang.hung_since).
     seen_at: float | None = None
+    p2p: PointToPoint | None = None  # its sends and receives, where it made any
 
 
 @dataclass(frozen=True)
@@ -267,6 +278,8 @@ def diagnose(
         if waits_on_gone(hang, down_set):
             continue
         verdicts.append(explain_hang(snapshot, hang))
+    verdicts.extend(point_to_point_verdicts(snapshot, hang_seconds, down_set))
+    verdicts = one_verdict_per_culprit(snapshot, verdicts)
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
         verdicts.extend(ild_verdicts(snapshot, ild or IldPolicy()))
@@ -594,18 +607,134 @@ def follow_chain(snapshot: Snapshot, group: str, behind: list[int]) -> tuple[lis
             for name, state in sorted(record.groups.items())
             if name != from_group and state.in_flight is not None
         ]
-        chain.append({"group": from_group, "rank": rank, "waits_in": waits_in})
         laggards = []
         for name in waits_in:
             live = snapshot.live_states.get(name, ())
             laggards += [(name, behind) for behind in behind_in(live, top_issued(live))]
             laggards += [(name, r) for r in members_of(snapshot, name) if snapshot.ranks[r].gone]
+        for name in sorted(record.groups):  # a send or receive whose peer never issued its side
+            for edge in point_to_point_edges(snapshot, record, name):
+                laggards.append((name, edge.waits_on))
+                if name not in waits_in:
+                    waits_in.append(name)
+        chain.append({"group": from_group, "rank": rank, "waits_in": waits_in})
         if not laggards:
             if rank not in culprits:
                 culprits.append(rank)
             continue
         todo.extend(laggards)
     return sorted(culprits), chain
+
+
+def point_to_point_verdicts(snapshot: Snapshot, hang_seconds: float, gone: set[int]) -> list[Verdict]:
+    """Ranks whose send or receive has been in flight for `hang_seconds`: follow the wait-for graph
+    (wait_for.py) to where it ends. A live rank that waits for nobody -> `hang`, with it as culprit; ranks
+    that wait only for each other -> `hang` (a deadlock), with every member of the cycle. A chain that ends
+    at a gone rank is the rank_down verdict's."""
+    waiting = [
+        record.rank
+        for record in snapshot.ranks.values()
+        if record.up
+        and not record.exception
+        and any(
+            state.p2p is not None
+            and state.p2p.in_flight is not None
+            and snapshot.now - state.p2p.in_flight[2] >= hang_seconds
+            for state in record.groups.values()
+        )
+    ]
+    if not waiting:
+        return []
+    graph = wait_graph(snapshot, waiting)
+    verdicts = [_held_up_verdict(snapshot, graph, rank) for rank in graph.ends if rank not in gone]
+    verdicts += [_deadlock_verdict(snapshot, graph, cycle) for cycle in graph.cycles]
+    return verdicts
+
+
+def _held_up_verdict(snapshot: Snapshot, graph: WaitGraph, culprit: int) -> Verdict:
+    """`culprit` waits for nobody, and the ranks of `graph` whose chains end at it wait for it."""
+    edges = graph.held_up_by([culprit])
+    groups = sorted({edge.group for edge in edges})
+    direct = [edge for edge in edges if edge.waits_on == culprit]
+    longest = max(snapshot.now - edge.since for edge in edges)
+    waits = ", ".join(f"rank {edge.rank} in a {edge.how} in {edge.group}" for edge in direct)
+    held_up = sorted({edge.rank for edge in edges})
+    evidence = {
+        "wait_for": [edge.to_json(snapshot.now) for edge in edges],
+        "groups": groups,
+        "held_up": held_up,
+        "culprits": {str(culprit): _rank_evidence(snapshot, culprit)},
+    }
+    return Verdict(
+        "hang",
+        (culprit,),
+        "rank",
+        f"rank {culprit} waits for nobody and holds up {len(held_up)} ranks for "
+        f"{longest:.0f} s ({waits}): it never issued the matching op{_where(snapshot, culprit)}",
+        evidence,
+        groups[0],
+    )
+
+
+def _deadlock_verdict(snapshot: Snapshot, graph: WaitGraph, cycle: tuple[int, ...]) -> Verdict:
+    """The ranks of `cycle` wait only for each other: a deadlock, naming every member."""
+    inside = [edge for edge in graph.edges if edge.rank in cycle and edge.waits_on in cycle]
+    edges = graph.held_up_by(cycle)
+    groups = sorted({edge.group for edge in edges})
+    how = "; ".join(f"{edge.rank} waits for {edge.waits_on} ({edge.how} in {edge.group})" for edge in inside)
+    held_up = sorted({edge.rank for edge in edges} - set(cycle))
+    evidence = {
+        "deadlock": True,
+        "cycle": list(cycle),
+        "wait_for": [edge.to_json(snapshot.now) for edge in edges],
+        "groups": groups,
+        "held_up": held_up,
+        "culprits": {str(rank): _rank_evidence(snapshot, rank) for rank in cycle},
+    }
+    behind_it = f"; rank {_names(held_up)} wait for them" if held_up else ""
+    return Verdict(
+        "hang",
+        cycle,
+        "rank",
+        f"deadlock: ranks {_names(cycle)} wait for each other ({how}){behind_it}",
+        evidence,
+        groups[0],
+        cause="deadlock",
+    )
+
+
+def one_verdict_per_culprit(snapshot: Snapshot, verdicts: list[Verdict]) -> list[Verdict]:
+    """Hang verdicts that name the same culprits, one per group they hold up, as one verdict listing every
+    group: the summary of the verdict on the largest group (the most ranks held up), the others' groups and
+    evidence under `groups` and `also`."""
+    merged: list[Verdict] = []
+    first: dict[tuple[int, ...], int] = {}
+    for verdict in verdicts:
+        index = first.get(verdict.ranks) if verdict.kind == "hang" and verdict.ranks else None
+        if index is None:
+            if verdict.kind == "hang" and verdict.ranks:
+                first[verdict.ranks] = len(merged)
+            merged.append(verdict)
+            continue
+        kept = merged[index]
+        if _reach(snapshot, verdict) > _reach(snapshot, kept):
+            kept, verdict = verdict, kept
+        groups = sorted({*_groups_of(kept), *_groups_of(verdict)})
+        evidence = {**kept.evidence, "groups": groups}
+        evidence["also"] = [*kept.evidence.get("also", []), {"group": verdict.group, **verdict.evidence}]
+        summary = kept.summary.split("; it holds up groups ")[0] + f"; it holds up groups {', '.join(groups)}"
+        cause = kept.cause if kept.cause != "unknown" else verdict.cause
+        merged[index] = dataclasses.replace(kept, evidence=evidence, summary=summary, cause=cause)
+    return merged
+
+
+def _reach(snapshot: Snapshot, verdict: Verdict) -> tuple[int, int]:
+    """How much a hang verdict explains: its group's members, then the hops of its chain."""
+    return len(members_of(snapshot, verdict.group or "")), len(verdict.evidence.get("chain") or ())
+
+
+def _groups_of(verdict: Verdict) -> list[str]:
+    return list(verdict.evidence.get("groups") or ([verdict.group] if verdict.group else []))
 
 
 def _in_flight_evidence(snapshot: Snapshot, ranks: list[int], group: str) -> dict[str, Any]:
@@ -1175,8 +1304,9 @@ def canary_verdicts(snapshot: Snapshot) -> list[Verdict]:
 
 def host_verdict(snapshot: Snapshot, verdict: Verdict) -> Verdict:
     """A verdict whose several culprits all share one host becomes a host_fault verdict (but a canary's,
-    which names its host or link itself, below the hangs it must not mask)."""
-    if len(verdict.ranks) < 2 or verdict.kind == "canary":
+    which names its host or link itself, below the hangs it must not mask, and a deadlock's, whose ranks wait
+    for each other wherever they run)."""
+    if len(verdict.ranks) < 2 or verdict.kind == "canary" or verdict.evidence.get("deadlock"):
         return verdict
     hosts = {snapshot.ranks[rank].host for rank in verdict.ranks}
     if len(hosts) != 1 or "" in hosts:

@@ -28,6 +28,8 @@ from .records import (
     GPU_HEALTH_METRICS,
     ILD_METRICS,
     ISSUED_AT,
+    P2P_COUNTS,
+    P2P_STARTED,
     PROGRESS_METRICS,
     STRAGGLER_METRICS,
     Liveness,
@@ -98,6 +100,7 @@ FAULT_QUERIES = {
     # discovery finds and drops as they die), `up` cannot say which rank is gone; this can
     RANK_INFO_NOW: "max by (rank) (flare_rank_info{sel})",
     **_current([FLIGHT_STARTED], ", group"),
+    **_current([P2P_STARTED], ", group, peer, direction"),
     CANARY_FAILING: CANARY_FAILING_QUERY,
 }
 # The progress of the ranks that raised (asked of them when there are any): whether they restarted since, and
@@ -122,6 +125,9 @@ FLIGHT_QUERIES = {
     FLIGHT_INFO: f"max by (rank, group, op, state) ({FLIGHT_INFO}{{sel}})",
     **_current(FLIGHT_NUMBERS, ", group"),
 }
+# Every rank's sends and receives counted per peer: the wait-for graph's point-to-point edges (asked with
+# every group's numbers where a send or receive has been in flight for the hang threshold).
+P2P_QUERIES = _current(P2P_COUNTS, ", group, peer, direction")
 # The groups a rank was in that it reports no issued number of now (issued 0, as when the series is absent):
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
 # of every rank's group info would be the slowest query of the round.
@@ -239,6 +245,7 @@ PROMETHEUS_QUERIES = {
     **FAULT_QUERIES,
     **GROUP_QUERIES,
     **FLIGHT_QUERIES,
+    **P2P_QUERIES,
     **GONE_GROUP_QUERIES,
     **PACE_QUERIES,
     **ILD_QUERIES,
@@ -294,7 +301,7 @@ def from_prometheus(
     faults = _snapshot(series, now, run)
     if faults.ranks_seen == 0:  # the run is gone: its last words are judged instead (history_source)
         return faults
-    if hang_seconds is None:
+    if hang_seconds is None or _point_to_point_hung(series, now, hang_seconds):
         snapshot = _every_group_round(fetch, faults, series)
     else:
         snapshot = _hang_groups_round(fetch, faults, series, hang_seconds, ahead)
@@ -399,12 +406,18 @@ def _gone_groups_round(fetch: Fetch, faults: Snapshot, series: dict[str, Series]
         series.update(fetch(GONE_GROUP_QUERIES, _selectable(down)))
 
 
+def _point_to_point_hung(series: Mapping[str, Series], now: float, hang_seconds: float) -> bool:
+    """Whether some rank's send or receive has been in flight for `hang_seconds` (the faults round's)."""
+    return any(now - started >= hang_seconds for _, started in series.get(P2P_STARTED, []))
+
+
 def _every_group_round(fetch: Fetch, faults: Snapshot, series: dict[str, Series]) -> Snapshot:
-    """`faults` with every rank's groups, where from_prometheus is not told the hang threshold: every rank's
-    numbers and flights (GROUP_QUERIES and FLIGHT_QUERIES, 5 queries), added to `series`, after the
-    groups of the ranks that are down (_gone_groups_round)."""
+    """`faults` with every rank's groups, where from_prometheus is not told the hang threshold or a send or
+    receive is hung (its wait-for graph may lead through any group): every rank's numbers, flights and
+    sends and receives per peer (GROUP_QUERIES, FLIGHT_QUERIES and P2P_QUERIES, 7 queries), added to
+    `series`, after the groups of the ranks that are down (_gone_groups_round)."""
     _gone_groups_round(fetch, faults, series)
-    series.update(fetch(GROUP_QUERIES | FLIGHT_QUERIES))
+    series.update(fetch(GROUP_QUERIES | FLIGHT_QUERIES | P2P_QUERIES))
     return with_fields(faults, group_fields(series, faults.now))
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .. import spec
 from . import canary, diagnosis
-from .diagnosis import GpuState, GroupState, InFlight, RankRecord, Snapshot
+from .diagnosis import GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
 ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
@@ -24,6 +24,10 @@ FLIGHT_STARTED = "flare_collective_in_flight_started_timestamp_seconds"
 # of the group is behind, or most are (diagnosis.what_hang_rules_read).
 FLIGHT_INFO = "flare_collective_in_flight_info"
 FLIGHT_NUMBERS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
+# Sends and receives: counted per peer, and the oldest in flight (the wait-for graph's point-to-point edges)
+P2P_STARTED = "flare_p2p_in_flight_started_timestamp_seconds"
+P2P_COUNTS = ("flare_p2p_issued_total", "flare_p2p_completed_total")
+P2P_METRICS = (P2P_STARTED, *P2P_COUNTS)
 STRAGGLER_METRICS = (
     "flare_straggler_last_window",
     "flare_straggler_best_step_seconds",
@@ -132,7 +136,8 @@ def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str
             )
             for key in flight_started.keys() | flight_info.keys()
         }
-    group_keys = issued.keys() | completed.keys() | flights.keys()
+    point_to_point = p2p_fields(series)
+    group_keys = issued.keys() | completed.keys() | flights.keys() | point_to_point.keys()
     group_keys |= {
         (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
     }
@@ -151,8 +156,34 @@ def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str
             flights.get(key),
             key in seen_before_stall,
             seen_at.get(key),
+            point_to_point.get(key),
         )
     return {rank: {"groups": found} for rank, found in groups.items()}
+
+
+def p2p_fields(series: Mapping[str, Series]) -> dict[tuple[int, str], PointToPoint]:
+    """(rank, group) -> its sends and receives (PointToPoint), where it made any."""
+    counts: dict[tuple[int, str], tuple[dict, dict]] = defaultdict(lambda: ({}, {}))
+    for index, name in enumerate(P2P_COUNTS):
+        for labels, value in series.get(name, []):
+            peer = _peer(labels.get("peer", ""))
+            key = (int(labels["rank"]), labels["group"])
+            counts[key][index][(labels.get("direction", ""), peer)] = int(value)
+    oldest: dict[tuple[int, str], tuple[str, int, float]] = {}
+    for labels, started in series.get(P2P_STARTED, []):
+        key = (int(labels["rank"]), labels["group"])
+        flight = (labels.get("direction", ""), _peer(labels.get("peer", "")), started)
+        if key not in oldest or started < oldest[key][2]:
+            oldest[key] = flight
+    return {
+        key: PointToPoint(*counts.get(key, ({}, {})), in_flight=oldest.get(key))
+        for key in counts.keys() | oldest.keys()
+    }
+
+
+def _peer(label: str) -> int:
+    """A peer label's global rank; -1 for `any` (a receive from any source) or a label that is no rank."""
+    return int(label) if label.isdigit() else -1
 
 
 def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
@@ -337,6 +368,7 @@ SNAPSHOT_METRICS = frozenset(
         FLIGHT_STARTED,
         FLIGHT_INFO,
         *FLIGHT_NUMBERS,
+        *P2P_METRICS,
         *STRAGGLER_METRICS,
         *ILD_METRICS,
         "flare_step_duration_seconds_count",

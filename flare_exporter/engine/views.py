@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import diagnosis
+from . import diagnosis, wait_for
 from .diagnosis import Snapshot, Verdict
 
 
@@ -153,6 +153,7 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
                 "oldest_in_flight_seconds": round(max(ages), 3) if ages else None,
                 "behind": sorted(rank for rank, seq in issued.items() if seq < top),
                 "hung": name in hung,
+                "p2p_in_flight": _point_to_point_rows(snapshot, name, live),
             }
         )
     lines = [f"{'group':<36} {'ranks':>5} {'issued':>7} {'completed':>9} {'in flight':>10}  state"]
@@ -166,7 +167,38 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
             f"{row['group']:<36} {row['members']:>5} {row['max_issued_seq']:>7} "
             f"{row['min_completed_seq']:>9} {_seconds(row['oldest_in_flight_seconds']):>10}  {state}"
         )
+        for flight in row["p2p_in_flight"]:
+            waits = f"waits for rank {flight['peer']}" if flight["waits_for_peer"] else "inside the transfer"
+            towards = "to" if flight["direction"] == "send" else "from"
+            if flight["age_seconds"] >= hang_seconds:
+                lines.append(
+                    f"  rank {flight['rank']}: {flight['direction']} {towards} rank {flight['peer']} for "
+                    f"{_seconds(flight['age_seconds'])}, {waits}"
+                )
     return rows, lines
+
+
+def _point_to_point_rows(
+    snapshot: Snapshot, group: str, live: list[diagnosis.RankRecord]
+) -> list[dict[str, Any]]:
+    """Each live member's oldest send or receive in flight in `group`, and whether it waits for its peer
+    (the peer has not issued the matching op: wait_for.point_to_point_edges)."""
+    rows = []
+    for record in live:
+        state = record.groups[group]
+        if state.p2p is None or state.p2p.in_flight is None:
+            continue
+        direction, peer, started = state.p2p.in_flight
+        rows.append(
+            {
+                "rank": record.rank,
+                "direction": direction,
+                "peer": peer,
+                "age_seconds": round(snapshot.now - started, 3),
+                "waits_for_peer": bool(wait_for.point_to_point_edges(snapshot, record, group)),
+            }
+        )
+    return rows
 
 
 def stragglers_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:

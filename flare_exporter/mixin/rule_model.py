@@ -21,6 +21,8 @@ CULPRIT_ALERTS = (
     "FlareRankFailed",
     "FlareCollectiveHangCulprit",
     "FlareCollectiveMismatch",
+    "FlarePointToPointCulprit",
+    "FlarePointToPointDeadlock",
     "FlareRunDied",
 )
 GRAFANA_URL = "http://localhost:3000"

@@ -84,6 +84,7 @@ def recording_rules(t: Thresholds) -> list[Recording]:
         *_hang_threshold_recordings(t),
         *_behind_recordings(t),
         *_front_recordings(t),
+        *_point_to_point_recordings(t),
     ]
 
 
@@ -230,6 +231,53 @@ def _front_recordings(t: Thresholds) -> list[Recording]:
             "run_group_rank:flare_collective_in_flight:at_front_bytes",
             f"max by (run, group, rank) (flare_collective_in_flight_bytes{s})\n"
             "and on (run, group, rank) run_group_rank_op:flare_collective_in_flight:at_front",
+        ),
+    ]
+
+
+P2P_KEY = "run, group, rank, peer, direction"
+P2P_WAITS = "run_group_rank_peer:flare_p2p:waits_for_seconds"
+
+
+def _peer_view(expr: str, by: str) -> str:
+    """`expr` (series by `by`, which holds rank and peer) with its rank and peer labels swapped."""
+    kept = f'label_replace({expr}, "swapped", "$1", "rank", "(.*)")'
+    moved = f'label_replace({kept}, "rank", "$1", "peer", "(.*)")'
+    return f'max by ({by}) (label_replace({moved}, "peer", "$1", "swapped", "(.*)"))'
+
+
+def _matching_issued(t: Thresholds, direction: str, opposite: str) -> str:
+    """The peers' counts of their ops of `direction`, as the view of the rank at the other end, whose op is
+    of the `opposite` direction: the n-th send from A to B is B's n-th receive from A."""
+    matcher = 'direction="' + direction + '"'
+    issued = f"max by ({P2P_KEY}) (flare_p2p_issued_total{selector(t, matcher)})"
+    flipped = f'label_replace({issued}, "direction", "{opposite}", "direction", "{direction}")'
+    return _peer_view(flipped, P2P_KEY)
+
+
+def _point_to_point_recordings(t: Thresholds) -> list[Recording]:
+    """The wait-for graph's point-to-point edges (wait_for.py): how long each rank's oldest send or receive
+    has been in flight, how many of the matching op its peer issued, and the edges where the peer has not
+    issued it (the value: the wait's age)."""
+    s = selector(t)
+    counterpart = "run_group_rank_peer:flare_p2p_counterpart:issued"
+    return [
+        Recording(
+            "run_group_rank_peer:flare_p2p_in_flight:age_seconds",
+            f"max by ({P2P_KEY}) (time() - flare_p2p_in_flight_started_timestamp_seconds{s})",
+        ),
+        # the peer's count of the matching op, as this rank's series; 0 where the peer has none (it never
+        # issued one, or it is gone)
+        Recording(
+            counterpart,
+            f"{_matching_issued(t, 'recv', 'send')}\nor\n{_matching_issued(t, 'send', 'recv')}\n"
+            f"or\n0 * max by ({P2P_KEY}) (flare_p2p_issued_total{s})",
+        ),
+        Recording(
+            P2P_WAITS,
+            "run_group_rank_peer:flare_p2p_in_flight:age_seconds\n"
+            f"and on ({P2P_KEY}) (\n"
+            f"  max by ({P2P_KEY}) (flare_p2p_completed_total{s}) + 1 > on ({P2P_KEY}) {counterpart}\n)",
         ),
     ]
 
@@ -594,8 +642,61 @@ def dead_run_alerts(t: Thresholds) -> list[Alert]:
 
 
 def collective_alerts(t: Thresholds) -> list[Alert]:
-    """A hung group, and the rank the metrics name for it: one behind, one ahead, or one that differs."""
-    return [_group_hang(t), _hang_culprit(t), _extra_collective(t), _odd_collective(t)]
+    """A hung group, and the rank the metrics name for it: one behind, one ahead, or one that differs; a
+    rank that its peers' sends and receives wait for, and two ranks that wait for each other."""
+    return [
+        _group_hang(t),
+        _hang_culprit(t),
+        _extra_collective(t),
+        _odd_collective(t),
+        _point_to_point_culprit(t),
+        _point_to_point_deadlock(t),
+    ]
+
+
+def _point_to_point_culprit(t: Thresholds) -> Alert:
+    """A live rank that a peer's send or receive has waited for since the hang threshold, and that waits for
+    nobody itself (no send or receive waiting for a peer, no collective in flight): where the chain ends."""
+    waits = f"max by (run, group, peer) ({P2P_WAITS} >= {_threshold(t)})"
+    waited_for = f'label_replace({waits}, "rank", "$1", "peer", "(.*)")'
+    return Alert(
+        "FlarePointToPointCulprit",
+        _with_host(
+            f"max by (run, rank, group) ({waited_for})\n"
+            f"  unless on (run, rank) {P2P_WAITS}\n"
+            "  unless on (run, rank) run_group_rank:flare_collective_in_flight:age_seconds\n"
+            f"  and on (run, rank) (max by (run, rank) (up{up_selector(t)}) == 1)"
+        ),
+        t.hang_for,
+        "critical",
+        "Rank {{ $labels.rank }} holds up the sends and receives of group {{ $labels.group }}",
+        "In run {{ $labels.run }}, a send or receive of group {{ $labels.group }} has waited "
+        "{{ $value | humanizeDuration }} for rank {{ $labels.rank }} (host {{ $labels.host }}), which never "
+        "issued its side and waits for nobody." + _RANK_FRAMES,
+        "flarepointtopointculprit",
+        link("rank", "rank", "group"),
+    )
+
+
+def _point_to_point_deadlock(t: Thresholds) -> Alert:
+    """Two ranks whose sends or receives wait for each other (both send first, say); longer cycles only
+    `flare hang` follows."""
+    back = _peer_view(f"max by (run, group, rank, peer) ({P2P_WAITS})", "run, group, rank, peer")
+    return Alert(
+        "FlarePointToPointDeadlock",
+        _with_host(
+            f"max by (run, rank, group) (\n  {P2P_WAITS} >= {_threshold(t)}\n"
+            f"  and on (run, group, rank, peer) {back}\n)"
+        ),
+        t.hang_for,
+        "critical",
+        "Rank {{ $labels.rank }} is in a deadlock in group {{ $labels.group }}",
+        "In run {{ $labels.run }}, rank {{ $labels.rank }} (host {{ $labels.host }}) and a peer of group "
+        "{{ $labels.group }} wait for each other's send or receive for {{ $value | humanizeDuration }}: "
+        "neither will ever issue its side. `flare hang` names the cycle.",
+        "flarepointtopointdeadlock",
+        link("rank", "rank", "group"),
+    )
 
 
 def _ranks_of_hung_group(t: Thresholds, ranks: str, behind: str) -> str:

@@ -10,11 +10,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..spec import POINT_TO_POINT_OPS
 from .exporter_health import ExporterHealth
 from .timing import CollectiveRecord, TimingBackend
 
 WORLD = "world"
-POINT_TO_POINT_OPS = frozenset({"send", "recv", "recv_anysource"})
 
 _ROLE_WORDS = {
     "dp": "dp", "data": "dp", "fsdp": "dp", "replicate": "dp", "shard": "dp",
@@ -72,8 +72,10 @@ class GroupTracker:
         timing: TimingBackend,
         health: ExporterHealth,
         max_pending: int = 65536,
+        global_ranks: Sequence[int] = (),
     ) -> None:
         self.name = name
+        self.global_ranks = tuple(global_ranks)  # group rank -> global rank (empty: the same)
         self.role = group_role(name)
         self.size = size
         self.backend_name = backend_name
@@ -89,18 +91,25 @@ class GroupTracker:
         self.pending: deque[CollectiveRecord] = deque()
         self.max_pending = max_pending
         self.in_flight: CollectiveRecord | None = None
+        # Sends and receives not yet seen finished, apart from the collectives: they finish in any order.
+        # The hooks append to `p2p_pending`; the manager publishes the unfinished ones, oldest first.
+        self.p2p_pending: deque[CollectiveRecord] = deque()
+        self.p2p_in_flight: list[CollectiveRecord] = []
 
-    def issue(self, op: str, tensors: Any) -> CollectiveRecord | None:
-        """Record a collective about to be issued; never raises into training code."""
+    def issue(self, op: str, tensors: Any, peer: int = -1) -> CollectiveRecord | None:
+        """Record a collective about to be issued (a send or receive: with its peer's group rank, -1 for
+        any source); never raises into training code."""
         try:
             seq = 0
             if op not in POINT_TO_POINT_OPS:
                 seq = next(self._next_seq)
                 self.last_issued_seq = seq
+            else:
+                peer = self.peer_rank(peer)
             nbytes = payload_bytes(tensors) if tensors is not None else 0
             now = time.perf_counter()
             self.last_progress_at = now
-            return CollectiveRecord(self, op, nbytes, seq, now)
+            return CollectiveRecord(self, op, nbytes, seq, now, peer)
         except Exception as error:
             self.health.error("collective_hook", error)
             return None
@@ -119,10 +128,21 @@ class GroupTracker:
 
     def remember(self, record: CollectiveRecord) -> None:
         """Queue `record` in `pending` (by the hook on the training thread, or the manager: C++ backend)."""
-        if len(self.pending) < self.max_pending:
-            self.pending.append(record)
+        pending = self.p2p_pending if record.point_to_point else self.pending
+        if len(pending) < self.max_pending:
+            pending.append(record)
         else:
             self.health.drop("in_flight_collectives")
+
+    def peer_rank(self, group_rank: int) -> int:
+        """The global rank of the member `group_rank` (-1 stays -1: any source)."""
+        if group_rank < 0 or not self.global_ranks or group_rank >= len(self.global_ranks):
+            return group_rank
+        return self.global_ranks[group_rank]
+
+    def point_to_point_in_flight(self, records: list[CollectiveRecord]) -> None:
+        """The sends and receives in flight now, oldest first (the manager: C++ backend's, at its drain)."""
+        self.p2p_in_flight = records
 
     def progress_at(self) -> float:
         """perf_counter time of the newest collective issued (0: none yet); any thread."""
@@ -137,3 +157,7 @@ class GroupTracker:
         while pending and pending[0].duration is not None:
             pending.popleft()
         self.in_flight = pending[0] if pending else None
+        if self.p2p_pending:
+            unfinished = [record for record in self.p2p_pending if record.duration is None]
+            self.p2p_pending = deque(unfinished)
+            self.p2p_in_flight = unfinished

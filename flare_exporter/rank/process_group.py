@@ -60,7 +60,22 @@ WRAPPED_METHODS: dict[str, int | None] = {
     "recv_anysource": 0,
     "barrier": None,
 }
+# torch 2.13 names ProcessGroup's tensor collectives as torchcomms does, the names above kept as deprecated
+# aliases: c10d's all_gather_into_tensor and reduce_scatter_tensor (FSDP2's all-gathers and reduce-scatters),
+# all_to_all_single and their coalesced forms call these, whose base implementation goes to the registered
+# backend, past the Python method of the old name. Each is recorded as the method it renames (the op label
+# the C++ recorder, a c10d Backend with only the old names, gives it) and delegated to it.
+# tests/test_entry_points.py checks that each communication entry point torch offers is wrapped here or
+# deliberately left alone.
+RENAMED_METHODS: dict[str, str] = {
+    "all_gather_single": "_allgather_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_to_all_single": "alltoall_base",
+}
 WRAPPED_BACKENDS = ("gloo", "nccl")
+PEER_OPS = frozenset({"send", "recv"})  # point-to-point ops whose second argument is the peer's group rank
 
 
 class FlareProcessGroup(dist.ProcessGroup):
@@ -70,6 +85,13 @@ class FlareProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload stubs omit
         self._inner = inner
         self._tracker = tracker
+        self._rank, self._size = rank, size
+        # method -> the real backend's, bound once; a method its Python binding lacks (gloo's
+        # allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced) goes through a plain
+        # ProcessGroup of the real backend (_through_process_group)
+        self._delegates = {
+            method: getattr(inner, method) for method in WRAPPED_METHODS if hasattr(inner, method)
+        }
 
     def getBackendName(self) -> str:
         return self._tracker.backend_name
@@ -77,9 +99,25 @@ class FlareProcessGroup(dist.ProcessGroup):
     def _collective(self, method: str, op: str, payload_index: int | None, args: tuple, kwargs: dict) -> Any:
         tracker = self._tracker
         payload = args[payload_index] if payload_index is not None and len(args) > payload_index else None
-        record = tracker.issue(op, payload)
-        work = getattr(self._inner, method)(*args, **kwargs)  # the user's collective: its errors are theirs
+        peer = (
+            args[1] if op in PEER_OPS and len(args) > 1 else -1
+        )  # send(tensors, dst, tag), recv(.., src, ..)
+        record = tracker.issue(op, payload, peer)
+        delegate = self._delegates.get(method) or self._through_process_group(method)
+        work = delegate(*args, **kwargs)  # the user's collective: its errors are theirs
         return tracker.track(record, work)
+
+    def _through_process_group(self, method: str) -> Callable[..., Any]:
+        """`method` of a plain (C++) ProcessGroup whose backend is the real one: it reaches the backend's
+        C++ method through torch's dispatcher where the backend's Python binding has none."""
+        backend = self._tracker.backend_name
+        plain = dist.ProcessGroup(self._rank, self._size)  # type: ignore[call-arg]
+        plain._register_backend(
+            torch.device("cuda" if backend == "nccl" else "cpu"), _backend_type(backend), self._inner
+        )
+        plain._set_default_backend(_backend_type(backend))
+        delegate = self._delegates[method] = getattr(plain, method)
+        return delegate
 
 
 class WaitedWork(dist.Work):
@@ -130,19 +168,22 @@ class WaitedWork(dist.Work):
         self._inner.synchronize()
 
 
-def _make_method(method: str, payload_index: int | None) -> Callable[..., Any]:
+def _make_method(method: str, payload_index: int | None, name: str = "") -> Callable[..., Any]:
+    """The FlareProcessGroup method `name` (default: `method`), which records and delegates `method`."""
     op = method.lstrip("_")  # the op label: _allgather_base -> allgather_base
 
     def collective(self: FlareProcessGroup, *args: Any, **kwargs: Any) -> Any:
         return self._collective(method, op, payload_index, args, kwargs)
 
-    collective.__name__ = method
+    collective.__name__ = name or method
     collective.__doc__ = f"Record, then delegate {method} to the real backend."
     return collective
 
 
 for _method, _payload_index in WRAPPED_METHODS.items():
     setattr(FlareProcessGroup, _method, _make_method(_method, _payload_index))
+for _name, _method in RENAMED_METHODS.items():
+    setattr(FlareProcessGroup, _name, _make_method(_method, WRAPPED_METHODS[_method], _name))
 
 
 class Wrapping:
@@ -180,7 +221,13 @@ class Wrapping:
                 return inner  # unwrapped: still correct, just not observed
             timing = self._timing(backend_name)
             tracker = GroupTracker(
-                name, options.group_size, backend_name, timing, self.health, self.manager.queue_size
+                name,
+                options.group_size,
+                backend_name,
+                timing,
+                self.health,
+                self.manager.queue_size,
+                global_ranks=list(options.global_ranks_in_group),
             )
             if isinstance(timing, NativeTiming):
                 wrapper = timing.wrap(inner)  # a c10d Backend: torch registers it for the CPU

@@ -82,13 +82,19 @@ class TrackedGroup(UpdatedAtDrain, Protocol):
 
     def remember(self, record: CollectiveRecord) -> None: ...
 
+    def peer_rank(self, group_rank: int) -> int: ...
+
+    def point_to_point_in_flight(self, records: list[CollectiveRecord]) -> None: ...
+
 
 class CollectiveRecord:
     """One collective as the training thread issued it; `duration` is filled in when it completes."""
 
-    __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration", "started")
+    __slots__ = ("group", "op", "nbytes", "seq", "issued_at", "duration", "started", "peer")
 
-    def __init__(self, group: TrackedGroup, op: str, nbytes: int, seq: int, issued_at: float) -> None:
+    def __init__(
+        self, group: TrackedGroup, op: str, nbytes: int, seq: int, issued_at: float, peer: int = -1
+    ) -> None:
         self.group = group
         self.op = op
         self.nbytes = nbytes
@@ -96,6 +102,11 @@ class CollectiveRecord:
         self.issued_at = issued_at
         self.duration: float | None = None
         self.started = False  # set by a backend that sees the collective start on the device
+        self.peer = peer  # a point-to-point op's peer, a global rank (-1: any source, or a collective)
+
+    @property
+    def point_to_point(self) -> bool:
+        return self.op in spec.POINT_TO_POINT_OPS
 
 
 class CollectiveFailed(Exception):
@@ -110,6 +121,38 @@ class CollectiveStats:
     def __init__(self) -> None:
         self.durations = Histogram(spec.COLLECTIVE_DURATION_BUCKETS)
         self.bytes_total = 0
+
+
+class PeerCounts:
+    """Completed point-to-point ops of one (group, peer, direction): how many, and their bytes."""
+
+    __slots__ = ("completed", "bytes_total")
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.bytes_total = 0
+
+
+class PointToPointStats:
+    """Completed sends and receives, apart from the collectives (they have no group-wide sequence): durations
+    per (group, direction), counts and bytes per (group, peer, direction). Written by the manager only; the
+    peers are those a rank actually exchanged with, so the series stay bounded by the peers used."""
+
+    def __init__(self) -> None:
+        self.durations: dict[tuple[str, str], Histogram] = {}
+        self.peers: dict[tuple[str, int, str], PeerCounts] = {}
+
+    def add(self, group: str, op: str, peer: int, nbytes: int, duration: float) -> None:
+        direction = spec.point_to_point_direction(op)
+        histogram = self.durations.get((group, direction))
+        if histogram is None:
+            histogram = self.durations[(group, direction)] = Histogram(spec.COLLECTIVE_DURATION_BUCKETS)
+        histogram.observe(duration)
+        counts = self.peers.get((group, peer, direction))
+        if counts is None:
+            counts = self.peers[(group, peer, direction)] = PeerCounts()
+        counts.completed += 1
+        counts.bytes_total += nbytes
 
 
 # Once a backend that is polled (NCCL) is in use, the manager wakes this often, so that it holds a completed
@@ -130,6 +173,7 @@ class TimingManager:
         self.completed: deque[CollectiveRecord] = deque()  # appended by backend threads
         self.polled: deque[tuple[CollectiveRecord, Any, TimingBackend]] = deque()  # appended by hooks
         self.stats: dict[tuple[str, str], CollectiveStats] = {}
+        self.point_to_point = PointToPointStats()
         self.groups: list[
             UpdatedAtDrain
         ] = []  # GroupTrackers, whose in-flight collectives each drain updates
@@ -295,6 +339,11 @@ class TimingManager:
             backend.release(event)
 
     def _account(self, record: CollectiveRecord) -> None:
+        if record.point_to_point:
+            self.point_to_point.add(
+                record.group.name, record.op, record.peer, record.nbytes, record.duration or 0.0
+            )
+            return
         self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
 
     def account(self, group: TrackedGroup, op: str, nbytes: int, seq: int, duration: float) -> None:
@@ -309,6 +358,8 @@ class TimingManager:
         """Count `group`'s collectives that the recording backend counted per op (CollectiveLog.take's
         `counted`); under the drain lock."""
         for op, _, nbytes, seconds, buckets, last_seq in counted:
+            if op in spec.POINT_TO_POINT_OPS:  # counted per peer from the completed records
+                continue
             stats = self._stats(group, op)
             durations = stats.durations
             for index, collectives in buckets:
@@ -376,8 +427,8 @@ class FutureTiming(TimingBackend):
     def track(self, record: CollectiveRecord, work: Any) -> Any:
         try:
             future = work.get_future()
-        except RuntimeError:  # no future: gloo's send and recv are polled; its reduce_scatter is waited for
-            if record.seq == 0 or self.waited is None:
+        except RuntimeError:  # no future: gloo's send, recv and reduce_scatter show completion to wait()
+            if self.waited is None:
                 return super().track(record, work)
             return self.waited(work, lambda failed: self._completed(record, failed))
         if self.stamp_completion is not None:
@@ -457,20 +508,27 @@ class NativeTiming(TimingBackend):
         completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, role) tuples,
         built here, on the manager's thread.
         """
-        completed, counted, oldest, last_issued_seq, last_issued_at, dropped, failed = self.log.take(
-            spec.COLLECTIVE_DURATION_BUCKETS
-        )
+        taken = self.log.take(spec.COLLECTIVE_DURATION_BUCKETS)
+        completed, counted, oldest, point_to_point, last_issued_seq, last_issued_at, dropped, failed = taken
         in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
         manager = self.manager
-        # Every record older than the one in flight was taken: if it completed, it is the first completed.
-        first = 0
-        if in_flight is not None and completed and seen == (completed[0][4], completed[0][0]):
-            in_flight.duration = completed[0][1]  # the straggler windows follow it: they see its duration
-            first = 1
+        # Every collective older than the one in flight was taken: if it completed, it is the first completed
+        # collective (sends and receives issued before it may precede it).
+        followed = -1
+        if in_flight is not None:
+            for index, done in enumerate(completed):
+                if done[0] > in_flight.issued_at:
+                    break
+                if seen == (done[4], done[0]):
+                    in_flight.duration = done[1]  # the straggler windows follow it: they see its duration
+                    followed = index
+                    break
         role = group.role
-        manager.finished.extend([(done[0], done[1], role) for done in completed[first:]])
+        windowed = completed if followed < 0 else completed[:followed] + completed[followed + 1 :]
+        manager.finished.extend([(done[0], done[1], role) for done in windowed])
         manager.account_counted(group, counted)
+        self._take_point_to_point(group, completed, point_to_point)
         if oldest is not None and oldest[2:] != seen:
             group.remember(CollectiveRecord(group, *oldest))
         group.last_issued_seq = last_issued_seq
@@ -479,6 +537,21 @@ class NativeTiming(TimingBackend):
             self.manager.health.drop("in_flight_collectives", dropped)
         if failed:
             self.manager.health.drop("failed_collectives", failed)
+
+    def _take_point_to_point(
+        self, group: TrackedGroup, completed: list[tuple], in_flight: list[tuple]
+    ) -> None:
+        """Count the sends and receives among `completed` per peer; publish those `in_flight`."""
+        stats = self.manager.point_to_point
+        for _, seconds, op, nbytes, _, peer in completed:
+            if op in spec.POINT_TO_POINT_OPS:
+                stats.add(group.name, op, group.peer_rank(peer), nbytes, seconds)
+        group.point_to_point_in_flight(
+            [
+                CollectiveRecord(group, op, nbytes, 0, issued_at, group.peer_rank(peer))
+                for op, nbytes, peer, issued_at in in_flight
+            ]
+        )
 
     def last_issued_at(self, group: TrackedGroup) -> float:
         return float(self.log.last_issued_at)  # live: the stall watcher reads it between drains

@@ -1,4 +1,4 @@
-"""Collective durations, bytes and sequence numbers per process group."""
+"""Collective durations, bytes and sequence numbers per process group; sends and receives per peer."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
+from ... import spec
+from .. import progress
 from ..state import FlareState
 from . import Families
 
@@ -17,6 +19,12 @@ class CollectivesCollector:
         "flare_collective_bytes_total",
         "flare_collective_last_issued_seq",
         "flare_collective_last_completed_seq",
+        "flare_p2p_issued_total",
+        "flare_p2p_completed_total",
+        "flare_p2p_bytes_total",
+        "flare_p2p_duration_seconds",
+        "flare_p2p_in_flight_started_timestamp_seconds",
+        "flare_p2p_in_flight_bytes",
     )
 
     def __init__(self, state: FlareState) -> None:
@@ -33,4 +41,42 @@ class CollectivesCollector:
         for tracker in list(self.state.groups.values()):
             issued.add_metric(families.labels(tracker.name), tracker.last_issued_seq)
             completed.add_metric(families.labels(tracker.name), tracker.last_completed_seq)
-        return [durations, sent, issued, completed]
+        return [durations, sent, issued, completed, *self._point_to_point(families)]
+
+    def _point_to_point(self, families: Families) -> list[Metric]:
+        """Per (group, peer, direction): issued (completed + in flight), completed, bytes; per (group,
+        direction): durations; per group: the oldest send or receive in flight."""
+        stats = self.state.manager.point_to_point
+        in_flight: dict[tuple[str, int, str], int] = {}
+        oldest = []
+        for tracker in list(self.state.groups.values()):
+            flights = list(tracker.p2p_in_flight)
+            for record in flights:
+                key = (tracker.name, record.peer, spec.point_to_point_direction(record.op))
+                in_flight[key] = in_flight.get(key, 0) + 1
+            if flights:
+                oldest.append((tracker.name, flights[0]))
+        issued = families.new("flare_p2p_issued_total")
+        completed = families.new("flare_p2p_completed_total")
+        sent = families.new("flare_p2p_bytes_total")
+        peers = dict(stats.peers)
+        for key in sorted(set(peers) | set(in_flight)):
+            group, peer, direction = key
+            labels = families.labels(group, spec.peer_label(peer), direction)
+            counts = peers.get(key)
+            done = counts.completed if counts is not None else 0
+            issued.add_metric(labels, done + in_flight.get(key, 0))
+            completed.add_metric(labels, done)
+            sent.add_metric(labels, counts.bytes_total if counts is not None else 0)
+        durations = families.new("flare_p2p_duration_seconds")
+        for (group, direction), histogram in sorted(list(stats.durations.items())):
+            families.add_histogram(durations, (group, direction), histogram)
+        started = families.new("flare_p2p_in_flight_started_timestamp_seconds")
+        nbytes = families.new("flare_p2p_in_flight_bytes")
+        for group, record in oldest:
+            labels = families.labels(
+                group, spec.peer_label(record.peer), spec.point_to_point_direction(record.op)
+            )
+            started.add_metric(labels, progress.wall_time(record.issued_at))
+            nbytes.add_metric(labels, record.nbytes)
+        return [issued, completed, sent, durations, started, nbytes]

@@ -4,12 +4,12 @@
 // and Python calls all reach it from C++, and the training thread never takes the GIL for a collective.
 // For each collective it claims a record in its group's CollectiveLog (op, bytes, sequence number, issue
 // time), delegates to the real backend, and adds a C++ callback to the work's future that stamps the
-// completion time on the thread that completes it (gloo's). Works without a future: gloo's send and recv
-// are kept in the record and polled by the consumer; the others' completion only their wait() shows
-// (WaitedWork). The timing manager's thread takes the log at every
+// completion time on the thread that completes it (gloo's). A work without a future (gloo's send, recv and
+// reduce_scatter) shows its completion only to its wait(), which stamps it (WaitedWork). Point-to-point
+// ops carry their peer and take no sequence number. The timing manager's thread takes the log at every
 // drain (take()): the completed records, in issue order, also counted per op into the duration histogram's
-// buckets (so that the drain's Python work does not grow with the collectives), and the oldest one not
-// completed (in flight).
+// buckets (so that the drain's Python work does not grow with the collectives), the oldest collective not
+// completed (in flight) and every point-to-point op in flight.
 //
 // A log is a ring of records. The issuing thread claims the next record with a compare-and-swap (no lock, no
 // allocation); a record is free again once it was taken completed and every record before it too, so a
@@ -142,9 +142,9 @@ struct Record {
   bool failure_counted = false;  // consumer only
   int64_t nbytes = 0;
   uint64_t seq = 0;  // 0 for point-to-point ops, which have no group-wide sequence
+  int32_t peer = -1;  // a point-to-point op's peer (group rank; -1: any source, or a collective)
   int64_t issued_ns = 0;
-  int64_t completed_ns = 0;                 // written before the state becomes kCompleted or kFailed
-  std::atomic<c10d::Work*> polled{nullptr};  // a work without a future: one reference, owned until done
+  int64_t completed_ns = 0;  // written before the state becomes kCompleted or kFailed
 };
 
 // One op's collectives completed since the last take, counted for the duration histogram: only the buckets
@@ -185,17 +185,9 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
     mask_ = size - 1;
   }
 
-  ~CollectiveLog() {
-    for (uint64_t index = 0; index <= mask_; ++index) {
-      if (c10d::Work* work = records_[index].polled.exchange(nullptr)) {
-        c10::intrusive_ptr<c10d::Work>::reclaim(work);  // the reference it held, released here
-      }
-    }
-  }
-
   // The issuing thread: a record of `op` issued now, or nullptr (counted) when the ring is full. Its sequence
   // number is taken either way, so that every rank numbers the group's collectives alike.
-  Record* issue(Op op, int64_t nbytes) {
+  Record* issue(Op op, int64_t nbytes, int32_t peer = -1) {
     uint64_t seq = point_to_point(op) ? 0 : next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     int64_t issued_ns = now_ns();
     last_issued_ns_.store(issued_ns, std::memory_order_relaxed);
@@ -211,6 +203,7 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
     record.failure_counted = false;
     record.nbytes = nbytes;
     record.seq = seq;
+    record.peer = peer;
     record.issued_ns = issued_ns;
     record.completed_ns = 0;
     record.state.store(kIssued, std::memory_order_release);
@@ -235,17 +228,19 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
   }
 
   // The consumer (the timing manager's drain, one at a time): what completed since the last take, in issue
-  // order, as (issue time, seconds, op, bytes, sequence number), which the straggler windows keep as they
-  // are; the same counted per op, as (op, collectives, bytes, seconds, [(bucket index, collectives)],
+  // order, as (issue time, seconds, op, bytes, sequence number, peer), which the straggler windows keep as
+  // they are; the same counted per op, as (op, collectives, bytes, seconds, [(bucket index, collectives)],
   // highest sequence number), the durations bucketed by `bounds` (ascending upper bounds; index
   // len(bounds) is +Inf; a duration equal to a bound counts in that bound's bucket, as Python's
-  // bisect_left); the oldest record in flight, as (op, bytes, sequence number, issue time) or None; the
-  // newest issued sequence number and issue time; how many collectives were dropped since the last take;
-  // and how many failed.
+  // bisect_left); the oldest collective in flight, as (op, bytes, sequence number, issue time) or None;
+  // every point-to-point op in flight, oldest first, as (op, bytes, peer, issue time); the newest issued
+  // sequence number and issue time; how many collectives were dropped since the last take; and how many
+  // failed.
   pybind11::tuple take(const std::vector<double>& bounds) {
     pybind11::list completed;
     OpCounts counts[kOpCount];
     pybind11::object oldest = pybind11::none();
+    pybind11::list point_to_point_in_flight;
     uint64_t failed = 0;
     uint64_t tail = tail_.load(std::memory_order_relaxed);
     uint64_t head = head_.load(std::memory_order_acquire);
@@ -254,11 +249,10 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
       Record& record = records_[index & mask_];
       uint32_t state = record.state.load(std::memory_order_acquire);
       if (state == kFree) break;  // claimed, not yet written: the records after it are newer still
-      if (state == kIssued) state = poll(record);
       if (state == kCompleted) {
         double duration = seconds(record.completed_ns - record.issued_ns);
         completed.append(pybind11::make_tuple(seconds(record.issued_ns), duration, kOpNames[record.op],
-                                              record.nbytes, record.seq));
+                                              record.nbytes, record.seq, record.peer));
         counts[record.op].add(record, duration, bounds);
         record.state.store(kTaken, std::memory_order_relaxed);
         state = kTaken;
@@ -274,9 +268,12 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
         }
         continue;
       }
-      if (freeing) {  // the oldest collective still in flight
+      freeing = false;
+      if (point_to_point(record.op)) {
+        point_to_point_in_flight.append(
+            pybind11::make_tuple(kOpNames[record.op], record.nbytes, record.peer, seconds(record.issued_ns)));
+      } else if (oldest.is_none()) {  // the oldest collective still in flight
         oldest = pybind11::make_tuple(kOpNames[record.op], record.nbytes, record.seq, seconds(record.issued_ns));
-        freeing = false;
       }
     }
     tail_.store(tail, std::memory_order_release);
@@ -284,7 +281,8 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
     for (int op = 0; op < kOpCount; ++op) {
       if (counts[op].collectives) counted.append(counts[op].tuple(static_cast<Op>(op)));
     }
-    return pybind11::make_tuple(completed, counted, oldest, next_seq_.load(std::memory_order_relaxed), last_issued_at(),
+    return pybind11::make_tuple(completed, counted, oldest, point_to_point_in_flight,
+                                next_seq_.load(std::memory_order_relaxed), last_issued_at(),
                                 dropped_.exchange(0, std::memory_order_relaxed), failed);
   }
 
@@ -293,17 +291,6 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
 
  private:
   static double seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
-
-  // A work without a future: completed now if it is done (its completion time is this take's).
-  static uint32_t poll(Record& record) {
-    c10d::Work* work = record.polled.load(std::memory_order_acquire);
-    if (work == nullptr || !work->isCompleted()) return kIssued;
-    record.polled.store(nullptr, std::memory_order_relaxed);
-    bool failed = !work->isSuccess();
-    c10::intrusive_ptr<c10d::Work>::reclaim(work);
-    complete(&record, failed, now_ns());
-    return failed ? kFailed : kCompleted;
-  }
 
   std::unique_ptr<Record[]> records_;
   uint64_t mask_ = 0;
@@ -314,8 +301,8 @@ class CollectiveLog : public std::enable_shared_from_this<CollectiveLog> {
   std::atomic<uint64_t> dropped_{0};
 };
 
-// A work whose completion only its wait() shows: gloo's reduce_scatter has no future, and its isCompleted()
-// stays false after the collective completed. Its first wait() that returns, or its end (the caller let it
+// A work whose completion only its wait() shows: gloo's send, recv and reduce_scatter have no future, and
+// their isCompleted() stays false until they are waited for (reduce_scatter's after it completed too). Its first wait() that returns, or its end (the caller let it
 // go), stamps the record; the rest is the real work's.
 class WaitedWork : public c10d::Work {
  public:
@@ -362,11 +349,6 @@ class WaitedWork : public c10d::Work {
 };
 
 c10::intrusive_ptr<c10d::Work> CollectiveLog::track(Record* record, const c10::intrusive_ptr<c10d::Work>& work) {
-  if (point_to_point(record->op)) {  // gloo's send and recv have no future; their isCompleted() is kept
-    c10::intrusive_ptr<c10d::Work> held = work;
-    record->polled.store(held.release(), std::memory_order_release);
-    return work;
-  }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
     future = work->getFuture();
@@ -478,10 +460,10 @@ class RecordingBackend : public c10d::Backend {
     return recorded(kAlltoall, bytes_of(inputs), [&] { return inner_->alltoall(outputs, inputs, opts); });
   }
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
-    return recorded(kSend, bytes_of(tensors), [&] { return inner_->send(tensors, dst_rank, tag); });
+    return recorded(kSend, bytes_of(tensors), [&] { return inner_->send(tensors, dst_rank, tag); }, dst_rank);
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
-    return recorded(kRecv, bytes_of(tensors), [&] { return inner_->recv(tensors, src_rank, tag); });
+    return recorded(kRecv, bytes_of(tensors), [&] { return inner_->recv(tensors, src_rank, tag); }, src_rank);
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     return recorded(kRecvAnysource, bytes_of(tensors), [&] { return inner_->recvAnysource(tensors, tag); });
@@ -545,8 +527,8 @@ class RecordingBackend : public c10d::Backend {
 
  private:
   template <typename Call>
-  WorkPtr recorded(Op op, int64_t nbytes, Call&& call) {
-    Record* record = log_->issue(op, nbytes);
+  WorkPtr recorded(Op op, int64_t nbytes, Call&& call, int32_t peer = -1) {
+    Record* record = log_->issue(op, nbytes, peer);
     WorkPtr work;
     try {
       work = call();  // the user's collective: its errors are theirs
@@ -574,10 +556,11 @@ void add_collectives(pybind11::module_& module) {
   pybind11::class_<CollectiveLog, std::shared_ptr<CollectiveLog>>(module, "CollectiveLog")
       .def(pybind11::init<uint64_t>(), pybind11::arg("capacity"))
       .def("take", &CollectiveLog::take, pybind11::arg("bounds"),
-           "(completed [(issued_at, seconds, op, bytes, seq)], counted per op [(op, collectives, bytes, "
-           "seconds, [(bucket index, collectives)], last seq)] with durations bucketed by `bounds`, oldest in "
-           "flight (op, bytes, seq, issued_at) or None, last issued seq, last issued_at, dropped since the "
-           "last take, failed since the last take)")
+           "(completed [(issued_at, seconds, op, bytes, seq, peer)], counted per op [(op, collectives, "
+           "bytes, seconds, [(bucket index, collectives)], last seq)] with durations bucketed by `bounds`, "
+           "oldest collective in flight (op, bytes, seq, issued_at) or None, point-to-point ops in flight "
+           "[(op, bytes, peer, issued_at)], last issued seq, last issued_at, dropped since the last take, "
+           "failed since the last take)")
       .def_property_readonly("last_issued_at", &CollectiveLog::last_issued_at,
                              "perf_counter time of the newest collective issued (0 before the first)");
   module.def(
