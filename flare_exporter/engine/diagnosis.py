@@ -462,12 +462,15 @@ def _chain_verdict(
         evidence["deadlock"] = True
     evidence["culprits"] = {str(rank): _rank_evidence(snapshot, rank) for rank in culprits}
     where = _where(snapshot, culprits[0])
+    never_issued = f"rank {_names(culprits)} never issued it"
+    if not set(culprits) <= set(hang.members):  # the chain left the group: say who waits for whom
+        never_issued = f"rank {_names(behind)} never issued it, waiting for rank {_names(culprits)}"
     return Verdict(
         "hang",
         tuple(culprits),
         "rank",
         f"group {hang.name} has waited {hang.oldest_age:.0f} s for collective {hang.max_issued}; "
-        f"rank {_names(culprits)} never issued it{where}",
+        f"{never_issued}{where}",
         evidence,
         hang.name,
     )
