@@ -132,6 +132,12 @@ class Config:
         "or without "
         "the extension: Python hooks.",
     )
+    cpp_recorder_build: bool = _setting(
+        True,
+        "Where flare's C++ recorder is not built for this torch, start building it in the background (local "
+        "rank 0; one build per host and torch version; lowest CPU priority) for the next launch; this one "
+        "runs the Python hooks. false: never build from a launch.",
+    )
     max_groups: int = _setting(
         64,
         "Most process groups tracked per rank; collectives of further groups are counted as dropped.",
@@ -372,6 +378,30 @@ class Config:
         "flare_canary_drift flags a measurement whose moving average fell more than this fraction below "
         "its preflight value (sustained drift, long before canary_in_flight_fraction).",
         *_between(0.01, 1),
+    )
+    profile: bool = _setting(
+        False,
+        "Serve POST /profile?steps=N (`flare profile`): the rank captures N optimizer steps with "
+        "torch.profiler, from one step boundary to another, and reduces the trace on the node to a summary "
+        "and a bottleneck class. Off: no endpoint answers and no hook runs. Behind the web config's TLS and "
+        "basic auth where the exporter has them.",
+    )
+    profile_max_steps: int = _setting(
+        20, "The most optimizer steps one capture may ask for.", *_between(1, 1000)
+    )
+    profile_cooldown_seconds: float = _setting(
+        300.0,
+        "Seconds after a capture ends before the rank takes another; a request sooner is refused (429).",
+        *_between(0, 86400),
+    )
+    profile_keep: int = _setting(
+        4,
+        "Raw traces kept per rank in `<incident directory>/profiles` (oldest removed first; each at most "
+        "profile_max_trace_bytes, a larger one is not kept); the summaries are kept too.",
+        *_between(0, 1000),
+    )
+    profile_max_trace_bytes: int = _setting(
+        64 * 1024 * 1024, "The largest raw trace kept on disk.", *_between(0, 2**40)
     )
 
     @property

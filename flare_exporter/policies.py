@@ -61,16 +61,19 @@ class BottleneckPolicy:
     """Which bottleneck class a rank's step is in, from the shares of its step time per phase.
 
     The first class whose phase reaches its share wins, in this order: input (data), communication
-    (collective time not overlapped by compute), transfer (host-device copies), launch (host gaps); else
-    compute. Versioned: a change of a threshold is a new `version`, which `flare perf` reports.
+    (collective time not overlapped by compute), pipeline bubble (waits in sends and receives), transfer
+    (host-device copies), launch (host gaps); else compute. Versioned: a change of a threshold is a new
+    `version`, which `flare perf` reports.
     """
 
     # 2: host gaps measured (launch_bound); a rank that mostly waits for the last arriver takes its class
-    version: int = 2
+    # 3: the pipeline bubble, a phase of its own (bubble_bound)
+    version: int = 3
     input_share: float = 0.3  # of the step in the data loader's next
     # of the step waiting for collectives: 4 compute-bound gloo ranks sharing 2 cores waited 31-40 % of
     # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 % (tests/test_perf.py)
     communication_share: float = 0.5
+    bubble_share: float = 0.5  # of the step waiting in sends and receives for the other pipeline stages
     transfer_share: float = 0.3  # of the step in host-device copies
     launch_share: float = 0.3  # of the step in host gaps (interpreter, GIL, GC, launch)
     # a rank whose compute FLOP/s (model FLOPs over compute seconds per step) is below this share of its
@@ -82,6 +85,7 @@ class BottleneckPolicy:
         return (
             ("input_bound", "data", self.input_share),
             ("communication_bound", "collective", self.communication_share),
+            ("bubble_bound", "bubble", self.bubble_share),
             ("transfer_bound", "transfer", self.transfer_share),
             ("launch_bound", "host", self.launch_share),
         )
@@ -92,3 +96,36 @@ class BottleneckPolicy:
             if shares.get(phase, 0.0) >= share:
                 return bottleneck
         return "compute_bound"
+
+
+@dataclass(frozen=True)
+class ProfilePolicy:
+    """Which bottleneck class a profiler capture shows, from its summary (rank/profile_summary.py).
+
+    The perf monitor's classes, tried in the same order: input (the data loader's share of the captured
+    span), communication (communication the device ran while it computed nothing: exposed), transfer
+    (host-device copies under neither compute nor communication), launch (the device idle outside the
+    data loader, or most of its kernel time in short kernels); else compute. The shares are of the span
+    without the time the rank waited for a slower peer (classify's `peers`). Versioned: a change of a
+    threshold is a new `version`, which the verdict's evidence carries.
+    """
+
+    version: int = 1
+    # the same shares as BottleneckPolicy's, so that a capture and `flare perf` class a step alike
+    input_share: float = 0.3  # of the span in the data loader's next
+    communication_share: float = 0.5  # of the span in exposed communication
+    transfer_share: float = 0.3  # of the span in host-device copies that nothing else hides
+    launch_share: float = 0.3  # of the span with the device idle outside the data loader
+    # of the kernel time in kernels shorter than the summary's short threshold (10 us): launch overhead
+    # (5-10 us a launch) then exceeds the work, whatever the idle share (GPU captures only)
+    short_kernel_share: float = 0.5
+
+    def thresholds(self) -> tuple[tuple[str, str, float], ...]:
+        """(class, share, threshold) in the order they are tried; compute_bound is the rest."""
+        return (
+            ("input_bound", "data", self.input_share),
+            ("communication_bound", "communication", self.communication_share),
+            ("transfer_bound", "transfer", self.transfer_share),
+            ("launch_bound", "host_gap", self.launch_share),
+            ("launch_bound", "short_kernels", self.short_kernel_share),
+        )

@@ -7,6 +7,7 @@ labels `rank` and `run` (`COMMON_LABELS`), which are not repeated per metric.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .causes import EXCEPTION_CAUSES
@@ -109,6 +110,27 @@ def peer_label(peer: int) -> str:
 
 
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
+# Words of a group's description (a DeviceMesh dimension's name: mesh_dp, mesh_tp; Megatron's and
+# torchtitan's) and the role each says; a group is named `<words>-<hash>` (rank/groups.group_name).
+_ROLE_WORDS = {
+    "dp": "dp", "data": "dp", "fsdp": "dp", "replicate": "dp", "shard": "dp",
+    "tp": "tp", "tensor": "tp",
+    "pp": "pp", "pipeline": "pp",
+    "ep": "ep", "expert": "ep", "moe": "ep",
+    "cp": "cp", "context": "cp",
+}  # fmt: skip
+
+
+def group_role(name: str) -> str:
+    """dp/tp/pp/ep/cp when the group's description says so, `world` for the world, else `other`."""
+    if name == "world":
+        return "world"
+    for word in re.split(r"[^a-z]+", name.split("-")[0].lower()):
+        if word in _ROLE_WORDS:
+            return _ROLE_WORDS[word]
+    return "other"
+
+
 # The group label of collectives the native shim (cuda_hooks/) saw: NCCL calls carry no group name. They are
 # the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
 NATIVE_GROUP = "native"
@@ -117,7 +139,10 @@ TERMINATION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 SIGNAL_SENDERS = ("launcher", "unknown")
 ACTIVITIES = ("collective", "data", "compute")
 # Where a step's time goes (flare_step_phase_seconds_total; rank/perf.py); compute: the rest of the step.
-STEP_PHASES = ("data", "optimizer", "collective", "host", "transfer", "compute")
+# bubble: waits in sends and receives (a pipeline stage waiting for the stages before and after it)
+STEP_PHASES = ("data", "optimizer", "collective", "bubble", "host", "transfer", "compute")
+# The role the straggler windows give a send's or receive's wait: the bubble phase, not a group's collectives
+P2P_ROLE = "p2p"
 
 COLLECTIVE_DURATION_BUCKETS = log_buckets(1e-5, 100.0, 2)  # 10 µs .. 100 s, 15 bounds
 STEP_DURATION_BUCKETS = log_buckets(1e-3, 1000.0, 2)  # 1 ms .. 1000 s, 13 bounds
@@ -143,6 +168,9 @@ CANARY_SCOPES = (
     *(f"path{index}" for index in range(CANARY_MAX_STORAGE_PATHS)),
 )
 CANARY_PHASES = ("preflight", "in_flight")
+PROFILE_OUTCOMES = ("captured", "failed")
+# Where a captured step's time went (profile_summary.py): shares of the capture's step time
+PROFILE_PARTS = ("compute", "communication", "exposed_communication", "copy", "idle", "data")
 # A failed preflight under canary=enforce ends every rank with this status (sysexits' EX_TEMPFAIL: the job
 # may succeed elsewhere; a scheduler reschedules it without the named host).
 CANARY_EXIT_CODE = 75
@@ -160,9 +188,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_process_group_info",
         INFO,
         "",
-        "A process group of this rank: name, role, size, recorder.",
-        ("group", "role", "size", "recorder"),
-        detail="recorder: cpp (flare's C++ backend, no Python on the training thread) or python (hooks).",
+        "A process group of this rank: name, role, size, recorder, this rank's position in it.",
+        ("group", "role", "size", "recorder", "group_rank"),
+        detail=(
+            "recorder: cpp (flare's C++ backend, no Python on the training thread) or python (hooks). "
+            "group_rank: the rank's rank in the group (a pipeline group's: its stage)."
+        ),
     ),
     MetricSpec(
         "flare_exporter_build_info",
@@ -355,6 +386,49 @@ METRICS: tuple[MetricSpec, ...] = (
             "torchrun's elastic agent or Slurm's srun (which stop the survivors of a failed rank this way), "
             "else unknown."
         ),
+    ),
+    # the profiler
+    MetricSpec(
+        "flare_profile_captures_total",
+        COUNTER,
+        "",
+        "Profiler captures this rank ended, by outcome.",
+        ("outcome",),
+        detail="outcome: " + ", ".join(PROFILE_OUTCOMES) + ". Present where the rank runs with profile: on.",
+    ),
+    MetricSpec(
+        "flare_profile_refused_total",
+        COUNTER,
+        "",
+        "Capture requests refused: one was running, or the cooldown after the last had not passed.",
+    ),
+    MetricSpec(
+        "flare_profile_last_end_timestamp_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time the last capture ended.",
+    ),
+    MetricSpec(
+        "flare_profile_bottleneck_info",
+        INFO,
+        "",
+        "The bottleneck class of the last capture, from its summary.",
+        ("bottleneck",),
+        detail="The perf monitor's classes (input_bound, communication_bound, ..., compute_bound).",
+    ),
+    MetricSpec(
+        "flare_profile_step_seconds",
+        GAUGE,
+        "seconds",
+        "Mean step time of the last capture.",
+    ),
+    MetricSpec(
+        "flare_profile_share_ratio",
+        GAUGE,
+        "",
+        "Share of the last capture's step time in each part.",
+        ("part",),
+        detail="part: " + ", ".join(PROFILE_PARTS) + " (exposed_communication: not overlapped by compute).",
     ),
     # issue latency (ILD)
     MetricSpec(

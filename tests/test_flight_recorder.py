@@ -239,8 +239,40 @@ def test_a_rank_that_never_issued_the_collective_is_named_by_the_run_s_own_timeo
     )
     assert verdict["evidence"]["last_issued_seq"] == {"2": 4} and verdict["evidence"]["max_issued_seq"] == 5
     assert verdict["evidence"]["oldest_in_flight_seconds"] == 60.0
-    # judged by a longer threshold, the same dumps show no hang yet
-    assert diagnose(tmp_path, "--hang-seconds", "90")["verdicts"] == []
+    # a dump is written because something timed out: a rank behind is named whatever the wait's age
+    (verdict,) = diagnose(tmp_path, "--hang-seconds", "900")["verdicts"]
+    assert (verdict["kind"], verdict["ranks"]) == ("hang", [2])
+    # where every rank is inside the collective, a longer threshold shows no hang yet
+    inside = write_dumps(tmp_path / "inside", {rank: hung_world(rank) for rank in range(4)})
+    assert diagnose(inside, "--hang-seconds", "900")["verdicts"] == []
+
+
+def stage(rank: int, *waiting: str) -> dict:
+    """A pipeline stage's dump: 4 completed all-reduces, then its sends and receives in flight (profiling
+    names as the recorder writes them: `gloo:send 1->2`, `gloo:recv 3<-2`), issued 8 s before the dump."""
+    p2p = [
+        entry(0, profiling_name=name, is_p2p=True, retired=False, time_created_ns=NOW_NS - 8 * 10**9)
+        for name in waiting
+    ]
+    return dump([*(entry(seq) for seq in range(1, 5)), *p2p])
+
+
+def test_point_to_point_entries_lead_to_the_stage_that_never_issued_its_side(tmp_path):
+    # stage 2 is stuck in its own code: stage 1's send to it and stage 3's receive from it wait
+    dumps = {
+        0: stage(0, "gloo:send 0->1"),
+        1: stage(1, "gloo:send 1->2"),
+        2: stage(2),
+        3: stage(3, "gloo:recv 3<-2"),
+    }
+    report = diagnose(write_dumps(tmp_path, dumps))
+    (verdict,) = report["verdicts"]  # 8 s old, under the 30 s timeout: judged because the dumps were written
+    assert (verdict["kind"], verdict["ranks"]) == ("hang", [2])
+    assert verdict["evidence"]["held_up"] == [0, 1, 3]  # stage 0 waits for stage 1, which waits for 2
+    # both sides of one transfer in flight wait for neither; two stages that both send first: a deadlock
+    dumps = {0: stage(0), 1: stage(1, "gloo:send 1->2"), 2: stage(2, "gloo:send 2->1"), 3: stage(3)}
+    (verdict,) = diagnose(write_dumps(tmp_path / "deadlock", dumps))["verdicts"]
+    assert (verdict["ranks"], verdict["evidence"]["cycle"]) == ([1, 2], [1, 2])
 
 
 def test_a_collective_of_another_op_is_a_mismatch_and_its_sizes_count(tmp_path):

@@ -26,6 +26,7 @@ from flare_exporter.rank.groups import GroupTracker
 from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.last_word import RaisedException, Termination
 from flare_exporter.rank.perf import PerfMonitor
+from flare_exporter.rank.profiler import Capture, Profiler
 from flare_exporter.rank.stall import StackSample
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
@@ -67,6 +68,19 @@ def fixed_state() -> FlareState:
         state.manager.complete(record)
     world.p2p_pending.append(CollectiveRecord(world, "recv", 2048, 0, 1_700_000_000.375, 2))
     state.manager.drain()
+    state.profiler = Profiler(state.health, 5, 0.0, "", "golden", 3)
+    state.profiler.outcomes.update(captured=2, failed=1)
+    state.profiler.refused = 1
+    shares = {"compute": 0.75, "communication": 0.25, "exposed_communication": 0.125, "copy": 0.0}
+    state.profiler.last = Capture(
+        3,
+        3,
+        1_700_000_001.0,
+        state="captured",
+        finished_at=1_700_000_001.5,
+        bottleneck="compute_bound",
+        summary={"step_seconds": 0.125, "shares": {**shares, "idle": 0.0625, "data": 0.0}},
+    )
     state.stack = StackSample(
         "compute", ("train.py:42 forward", "module.py:1 _call_impl", "train.py:90 main")
     )

@@ -149,6 +149,13 @@ def communication_seen(program: str, samples: dict[str, list[scrape.Sample]]) ->
             assert _p2p(ranks[stage + 1], "flare_p2p_completed_total", "recv", stage) >= STUCK_STEP // 2
         ops = {s.labels.get("op") for s in ranks[1] if s.name == "flare_collective_duration_seconds_count"}
         assert not ops & {"send", "recv"}  # not mixed into the collectives
+
+        def phase(name: str) -> float:
+            return sum(
+                scrape.value(s, "flare_step_phase_seconds_total", phase=name) or 0.0 for s in ranks.values()
+            )
+
+        assert phase("bubble") > phase("collective")  # the stages' waits for each other: the bubble
         return
     roles = {"fsdp_tp": {"dp", "tp"}}.get(program, {"world"})
     for rank, series in ranks.items():
@@ -194,9 +201,20 @@ def test_a_healthy_run_then_a_rank_stuck_in_its_own_code(shared, program, record
             if s.name == "flare_process_group_info"
         }
         assert recorders == {recorder}
+        said = {
+            "cpp": "collectives recorded in C++",
+            "python": "recorded by Python hooks: the C++ recorder is switched off",
+        }
+        assert said[recorder] in Path(job.log_paths[0]).read_text()  # one line at start-up, on local rank 0
+        assert "collectives recorded" not in Path(job.log_paths[1]).read_text()
         communication_seen(program, samples)
         code, report = flare_json("diagnose", "--targets", str(targets), "--run", run)
         assert without_stragglers(report["verdicts"]) == [], report  # healthy so far
+        if program.startswith("pipeline"):  # stages differ by design: each weighed only against itself
+            code, found = flare_json("perf", "--targets", str(targets), "--run", run)
+            assert found["slow_ranks"] == [] and {row["stage"] for row in found["ranks"]} == {
+                f"world stage {rank}" for rank in range(RANKS)
+            }
         for source in sources(targets, stack):
             verdict = await_verdict(source, run, "hang", [2])
             assert "stuck_in_" in verdict["summary"], verdict["summary"]

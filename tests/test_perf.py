@@ -121,6 +121,7 @@ def test_equal_ranks_cost_nothing_and_one_rank_cannot_be_charged():
     [
         ({"data": 0.3, "compute": 0.7}, "input_bound"),
         ({"data": 0.29, "collective": 0.5, "compute": 0.21}, "communication_bound"),
+        ({"collective": 0.49, "bubble": 0.5, "compute": 0.01}, "bubble_bound"),
         ({"transfer": 0.3, "compute": 0.7}, "transfer_bound"),
         ({"host": 0.3, "compute": 0.7}, "launch_bound"),
         ({"data": 0.2, "collective": 0.49, "host": 0.1, "compute": 0.21}, "compute_bound"),
@@ -137,6 +138,44 @@ def test_a_rank_computing_slower_than_its_peers_is_named():
     }
     slow = perf.slow_ranks(records, POLICY)
     assert [row["rank"] for row in slow] == [3] and slow[0]["ratio"] == pytest.approx(1 / 1.5)
+
+
+def pipeline_series(stage_compute: dict[int, float], groups: dict[int, tuple[str, int]]) -> dict:
+    """Series of ranks that are pipeline stages: each computes `stage_compute[rank]` s a step (1e9 FLOPs)
+    and waits the rest of 1 s in sends and receives, in the group and position `groups[rank]`."""
+    ranks = list(stage_compute)
+    phases = [
+        ({"rank": str(r), "phase": phase}, seconds * 10)
+        for r in ranks
+        for phase, seconds in (("compute", stage_compute[r]), ("bubble", 1.0 - stage_compute[r]))
+    ]
+    return {
+        perf.PHASES: phases,
+        perf.STEPS: [({"rank": str(r)}, 10.0) for r in ranks],
+        "flare_model_flops_per_step": [({"rank": str(r)}, 1e9) for r in ranks],
+        perf.GROUP_INFO: [
+            ({"rank": str(r), "group": groups[r][0], "group_rank": str(groups[r][1])}, 1) for r in ranks
+        ],
+        perf.P2P_DONE: [
+            ({"rank": str(r), "group": groups[r][0], "peer": "x", "direction": "send"}, 40.0) for r in ranks
+        ],
+    }
+
+
+def test_pipeline_stages_are_weighed_only_against_the_same_stage_of_other_pipelines():
+    # one pipeline of 4 stages over the world: the last computes twice as long, by design
+    series = pipeline_series({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.6}, {r: ("world", r) for r in range(4)})
+    result, lines = perf.perf_view(perf.records_from_series(series))
+    assert result["slow_ranks"] == [] and not any("slower device" in line for line in lines)
+    assert [row["stage"] for row in result["ranks"]] == [f"world stage {r}" for r in range(4)]
+    assert [row["bottleneck"] for row in result["ranks"]] == ["bubble_bound"] * 3 + ["compute_bound"]
+    # two pipelines of 3 stages (mesh_pp groups): stage 1 of pipeline b is slower than stage 1 of a and c
+    groups = {r: (f"mesh_pp-{'abc'[r // 3]}", r % 3) for r in range(9)}
+    compute = {r: 0.2 * (1 + r % 3) for r in range(9)} | {4: 0.8}
+    records = perf.records_from_series(pipeline_series(compute, groups))
+    assert records[4].stage == records[1].stage == "mesh_pp stage 1" != records[2].stage
+    result, _ = perf.perf_view(records)
+    assert [row["rank"] for row in result["slow_ranks"]] == [4]  # not stage 2, which computes 0.6 s by design
 
 
 def test_mfu_is_achieved_over_peak_and_the_peak_comes_from_the_gpu_name():

@@ -13,7 +13,7 @@ import pytest
 
 from flare_exporter import causes
 from flare_exporter.engine import cli, history_source, incident_source, verdict_causes
-from flare_exporter.engine.diagnosis import GroupState, InFlight, RankRecord
+from flare_exporter.engine.diagnosis import GroupState, InFlight, PointToPoint, RankRecord
 from flare_exporter.engine.post_mortem import (
     DeadRun,
     ExceptionWord,
@@ -607,4 +607,30 @@ def test_a_mismatch_is_named_where_the_collectives_differ_though_another_rank_ra
         (2,),
         "world",
         "collective_mismatch",
+    )
+
+
+def test_a_pipeline_stage_its_peers_sends_and_receives_waited_for_at_the_end():
+    def stage(rank: int, done: dict, flight: tuple | None) -> LastWord:
+        issued = dict(done)
+        if flight is not None:
+            issued[flight[:2]] = done.get(flight[:2], 0) + 1
+            flight = (*flight, T0)
+        groups = {"world": GroupState(1, 1, p2p=PointToPoint(issued, done, flight))}
+        return word(rank, exception=reset(T0 + 30), groups=groups)
+
+    run = run_of(
+        stage(0, {("send", 1): 9}, ("send", 1)),
+        stage(1, {("recv", 0): 9, ("send", 2): 8}, ("send", 2)),
+        stage(2, {("recv", 1): 8, ("send", 3): 8}, None),  # stuck in its own code, then torn down
+        stage(3, {("recv", 2): 8}, ("recv", 2)),
+    )
+    verdict = only(post_mortem(run))
+    assert (verdict.kind, verdict.ranks, verdict.cause) == ("hang", (2,), "deadlock")
+    # the same last words, as a rank's incident file writes them, read back
+    written = {
+        "p2p": {"issued": [["recv", 1, 8], ["send", 3, 8]], "completed": [["recv", 1, 8], ["send", 3, 8]]}
+    }
+    assert incident_source._groups({"world": written})["world"].p2p == PointToPoint(
+        {("recv", 1): 8, ("send", 3): 8}, {("recv", 1): 8, ("send", 3): 8}
     )

@@ -3,7 +3,7 @@ hand-built snapshots of a pipeline, pure."""
 
 from __future__ import annotations
 
-from flare_exporter.engine.diagnosis import GroupState, PointToPoint, RankRecord, Snapshot, diagnose
+from flare_exporter.engine.diagnosis import GroupState, InFlight, PointToPoint, RankRecord, Snapshot, diagnose
 from flare_exporter.engine.wait_for import wait_graph
 
 NOW = 1_700_000_000.0
@@ -42,7 +42,7 @@ def four_stages_with_stage_2_stuck() -> list[RankRecord]:
 def test_a_stage_that_never_issues_its_side_is_the_one_culprit_of_every_waiting_stage():
     [verdict] = diagnose(snapshot(*four_stages_with_stage_2_stuck()), HANG)
     assert (verdict.kind, verdict.ranks, verdict.group) == ("hang", (2,), "world")
-    assert verdict.evidence["held_up"] == [0, 1, 3]
+    assert verdict.evidence["held_up"] == [0, 1, 3] and verdict.evidence["roles"] == {"world": "world"}
     assert "stuck_in_stage_code" in verdict.summary
     edges = {(edge["rank"], edge["waits_on"], edge["in"]) for edge in verdict.evidence["wait_for"]}
     assert edges == {(0, 1, "send"), (1, 2, "send"), (3, 2, "recv")}
@@ -101,3 +101,26 @@ def test_a_long_chain_is_followed_without_recursion():
     records.append(stage(ranks - 1, {("recv", ranks - 2): 1}))
     graph = wait_graph(snapshot(*records), range(ranks - 1))
     assert graph.ends == [ranks - 1] and len(graph.edges) == ranks - 1
+
+
+def test_one_verdict_per_culprit_lists_every_group_it_holds_up_with_their_mesh_roles():
+    """FSDP2 with tensor parallel on a 2x2 mesh: rank 2, stuck in its own code, holds up its tp group (rank 3)
+    and its dp group (rank 0), and through rank 0 the other tp group (rank 1): one verdict, three groups."""
+
+    def waiting(seq: int) -> GroupState:
+        return GroupState(seq, seq - 1, InFlight("allgather_base", seq, 64, "started", NOW - 60))
+
+    def done(seq: int) -> GroupState:
+        return GroupState(seq, seq)
+
+    dp_a, dp_b, tp_a, tp_b = "mesh_dp-aaaa0000", "mesh_dp-bbbb1111", "mesh_tp-cccc2222", "mesh_tp-dddd3333"
+    records = [
+        RankRecord(0, groups={dp_a: waiting(9), tp_a: done(6)}),
+        RankRecord(1, groups={dp_b: done(9), tp_a: waiting(7)}),
+        RankRecord(2, groups={dp_a: done(8), tp_b: done(6)}, frames="t.py:3 stuck_in_parallel_code"),
+        RankRecord(3, groups={dp_b: done(9), tp_b: waiting(7)}),
+    ]
+    [verdict] = diagnose(snapshot(*records), HANG)
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    assert verdict.evidence["groups"] == [dp_a, tp_a, tp_b]
+    assert verdict.evidence["roles"] == {dp_a: "dp", tp_a: "tp", tp_b: "tp"}

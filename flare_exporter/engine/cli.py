@@ -60,6 +60,7 @@ from . import (
     incident_source,
     perf_command,
     post_mortem,
+    profile_command,
     promql,
     prune,
     report,
@@ -151,6 +152,11 @@ def build_parser(
     perf_command.add_arguments(perf_command_parser)
     _add_prometheus_arguments(perf_command_parser)
     _add_ranks_access_arguments(perf_command_parser)
+    profile_help = "capture a few steps on chosen ranks with torch.profiler: each rank's bottleneck, evidence"
+    profile_parser = commands.add_parser("profile", help=profile_help, description=profile_command.__doc__)
+    profile_command.add_arguments(profile_parser)
+    _add_prometheus_arguments(profile_parser)
+    _add_ranks_access_arguments(profile_parser)
     targets_command = commands.add_parser("targets", help="manage the file_sd target files of runs")
     targets_actions = targets_command.add_subparsers(dest="action", required=True)
     prune_help = "remove the target and incident files of runs that ended (e.g. in a Slurm epilog)"
@@ -373,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         return rules.main(args)
     if args.command == "mcp":
         return _serve_mcp(args)
+    if args.command == "profile":
+        return _profile(args)
     # What a command reads stays alive until it ends (at thousands of ranks, 100 k series and more, then the
     # records): the cyclic garbage collector would walk it again and again and free nothing. At 6,144 ranks
     # it doubled the CPU time of decoding Prometheus's answers.
@@ -435,6 +443,22 @@ def _perf(args: argparse.Namespace) -> Answer:
     rules.duration_seconds(args.window, "flag --window")
     result, text = perf_command.answer(args, _prometheus_connection(args), _client(args))
     return Answer(EXIT_OK, result, text)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """`flare profile` (profile_command.py): its exit code; one line on stderr where it cannot go on."""
+    try:
+        if not 0 < args.timeout <= 3600 or not 0 < args.wait <= 86400:
+            raise config_module.ConfigError("flags --timeout and --wait: seconds, above 0")
+        code, result, text = profile_command.answer(args, _prometheus_connection(args), _client(args))
+    except profile_command.ProfileError as error:
+        print(error, file=sys.stderr)
+        return error.code
+    except ENGINE_ERRORS as error:
+        print(f"flare profile: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else text)
+    return code
 
 
 def _serve_mcp(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from ..policies import IldPolicy, StragglerPolicy
-from ..spec import GPU_SLOWDOWN_REASONS
+from ..spec import GPU_SLOWDOWN_REASONS, group_role
 from .canary import CanaryState, canary_faults
 from .canary import evidence as canary_evidence
 from .canary import summary as canary_summary
@@ -155,6 +155,9 @@ class Snapshot:
     # The hang threshold the run's ranks export (flare_hang_threshold_seconds, the largest of them), where a
     # source read it (a direct scrape); None otherwise.
     hang_seconds: float | None = None
+    # Flight-recorder dumps, written because something timed out: a group where some ranks wait in a
+    # collective (or a send or receive) that others never issued is judged whatever the wait's age.
+    dumped: bool = False
 
     @cached_property
     def members(self) -> dict[str, tuple[int, ...]]:
@@ -377,7 +380,7 @@ def hung_groups(snapshot: Snapshot, hang_seconds: float) -> list[GroupHang]:
     oldest = snapshot.oldest_in_flight
     hangs = []
     for name in sorted(oldest):
-        if oldest[name] < hang_seconds:
+        if oldest[name] < hang_seconds and not (snapshot.dumped and below_top(snapshot, name)):
             continue
         max_issued = top_issued(snapshot.live_states[name])
         hung_since = snapshot.now - oldest[name] + hang_seconds
@@ -642,8 +645,11 @@ def point_to_point_verdicts(snapshot: Snapshot, hang_seconds: float, gone: set[i
         and any(
             state.p2p is not None
             and state.p2p.in_flight is not None
-            and snapshot.now - state.p2p.in_flight[2] >= hang_seconds
-            for state in record.groups.values()
+            and (
+                snapshot.now - state.p2p.in_flight[2] >= hang_seconds
+                or (snapshot.dumped and point_to_point_edges(snapshot, record, name))
+            )
+            for name, state in record.groups.items()
         )
     ]
     if not waiting:
@@ -665,6 +671,7 @@ def _held_up_verdict(snapshot: Snapshot, graph: WaitGraph, culprit: int) -> Verd
     evidence = {
         "wait_for": [edge.to_json(snapshot.now) for edge in edges],
         "groups": groups,
+        "roles": {name: group_role(name) for name in groups},
         "held_up": held_up,
         "culprits": {str(culprit): _rank_evidence(snapshot, culprit)},
     }
@@ -691,6 +698,7 @@ def _deadlock_verdict(snapshot: Snapshot, graph: WaitGraph, cycle: tuple[int, ..
         "cycle": list(cycle),
         "wait_for": [edge.to_json(snapshot.now) for edge in edges],
         "groups": groups,
+        "roles": {name: group_role(name) for name in groups},
         "held_up": held_up,
         "culprits": {str(rank): _rank_evidence(snapshot, rank) for rank in cycle},
     }
@@ -723,7 +731,7 @@ def one_verdict_per_culprit(snapshot: Snapshot, verdicts: list[Verdict]) -> list
         if _reach(snapshot, verdict) > _reach(snapshot, kept):
             kept, verdict = verdict, kept
         groups = sorted({*_groups_of(kept), *_groups_of(verdict)})
-        evidence = {**kept.evidence, "groups": groups}
+        evidence = {**kept.evidence, "groups": groups, "roles": {name: group_role(name) for name in groups}}
         evidence["also"] = [*kept.evidence.get("also", []), {"group": verdict.group, **verdict.evidence}]
         summary = kept.summary.split("; it holds up groups ")[0] + f"; it holds up groups {', '.join(groups)}"
         cause = kept.cause if kept.cause != "unknown" else verdict.cause

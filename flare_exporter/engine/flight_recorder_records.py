@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .diagnosis import GroupState, InFlight, RankRecord, Snapshot
+from .diagnosis import GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 from .post_mortem import LastWord
 
 WORLD = "world"
@@ -59,6 +59,9 @@ class FlightEntry(NamedTuple):
     done: bool  # completed, or retired (gloo retires what it completed or failed)
     created_at: float  # Unix time it was issued
     timeout_seconds: float | None
+    peer: int = (
+        -1
+    )  # a send's or receive's peer, its rank in the group (profiling_name `send 0->1`, `recv 1<-0`)
 
 
 class GroupStatus(NamedTuple):
@@ -194,7 +197,17 @@ def _entry(raw: Mapping[str, Any], names: dict[tuple[str, str], str]) -> FlightE
         done=done,
         created_at=created / 1e9,
         timeout_seconds=timeout / 1000 if timeout and timeout > 0 else None,
+        peer=_peer(op, _str(raw.get("profiling_name"))) if point_to_point else -1,
     )
+
+
+def _peer(op: str, profiling_name: str) -> int:
+    """A send's or receive's peer (its rank in the group) from its profiling name, as fr_trace reads it:
+    `nccl:send 0->1` (to 1), `nccl:recv 1<-0` (from 0); -1 where the name says none."""
+    found = re.fullmatch(r"\S+ (\d{1,9})(->|<-)(\d{1,9})", profiling_name.split(":", 1)[-1])
+    if found is None or (op, found.group(2)) not in (("send", "->"), ("recv", "<-")):
+        return -1
+    return int(found.group(3))
 
 
 def _process_group(found: Any, pg_id: Any) -> tuple[str, str]:
@@ -250,11 +263,33 @@ def group_states(dump: Dump) -> dict[str, GroupState]:
         unfinished = [
             entry
             for entry in dump.unfinished
-            if entry.group == name and not (entry.seq and entry.seq <= completed)
+            if entry.group == name
+            and entry.op not in POINT_TO_POINT
+            and not (entry.seq and entry.seq <= completed)
         ]
         oldest = min(unfinished, key=lambda entry: entry.created_at, default=None)
-        states[name] = GroupState(issued, completed, _in_flight(oldest))
+        p2p = _point_to_point(dump, name)
+        states[name] = GroupState(issued, completed, _in_flight(oldest), p2p=p2p)
     return states
+
+
+def _point_to_point(dump: Dump, group: str) -> PointToPoint | None:
+    """The group's sends and receives the dump holds unfinished, counted per (direction, peer's global
+    rank), and the oldest. A ring of entries holds no count since the start, so none is complete: the
+    wait-for graph's rule (wait_for.point_to_point_edges) then asks whether the peer has an unfinished op of
+    its own toward this rank, the other side of the same transfer."""
+    unfinished = [entry for entry in dump.unfinished if entry.group == group and entry.op in POINT_TO_POINT]
+    if not unfinished:
+        return None
+    members = sorted(dump.members.get(group, ()))
+    issued: dict[tuple[str, int], int] = defaultdict(int)
+    flights = []
+    for entry in sorted(unfinished, key=lambda entry: entry.created_at):
+        direction = "send" if entry.op == "send" else "recv"
+        peer = members[entry.peer] if 0 <= entry.peer < len(members) else entry.peer
+        issued[(direction, peer)] += 1
+        flights.append((direction, peer, entry.created_at))
+    return PointToPoint(dict(issued), {}, flights[0])
 
 
 def _in_flight(entry: FlightEntry | None) -> InFlight | None:
@@ -325,7 +360,7 @@ def snapshot_of(dumps: Mapping[int, Dump], run: str = "", world_size: int = 0) -
         groups = member_of | states[rank]
         records[rank] = RankRecord(rank, host=dump.host, heartbeat=dump.last_issue, groups=groups)
     now = dumped_at(dumps.values())
-    return Snapshot(records, now, run, size, hang_seconds=run_threshold(dumps.values()))
+    return Snapshot(records, now, run, size, hang_seconds=run_threshold(dumps.values()), dumped=True)
 
 
 def last_words(dumps: Mapping[int, Dump]) -> dict[int, LastWord]:

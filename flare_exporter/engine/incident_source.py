@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import causes
-from .diagnosis import GroupState, InFlight
+from .diagnosis import GroupState, InFlight, PointToPoint
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
 from .records import SourceError, one_run
 
@@ -144,8 +144,35 @@ def _groups(found: Any) -> dict[str, GroupState]:
     for name, group in list(_dict(found).items())[:4096]:
         if isinstance(group, dict):
             issued, completed = _count(group.get("last_issued_seq")), _count(group.get("last_completed_seq"))
-            groups[str(name)[:256]] = GroupState(issued, completed, _in_flight(_dict(group.get("in_flight"))))
+            flight = _in_flight(_dict(group.get("in_flight")))
+            groups[str(name)[:256]] = GroupState(issued, completed, flight, p2p=_p2p(group.get("p2p")))
     return groups
+
+
+def _p2p(found: Any) -> PointToPoint | None:
+    """A group's sends and receives as the rank wrote them (rank/incident.py), bounded; None if absent."""
+    if not isinstance(found, dict):
+        return None
+
+    def counts(rows: Any) -> dict[tuple[str, int], int]:
+        kept = {}
+        for row in rows[:4096] if isinstance(rows, list) else []:
+            if isinstance(row, list) and len(row) == 3 and row[0] in ("send", "recv"):
+                peer, count = _int(row[1]), _int(row[2])
+                if peer is not None and count is not None and peer >= -1 and count >= 0:
+                    kept[(row[0], peer)] = count
+        return kept
+
+    flight = _dict(found.get("in_flight"))
+    in_flight = None
+    direction, peer, at = (
+        flight.get("direction"),
+        _int(flight.get("peer")),
+        _float(flight.get("issued_timestamp_seconds")),
+    )
+    if direction in ("send", "recv") and peer is not None and at is not None:
+        in_flight = (str(direction), peer, at)
+    return PointToPoint(counts(found.get("issued")), counts(found.get("completed")), in_flight)
 
 
 def _in_flight(flight: Mapping[str, Any]) -> InFlight | None:

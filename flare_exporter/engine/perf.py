@@ -16,6 +16,11 @@ a direct scrape (the counters since each rank started) and Prometheus (their inc
   that is the time the others spent waiting for it; noise that moves from rank to rank averages out of it.
 - A slower device: compute FLOP/s (model FLOPs over the compute seconds of a step) below
   `slow_device_share` of the ranks' median.
+- Pipeline stages differ by design (the last computes the loss, the first embeds): a rank that sends or
+  receives in a group is a stage, at its position in that group, and is weighed (ledger, least wait,
+  slower device) only against the same stage of other pipelines, never against other stages or the
+  ranks of no pipeline; with one pipeline, each stage only against itself over time (the straggler
+  windows' own best). Its waits in sends and receives are its `bubble` phase, apart from the collectives.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ PHASES = "flare_step_phase_seconds_total"
 STEPS = "flare_step_phase_steps_total"
 ROLES = "flare_step_collective_seconds_total"
 GAUGES = ("flare_model_flops_per_step", "flare_achieved_flops", "flare_mfu_ratio")
-PERF_METRICS = frozenset([PHASES, STEPS, ROLES, *GAUGES, "flare_rank_info"])
+GROUP_INFO, P2P_DONE = "flare_process_group_info", "flare_p2p_completed_total"
+PERF_METRICS = frozenset([PHASES, STEPS, ROLES, *GAUGES, "flare_rank_info", GROUP_INFO, P2P_DONE])
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class PerfRank:
     achieved_flops: float | None = None
     mfu: float | None = None
     collective_by_role: Mapping[str, float] = field(default_factory=dict)
+    stage: str = ""  # its pipeline stage (`mesh_pp stage 1`); "" where it sends and receives nothing
 
     @property
     def step_seconds(self) -> float:
@@ -78,6 +85,7 @@ def records_from_series(series: Mapping[str, Series]) -> dict[int, PerfRank]:
     phases = _per_rank_and(series.get(PHASES, []), "phase", spec.STEP_PHASES)
     roles = _per_rank_and(series.get(ROLES, []), "role", spec.GROUP_ROLES)
     values = {name: _per_rank(series.get(name, [])) for name in (STEPS, *GAUGES)}
+    stages = stages_from_series(series)
     ranks = set(phases) | set(values[STEPS])
     return {
         rank: PerfRank(
@@ -89,9 +97,35 @@ def records_from_series(series: Mapping[str, Series]) -> dict[int, PerfRank]:
             achieved_flops=values[GAUGES[1]].get(rank),
             mfu=values[GAUGES[2]].get(rank),
             collective_by_role=roles.get(rank, {}),
+            stage=stages.get(rank, ""),
         )
         for rank in sorted(ranks)
     }
+
+
+def stages_from_series(series: Mapping[str, Series]) -> dict[int, str]:
+    """Rank -> its pipeline stage: a rank that sent or received in group G is the stage at its position in G
+    (flare_process_group_info's group_rank); the same position in another group of G's kind (its name
+    without the members' hash: another pipeline) is the same stage. Of several such groups, the first."""
+    positions = {
+        (int(labels["rank"]), labels["group"]): labels.get("group_rank", "")
+        for labels, _ in series.get(GROUP_INFO, [])
+    }
+    stages: dict[int, str] = {}
+    for labels, value in sorted(series.get(P2P_DONE, []), key=lambda item: item[0].get("group", "")):
+        rank, group = int(labels["rank"]), labels.get("group", "")
+        if value > 0 and rank not in stages:
+            kind = group.rsplit("-", 1)[0] if "-" in group else group
+            stages[rank] = f"{kind} stage {positions.get((rank, group)) or rank}"
+    return stages
+
+
+def peer_classes(records: Mapping[int, PerfRank]) -> dict[str, dict[int, PerfRank]]:
+    """The ranks weighed against each other: those of each pipeline stage, and those of no pipeline."""
+    classes: dict[str, dict[int, PerfRank]] = {}
+    for rank, record in records.items():
+        classes.setdefault(record.stage, {})[rank] = record
+    return classes
 
 
 def _per_rank(series: Series) -> dict[int, float]:
@@ -183,13 +217,22 @@ POLICY = BottleneckPolicy()
 def perf_view(
     records: Mapping[int, PerfRank], policy: BottleneckPolicy = POLICY
 ) -> tuple[dict[str, Any], list[str]]:
-    """`flare perf`'s JSON fields and text lines."""
-    lost = seconds_lost(records)
-    least = least_wait(records)
-    pacer = pacer_class(records, policy, least)
-    ranks = [_rank_json(record, policy, lost[rank], least, pacer) for rank, record in records.items()]
-    job = job_record(judged(record, least) for record in records.values())
-    slow = slow_ranks(records, policy)
+    """`flare perf`'s JSON fields and text lines. Each class of peers (peer_classes) is weighed alone."""
+    lost: dict[int, float] = {}
+    rows: dict[int, dict[str, Any]] = {}
+    judged_records: list[PerfRank] = []
+    slow: list[dict[str, Any]] = []
+    for peers in peer_classes(records).values():
+        lost.update(seconds_lost(peers))
+        least = least_wait(peers)
+        pacer = pacer_class(peers, policy, least)
+        for rank, record in peers.items():
+            rows[rank] = _rank_json(record, policy, lost[rank], least, pacer)
+            judged_records.append(judged(record, least))
+        slow += slow_ranks(peers, policy)
+    ranks = [rows[rank] for rank in records]
+    job = job_record(judged_records)
+    slow.sort(key=lambda found: found["rank"])
     result = {
         "policy_version": policy.version,
         "bottleneck": classify(job, policy),
@@ -255,6 +298,7 @@ def _rank_json(
         "achieved_flops": record.achieved_flops,
         "mfu": record.mfu,
         "seconds_lost": round(lost, 6),
+        "stage": record.stage or None,
     }
 
 
@@ -335,7 +379,7 @@ def from_prometheus(
     server: Any, run: str, window: str, timeout: float, now: float
 ) -> tuple[str, dict[int, PerfRank]]:
     """The run and its ranks' records from Prometheus: counters' increase over `window`, gauges' last value.
-    Five queries, whatever the rank count."""
+    Seven queries, whatever the rank count."""
     run = run or the_run(server, window, timeout, now)
     selected = matcher(run)
     gauges = "|".join(GAUGES)
@@ -345,6 +389,10 @@ def from_prometheus(
         ROLES: f"increase({ROLES}{{{selected}}}[{window}])",
         "gauges": f'{{__name__=~"{gauges}",{selected}}}',  # their current values (instant: names kept)
         "flare_rank_info": f"last_over_time(flare_rank_info{{{selected}}}[{window}])",
+        GROUP_INFO: (
+            f"max by (rank, group, group_rank) (last_over_time({GROUP_INFO}{{{selected}}}[{window}]))"
+        ),
+        P2P_DONE: f"max by (rank, group) (increase({P2P_DONE}{{{selected}}}[{window}]))",
     }
     series: dict[str, Series] = {}
     for name, expr in queries.items():

@@ -20,7 +20,8 @@ from .samples import ScrapeError
 from .targets import TargetsError, read_targets
 
 
-def add_arguments(command: argparse.ArgumentParser) -> None:
+def add_source_arguments(command: argparse.ArgumentParser) -> None:
+    """--prometheus or --targets, one of them: where the ranks are (also `flare profile`'s)."""
     source = command.add_mutually_exclusive_group(required=True)
     source.add_argument("--prometheus", metavar="URL", help="Prometheus base URL, e.g. http://localhost:9090")
     source.add_argument(
@@ -28,6 +29,10 @@ def add_arguments(command: argparse.ArgumentParser) -> None:
         metavar="FILE|DIR",
         help="scrape the ranks directly: host:port lines, a file_sd JSON file, or a directory of them",
     )
+
+
+def add_arguments(command: argparse.ArgumentParser) -> None:
+    add_source_arguments(command)
     command.add_argument("--run", default="", help="the run to show (needed when several are seen)")
     command.add_argument("--json", action="store_true", help="print one JSON object for programs")
     command.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape or query (default 5)")

@@ -32,7 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import causes
-from .diagnosis import GroupState, InFlight, RankRecord, Snapshot, Verdict, explain_hang, hung_groups
+from .diagnosis import (
+    GroupState,
+    InFlight,
+    RankRecord,
+    Snapshot,
+    Verdict,
+    explain_hang,
+    hung_groups,
+    point_to_point_verdicts,
+)
 
 TOPOLOGY_DOMAINS = ("host", "switch", "rack")  # the shared fault domains, narrowest first
 
@@ -223,6 +232,8 @@ def _in_flight_at_the_end(run: DeadRun, words: Mapping[int, LastWord]) -> Verdic
         if verdict.kind in ("hang", "mismatch") and verdict.domain == "rank":
             cause = "collective_mismatch" if verdict.kind == "mismatch" else "deadlock"
             return dataclasses.replace(verdict, cause=cause)
+    for verdict in point_to_point_verdicts(snapshot, 0.0, set()):  # a send or receive its peer never met
+        return dataclasses.replace(verdict, cause="deadlock")
     return None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import spec
 from . import diagnosis, wait_for
 from .diagnosis import Snapshot, Verdict
 
@@ -146,6 +147,7 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
         rows.append(
             {
                 "group": name,
+                "role": spec.group_role(name),
                 "members": len(members),
                 "down": [r for r in members if snapshot.ranks[r].gone],
                 "max_issued_seq": top,
@@ -156,7 +158,9 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
                 "p2p_in_flight": _point_to_point_rows(snapshot, name, live),
             }
         )
-    lines = [f"{'group':<36} {'ranks':>5} {'issued':>7} {'completed':>9} {'in flight':>10}  state"]
+    lines = [
+        f"{'group':<36} {'role':<5} {'ranks':>5} {'issued':>7} {'completed':>9} {'in flight':>10}  state"
+    ]
     for row in rows:
         state = "HUNG" if row["hung"] else "ok"
         if row["behind"]:
@@ -164,7 +168,7 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
         if row["down"]:
             state += f", down: {_ranks(row['down'])}"
         lines.append(
-            f"{row['group']:<36} {row['members']:>5} {row['max_issued_seq']:>7} "
+            f"{row['group']:<36} {row['role']:<5} {row['members']:>5} {row['max_issued_seq']:>7} "
             f"{row['min_completed_seq']:>9} {_seconds(row['oldest_in_flight_seconds']):>10}  {state}"
         )
         for flight in row["p2p_in_flight"]:

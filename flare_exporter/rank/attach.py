@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -15,7 +16,7 @@ import torch.distributed
 from prometheus_client import CollectorRegistry
 
 from .. import config as config_module
-from . import file_sd, gpu_health, identity, process_group
+from . import cpp_recorder, file_sd, gpu_health, identity, process_group
 from .canary import Canary
 from .collectors import Collector
 from .collectors.canary import CanaryCollector
@@ -26,12 +27,14 @@ from .collectors.identity import IdentityCollector
 from .collectors.ild import IldCollector
 from .collectors.in_flight import InFlightCollector
 from .collectors.perf import PerfCollector
+from .collectors.profile import ProfileCollector
 from .collectors.progress import ProgressCollector
 from .collectors.stragglers import StragglersCollector
 from .exposition import FlareCollector, MetricsServer, serve
 from .groups import WORLD
 from .incident import IncidentWriter
 from .perf import PerfMonitor, PhaseClock
+from .profiler import Profiler
 from .stall import StallWatcher
 from .state import FlareState
 
@@ -89,6 +92,7 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         ProgressCollector(state),
         StragglersCollector(state),
         PerfCollector(state),
+        ProfileCollector(state),
         GpuHealthCollector(state),
         ExporterCollector(state),
     ]
@@ -159,6 +163,40 @@ def start_perf(state: FlareState) -> None:
     state.windows.step_listeners.append(state.perf.on_step)
 
 
+def make_profiler(state: FlareState) -> Profiler | None:
+    """The profiler, its step hook installed, where the rank was started with `profile: on`; else None."""
+    config = state.config
+    if not config.profile:
+        return None
+    profiler = Profiler(
+        state.health,
+        config.profile_max_steps,
+        config.profile_cooldown_seconds,
+        config.incident_directory,
+        state.identity.run,
+        state.identity.rank,
+        config.profile_keep,
+        config.profile_max_trace_bytes,
+    )
+    profiler.install()
+    return profiler
+
+
+def say_which_recorder(state: FlareState, config: config_module.Config) -> None:
+    """One line on local rank 0: the C++ recorder or the Python hooks record the collectives, and why; where
+    the recorder is not built (a plain `pip install`), its build started in the background for the next
+    launch (config `cpp_recorder_build`)."""
+    if state.identity.local_rank != 0:
+        return
+    built = cpp_recorder.load() is not None
+    started = ""
+    if not built and config.cpp_recorder_build:
+        started = cpp_recorder.build_later()
+    print(
+        cpp_recorder.startup_line(built and config.native_collectives, started), file=sys.stderr, flush=True
+    )
+
+
 def attach(config: config_module.Config | None = None) -> Attachment:
     """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
 
@@ -206,12 +244,14 @@ def attach(config: config_module.Config | None = None) -> Attachment:
             state.groups, state.manager, state.health, config.max_groups, on_group, config.native_collectives
         )
     )
+    say_which_recorder(state, config)
     state.steps.install()
     if state.ild is not None:
         state.ild.install()
     start_perf(state)
     if state.canary is not None:  # its step hook after the step counter's: it reads the step just counted
         state.canary.install()
+    state.profiler = make_profiler(state)
     state.manager.start()
     incidents = IncidentWriter(state)
     incidents.install()
@@ -230,6 +270,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
             config.web_config_file,
             state.health,
             state.scrapes,
+            state.profiler,
         )
         if server is not None and config.file_sd_dir:
             target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)

@@ -12,6 +12,12 @@ directory named after the sources, torch and Python versions, under `FLARE_CPP_R
 `FLARE_OP_TIMER_DIR`; default:
 ~/.cache/flare-exporter), so a new torch needs a new build and never loads a stale one. Without a build the
 exporter uses the dispatch mode, Python hooks and the Python text format.
+
+A plain `pip install` builds nothing. So that it does not silently stay weaker, a launch that finds no build
+starts one in the background (`build_later`, the `cpp_recorder_build` config key): one process per build
+directory on the host (a lock file there), at the lowest CPU priority, for the next launch; this one runs
+the Python hooks and says so in one line (`startup_line`). A build that failed is not tried again: its first
+error line stays beside the lock, and the start-up line quotes it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -133,13 +140,99 @@ def load() -> ModuleType | None:
     return module
 
 
+LOCK_NAME = "building.lock"  # beside the build: the pid of the process building it
+FAILED_NAME = "build-failed.txt"  # beside the build: why the last build failed (its first error line)
+STALE_LOCK_SECONDS = 900  # a lock older than this is a build that died without removing it
+
+
+def build_later(command: list[str] | None = None) -> str:
+    """Start building the recorder in the background for later launches, unless one is under way or failed
+    before; never raises. Returns what happened: `started`, `building` (another process holds the lock),
+    `failed before: <why>`, or `cannot start: <why>`. `command` replaces the build (tests)."""
+    try:
+        directory = build_directory()
+        failed = directory / FAILED_NAME
+        if failed.exists():
+            return f"failed before: {failed.read_text(errors='replace').strip()[:200]}"
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = directory / LOCK_NAME
+        if not _take_lock(lock):
+            return "building"
+        command = command or [sys.executable, "-m", __name__, "--background", str(lock)]
+        subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not the job's: a launcher's signals to the ranks leave it be
+            close_fds=True,
+        )
+        return "started"
+    except Exception as error:  # a launch never fails for the recorder's build
+        return f"cannot start: {error}"
+
+
+def _take_lock(lock: Path) -> bool:
+    """Create `lock` (this process's pid in it) unless another live build holds it."""
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not _stale(lock):
+                return False
+            lock.unlink(missing_ok=True)  # a build that died: take its place
+            continue
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _stale(lock: Path) -> bool:
+    try:
+        return time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+    except FileNotFoundError:
+        return True
+
+
+def _build_in_background(lock: Path) -> int:
+    """The background build (`--background LOCK`): at the lowest priority; its failure written beside the
+    lock; the lock removed at the end either way."""
+    try:
+        os.nice(19)
+        build()
+        return 0
+    except (BuildError, OSError) as error:
+        (lock.parent / FAILED_NAME).write_text(f"{error}\n")
+        return 1
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def startup_line(native: bool, built: str = "") -> str:
+    """The one line a launch says of its recorder: the C++ one, or the Python hooks and why (`built`: what
+    build_later did)."""
+    if native:
+        return f"flare-exporter: collectives recorded in C++ (flare's recorder, {library_path()})"
+    why = load_error or "switched off (native_collectives: false)"
+    line = f"flare-exporter: collectives recorded by Python hooks: the C++ recorder is {why}"
+    if built == "started":
+        line += "; building it in the background for the next launch"
+    elif built:
+        line += f"; its build: {built}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m flare_exporter.rank.cpp_recorder", description=__doc__.split("\n")[0]
     )
-    parser.parse_args(argv)
+    parser.add_argument("--background", metavar="LOCK", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.background:
+        return _build_in_background(Path(args.background))
     try:
         path = build()
     except (BuildError, OSError) as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import json
 import logging
 import ssl
 import sys
@@ -17,7 +18,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cache, lru_cache, partial
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
@@ -298,8 +299,11 @@ def make_app(
     auth: BasicAuth | None = None,
     headers: Mapping[str, str] | None = None,
     scrapes: ScrapeTimes | None = None,
+    profiler: Profiles | None = None,
 ) -> Any:
-    """WSGI app serving only GET /metrics and GET /healthz; nothing on a rank can be triggered over HTTP.
+    """WSGI app serving only GET /metrics and GET /healthz; nothing on a rank can be triggered over HTTP,
+    but a profiler capture where the rank was started with `profile: on` (`profiler`): POST
+    /profile?steps=N arms one, GET /profile says what runs and what the last found (JSON).
 
     With `auth`, every path answers 401 until the request carries a configured user's credentials.
     `headers` are added to every response (a web config's http_server_config.headers). `scrapes`, if given,
@@ -317,6 +321,8 @@ def make_app(
             respond("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Basic")])
             return [b"Unauthorized\n"]
         path = environ.get("PATH_INFO", "")
+        if path == "/profile" and profiler is not None:
+            return _profile_answer(profiler, environ, respond)
         if path not in ("/metrics", "/healthz"):
             respond("404 Not Found", [("Content-Type", "text/plain")])
             return [b"flare-exporter serves /metrics and /healthz only\n"]
@@ -343,6 +349,37 @@ def make_app(
     return app
 
 
+class Profiles(Protocol):
+    """What the endpoint asks of the rank's profiler (rank/profiler.py)."""
+
+    def request(self, steps: int) -> tuple[int, dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+HTTP_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 409: "Conflict", 429: "Too Many Requests"}
+
+
+def _profile_answer(profiler: Profiles, environ: dict, respond: Callable[..., Any]) -> list[bytes]:
+    """POST /profile?steps=N: arm a capture (202) or say why not; GET /profile: its status (200)."""
+    method = environ.get("REQUEST_METHOD", "GET")
+    if method == "GET":
+        status, answer = 200, profiler.status()
+    elif method == "POST":
+        query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+        try:
+            steps = int(query.get("steps", ["1"])[0])
+        except ValueError:
+            status, answer = 400, {"error": "steps must be a whole number"}
+        else:
+            status, answer = profiler.request(steps)
+    else:
+        respond("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, POST")])
+        return [b"/profile answers GET and POST only\n"]
+    respond(f"{status} {HTTP_REASONS.get(status, '')}", [("Content-Type", "application/json")])
+    return [json.dumps(answer).encode() + b"\n"]
+
+
 class MetricsServer:
     """The rank's HTTP(S) endpoint: make_app served by an HttpServer (one thread, asleep until a request)."""
 
@@ -355,12 +392,13 @@ class MetricsServer:
         ssl_context: ssl.SSLContext | None = None,
         health: ExporterHealth | None = None,
         scrapes: ScrapeTimes | None = None,
+        profiler: Profiles | None = None,
     ) -> None:
         self.addr = addr
         self.scheme = "https" if ssl_context is not None else "http"
         self.auth = web.authenticator() if web is not None else None
         self.scrapes = scrapes or ScrapeTimes()
-        app = make_app(registry, self.auth, web.headers if web is not None else None, self.scrapes)
+        app = make_app(registry, self.auth, web.headers if web is not None else None, self.scrapes, profiler)
         self.http = HttpServer(addr, port, app, ssl_context, health)
         self.port = self.http.port
 
@@ -376,6 +414,7 @@ def serve(
     web_config_file: str = "",
     health: ExporterHealth | None = None,
     scrapes: ScrapeTimes | None = None,
+    profiler: Profiles | None = None,
 ) -> MetricsServer | None:
     """Start the endpoint; if it cannot be served as configured, warn once and return None.
 
@@ -391,7 +430,7 @@ def serve(
             log.warning("flare-exporter: %s; rank %d serves no metrics, training continues", error, rank)
             return None
     try:
-        return MetricsServer(registry, addr, port, web, context, health, scrapes)
+        return MetricsServer(registry, addr, port, web, context, health, scrapes, profiler)
     except (OSError, OverflowError) as error:  # OverflowError: a port beyond 65535 (base port + local rank)
         if isinstance(error, OverflowError):
             reason = "is not a valid port"

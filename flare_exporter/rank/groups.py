@@ -10,19 +10,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..spec import POINT_TO_POINT_OPS
+from ..spec import POINT_TO_POINT_OPS, group_role
 from .exporter_health import ExporterHealth
 from .timing import CollectiveRecord, TimingBackend
 
 WORLD = "world"
-
-_ROLE_WORDS = {
-    "dp": "dp", "data": "dp", "fsdp": "dp", "replicate": "dp", "shard": "dp",
-    "tp": "tp", "tensor": "tp",
-    "pp": "pp", "pipeline": "pp",
-    "ep": "ep", "expert": "ep", "moe": "ep",
-    "cp": "cp", "context": "cp",
-}  # fmt: skip
+__all__ = ["WORLD", "GroupTracker", "group_name", "group_role", "payload_bytes"]
 
 
 def group_name(description: str, global_ranks: Sequence[int]) -> str:
@@ -38,16 +31,6 @@ def group_name(description: str, global_ranks: Sequence[int]) -> str:
     if not words or words == "undefined":
         words = "group"
     return f"{words}-{digest}"
-
-
-def group_role(name: str) -> str:
-    """dp/tp/pp/ep/cp when the group's description says so, `world` for the world, else `other`."""
-    if name == WORLD:
-        return WORLD
-    for word in re.split(r"[^a-z]+", name.split("-")[0].lower()):
-        if word in _ROLE_WORDS:
-            return _ROLE_WORDS[word]
-    return "other"
 
 
 def payload_bytes(tensors: Any) -> int:
@@ -73,8 +56,10 @@ class GroupTracker:
         health: ExporterHealth,
         max_pending: int = 65536,
         global_ranks: Sequence[int] = (),
+        group_rank: int = 0,
     ) -> None:
         self.name = name
+        self.group_rank = group_rank  # this rank's rank in the group
         self.global_ranks = tuple(global_ranks)  # group rank -> global rank (empty: the same)
         self.role = group_role(name)
         self.size = size

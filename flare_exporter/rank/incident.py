@@ -168,8 +168,39 @@ def _groups_document(state: Any, now_perf: float) -> dict[str, Any]:
             "last_issued_seq": group.last_issued_seq,
             "last_completed_seq": group.last_completed_seq,
             "in_flight": in_flight_document(group.in_flight, now_perf),
+            "p2p": _point_to_point_document(state, group),
         }
         for group in list(state.groups.values())
+    }
+
+
+def _point_to_point_document(state: Any, group: Any) -> dict[str, Any] | None:
+    """The group's sends and receives: [direction, peer, count] issued and completed per peer, and the
+    oldest in flight (the wait-for graph's edges, post-mortem); None where it made none."""
+    flights = list(group.p2p_in_flight)
+    completed = {
+        (direction, peer): counts.completed
+        for (name, peer, direction), counts in list(state.manager.point_to_point.peers.items())
+        if name == group.name
+    }
+    if not flights and not completed:
+        return None
+    issued = dict(completed)
+    for record in flights:
+        key = (spec.point_to_point_direction(record.op), record.peer)
+        issued[key] = issued.get(key, 0) + 1
+    oldest = flights[0] if flights else None
+    return {
+        "issued": [[direction, peer, count] for (direction, peer), count in sorted(issued.items())],
+        "completed": [[direction, peer, count] for (direction, peer), count in sorted(completed.items())],
+        "in_flight": None
+        if oldest is None
+        else {
+            "direction": spec.point_to_point_direction(oldest.op),
+            "peer": oldest.peer,
+            "bytes": oldest.nbytes,
+            "issued_timestamp_seconds": round(progress.wall_time(oldest.issued_at), 6),
+        },
     }
 
 

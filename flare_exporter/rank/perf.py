@@ -316,8 +316,10 @@ class PerfMonitor:
             if self.clock is not None and step > self._newest_mark:
                 return  # its end's mark is not there yet: the hook after the step counter's has not run
             self._pending.popleft()
-            collective = self._account(step, step_seconds, exposed)
-            self._account_roles(by_role, exposed, collective)
+            bubble = by_role.get(spec.P2P_ROLE, 0.0)  # waits in sends and receives: the bubble phase
+            roles = {role: seconds for role, seconds in by_role.items() if role != spec.P2P_ROLE}
+            collective = self._account(step, step_seconds, exposed - bubble, bubble)
+            self._account_roles(roles, exposed - bubble, collective)
 
     def _take_marks(self) -> None:
         if self.clock is None:
@@ -330,21 +332,24 @@ class PerfMonitor:
         for old in [step for step in self._marks if step < self._newest_mark - STEP_MARKS_KEPT]:
             del self._marks[old]
 
-    def _account(self, step: int, step_seconds: float, exposed: float) -> float:
-        """Add the step's seconds per phase; its collective phase's seconds."""
+    def _account(self, step: int, step_seconds: float, exposed: float, bubble: float = 0.0) -> float:
+        """Add the step's seconds per phase (`exposed`: its collective waits, `bubble`: its waits in sends
+        and receives); its collective phase's seconds."""
         end, start = self._marks.get(step), self._marks.pop(step - 1, None)  # step's end: the next's start
         data = optimizer = 0.0
         gaps: float | None = None  # the step's host gaps outside data and optimizer, if a window covered it
         if end is not None and start is not None:
             data, optimizer = max(0.0, end.data - start.data), max(0.0, end.optimizer - start.optimizer)
             gaps = step_gaps(start, end)
-        collective = min(exposed, max(0.0, step_seconds - data - optimizer))
-        rest = max(0.0, step_seconds - data - optimizer - collective)
+        waits = min(exposed + bubble, max(0.0, step_seconds - data - optimizer))
+        collective = waits * exposed / (exposed + bubble) if exposed + bubble > 0 else 0.0
+        rest = max(0.0, step_seconds - data - optimizer - waits)
         host = self._host(gaps, rest, measuring=end is not None and end.windows >= 0)
         seconds = dict(self.phase_seconds)
         seconds["data"] += data
         seconds["optimizer"] += optimizer
         seconds["collective"] += collective
+        seconds["bubble"] += waits - collective
         seconds["host"] += host
         seconds["compute"] += rest - host
         self.phase_seconds = seconds

@@ -228,6 +228,7 @@ class Wrapping:
                 self.health,
                 self.manager.queue_size,
                 global_ranks=list(options.global_ranks_in_group),
+                group_rank=options.group_rank,
             )
             if isinstance(timing, NativeTiming):
                 wrapper = timing.wrap(inner)  # a c10d Backend: torch registers it for the CPU

@@ -14,6 +14,7 @@ from .identity import RankIdentity
 from .ild import IldState
 from .last_word import RaisedException, ScrapeTimes, Termination
 from .perf import PerfMonitor
+from .profiler import Profiler
 from .progress import StepTracker
 from .stall import StackSample
 from .straggler_windows import StepWindows
@@ -39,6 +40,7 @@ class FlareState:
     ild: IldState | None = None  # issue-latency distributions and their samplers
     canary: Canary | None = None  # the hardware canary (None: canary off)
     perf: PerfMonitor | None = None  # where the step time goes, MFU (None: perf off)
+    profiler: Profiler | None = None  # captures of a few steps (None: profile off)
 
     @classmethod
     def create(cls, config: Config, identity: RankIdentity) -> FlareState:

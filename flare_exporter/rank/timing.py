@@ -343,6 +343,7 @@ class TimingManager:
             self.point_to_point.add(
                 record.group.name, record.op, record.peer, record.nbytes, record.duration or 0.0
             )
+            self.finished.append((record.issued_at, record.duration or 0.0, spec.P2P_ROLE))  # the bubble
             return
         self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
 
@@ -526,7 +527,8 @@ class NativeTiming(TimingBackend):
                     break
         role = group.role
         windowed = completed if followed < 0 else completed[:followed] + completed[followed + 1 :]
-        manager.finished.extend([(done[0], done[1], role) for done in windowed])
+        p2p_ops, p2p_role = spec.POINT_TO_POINT_OPS, spec.P2P_ROLE  # a send's or receive's wait: the bubble
+        manager.finished.extend([(d[0], d[1], p2p_role if d[2] in p2p_ops else role) for d in windowed])
         manager.account_counted(group, counted)
         self._take_point_to_point(group, completed, point_to_point)
         if oldest is not None and oldest[2:] != seen:

@@ -101,8 +101,8 @@ def _phases_and_bottlenecks() -> Row:
         bargauge(
             "Ranks per bottleneck class",
             "How many of the selected ranks are in each bottleneck class (the flare.perf rules, the "
-            "thresholds of `flare perf`): input_bound, communication_bound, transfer_bound, launch_bound "
-            "where that phase takes its share of the step, else compute_bound.",
+            "thresholds of `flare perf`): input_bound, communication_bound, bubble_bound, transfer_bound, "
+            "launch_bound where that phase takes its share of the step, else compute_bound.",
             f"count by (bottleneck) ({BOTTLENECK}{RECORDED_RANKS})",
             "{{bottleneck}}",
             width=4,

@@ -38,7 +38,8 @@ class IdentityCollector:
         group_info = families.new("flare_process_group_info")
         for tracker in list(self.state.groups.values()):
             size, recorder = str(tracker.size), tracker.timing.recorder
-            group_info.add_metric(families.labels(tracker.name, tracker.role, size, recorder), 1)
+            position = str(tracker.group_rank)
+            group_info.add_metric(families.labels(tracker.name, tracker.role, size, recorder, position), 1)
         build_info = families.new("flare_exporter_build_info")
         torch_version = getattr(sys.modules.get("torch"), "__version__", "")
         build_info.add_metric(families.labels(*build_values(str(torch_version), cpp_recorder_loaded())), 1)

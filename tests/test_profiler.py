@@ -1,0 +1,180 @@
+"""The profiler: its capture mechanics (rank/profiler.py), its endpoint, and `flare profile` on real ranks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import flare_json
+
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
+from flare_exporter.rank.exporter_health import ExporterHealth
+from flare_exporter.rank.exposition import make_app
+from flare_exporter.rank.profiler import Profiler
+from flare_exporter.rank.web_config import BasicAuth
+
+
+class Recorded:
+    """A reducer that keeps what it was given: the trace's step markers, and the steps asked for."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.seen: list[tuple[list[str], int, str]] = []
+
+    def __call__(self, trace: dict, steps: int) -> tuple[dict, str, dict]:
+        names = [event.get("name", "") for event in trace.get("traceEvents", [])]
+        marks = sorted({name for name in names if name.startswith("ProfilerStep#")})
+        self.seen.append((marks, steps, threading.current_thread().name))
+        if self.fail:
+            raise ValueError("a trace it cannot read")
+        return {"steps": steps, "step_seconds": 0.01, "shares": {"compute": 0.9}}, "compute_bound", {"why": 1}
+
+
+def profiler(tmp_path, reducer: Any, cooldown: float = 0.0, keep: int = 1) -> Profiler:
+    found = Profiler(ExporterHealth(), 5, cooldown, str(tmp_path), "run-1", 3, keep=keep, reducer=reducer)
+    found.install()
+    return found
+
+
+def train(steps: int) -> None:
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().sum().backward()
+        optimizer.step()
+
+
+def ended(found: Profiler) -> dict:
+    return wait_for(lambda: found.status()["last"], 30, "the capture to end")
+
+
+def test_a_capture_runs_from_one_step_boundary_to_another_and_is_reduced_off_the_training_thread(tmp_path):
+    reducer = Recorded()
+    found = profiler(tmp_path, reducer)
+    try:
+        train(2)  # nothing armed: nothing captured
+        assert reducer.seen == [] and found.status()["last"] is None
+        assert found.request(3) == (202, {"capture": found.status()["running"]})
+        train(5)
+        last = ended(found)
+    finally:
+        found.uninstall()
+    [(marks, steps, thread)] = reducer.seen
+    assert steps == 3 and thread == "flare-profile" and thread != threading.current_thread().name
+    assert marks == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]  # the boundaries of 3 steps
+    assert (last["state"], last["bottleneck"], last["steps"]) == ("captured", "compute_bound", 3)
+    summary = tmp_path / "profiles" / "run-1-rank3-capture1.summary.json"
+    assert json.loads(summary.read_text())["step_seconds"] == 0.01
+    assert last["trace_path"].endswith("run-1-rank3-capture1.trace.json")
+    assert "ProfilerStep#1" in open(last["trace_path"]).read()  # the raw trace kept, whole
+    assert found.outcomes == {"captured": 1, "failed": 0}
+
+
+def test_one_capture_at_a_time_then_a_cooldown_and_bad_step_counts_are_refused(tmp_path):
+    found = profiler(tmp_path, Recorded(), cooldown=60.0)
+    try:
+        assert found.request(0)[0] == 400 and found.request(6)[0] == 400  # 1 to profile_max_steps (5)
+        assert found.request(1)[0] == 202
+        status, answer = found.request(1)
+        assert status == 409 and answer["error"] == "a capture is running"
+        train(3)
+        ended(found)
+        status, answer = found.request(1)
+        assert status == 429 and 0 < answer["retry_after"] <= 60
+        assert found.refused == 2
+    finally:
+        found.uninstall()
+
+
+def test_a_failed_reduction_ends_the_capture_as_failed_and_training_goes_on(tmp_path):
+    found = profiler(tmp_path, Recorded(fail=True))
+    try:
+        found.request(2)
+        train(4)
+        last = ended(found)
+        train(2)  # the hook stays quiet after a failure
+    finally:
+        found.uninstall()
+    assert last["state"] == "failed" and "a trace it cannot read" in last["error"]
+    assert found.outcomes == {"captured": 0, "failed": 1} and found.health.errors["profiler"] == 1
+
+
+def test_only_the_newest_raw_traces_are_kept(tmp_path):
+    found = profiler(tmp_path, Recorded(), keep=1)
+    try:
+        for capture in (1, 2):
+            found.request(1)
+            train(2)
+            wait_for(
+                lambda n=capture: (found.status()["last"] or {}).get("id") == n, 30, f"capture {capture}"
+            )
+    finally:
+        found.uninstall()
+    traces = sorted(path.name for path in (tmp_path / "profiles").glob("*.trace.json"))
+    summaries = sorted(path.name for path in (tmp_path / "profiles").glob("*.summary.json"))
+    assert traces == ["run-1-rank3-capture2.trace.json"] and len(summaries) == 2
+
+
+def call(app: Any, method: str, path: str, query: str = "", authorization: str = "") -> tuple[str, Any]:
+    answer: dict[str, Any] = {}
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}
+    if authorization:
+        environ["HTTP_AUTHORIZATION"] = authorization
+    body = b"".join(app(environ, lambda status, headers: answer.update(status=status)))
+    try:
+        return answer["status"], json.loads(body)
+    except ValueError:
+        return answer["status"], body
+
+
+def test_the_endpoint_arms_and_reports_captures_only_where_profiling_is_on(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    found = profiler(tmp_path, Recorded())
+    try:
+        app = make_app(CollectorRegistry(), profiler=found)
+        assert call(app, "POST", "/profile", "steps=x")[0].startswith("400")
+        status, answer = call(app, "POST", "/profile", "steps=2")
+        assert status == "202 Accepted" and answer["capture"]["state"] == "armed"
+        status, answer = call(app, "GET", "/profile")
+        assert status == "200 OK" and answer["running"]["steps"] == 2
+        assert call(app, "DELETE", "/profile")[0].startswith("405")
+    finally:
+        found.uninstall()
+    assert call(make_app(CollectorRegistry()), "POST", "/profile", "steps=2")[0].startswith("404")
+    secured = make_app(CollectorRegistry(), BasicAuth({"u": b"$2b$04$" + b"x" * 53}), profiler=found)
+    assert call(secured, "POST", "/profile", "steps=2")[0].startswith("401")
+
+
+@pytest.mark.multirank
+def test_flare_profile_captures_chosen_ranks_of_a_real_job_and_is_refused_where_profiling_is_off(tmp_path):
+    args = ["--steps", "100000", "--step-seconds", "0.02"]
+    env = {"FLARE_PROFILE": "1", "FLARE_PROFILE_COOLDOWN_SECONDS": "0"}
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    with ObservedJob(str(tmp_path / "on"), train_ddp.__file__, args, 4, "profiled", env=env) as job:
+        wait_for(lambda: len(list((tmp_path / "on" / "targets").glob("*.json"))) == 4, 60, "the targets")
+        targets = str(tmp_path / "on" / "targets")
+        started = time.monotonic()
+        code, report = flare_json("profile", "--targets", targets, "--ranks", "1,2", "--steps", "3")
+        assert code == 0, report
+        assert [row["rank"] for row in report["ranks"]] == [1, 2]
+        for row in report["ranks"]:
+            assert row["steps"] == 3 and row["bottleneck"] and row["evidence"]
+            assert 0 < row["summary_bytes"] < 16 * 1024
+        assert time.monotonic() - started < 60
+        code, again = flare_json("profile", "--targets", targets, "--ranks", "1", "--steps", "100")
+        assert code == 2 and "steps" in again["ranks"][0]["error"]  # beyond profile_max_steps
+    with ObservedJob(str(tmp_path / "off"), train_ddp.__file__, args, 2, "plain") as job:
+        wait_for(lambda: len(list((tmp_path / "off" / "targets").glob("*.json"))) == 2, 60, "the targets")
+        code, report = flare_json("profile", "--targets", str(tmp_path / "off" / "targets"), "--steps", "2")
+        assert code == 2 and {row["state"] for row in report["ranks"]} == {"refused"}
+        assert "profiling is off" in report["ranks"][0]["error"]
+        job.release()
