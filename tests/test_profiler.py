@@ -170,6 +170,11 @@ def test_flare_profile_captures_chosen_ranks_of_a_real_job_and_is_refused_where_
             assert row["steps"] == 3 and row["bottleneck"] and row["evidence"]
             assert 0 < row["summary_bytes"] < 16 * 1024
         assert time.monotonic() - started < 60
+        code, compared = flare_json(
+            "profile", "--targets", targets, "--ranks", "0,3", "--steps", "2", "--compare"
+        )
+        assert code == 0 and 0 < len(compared["compare"]) <= 10
+        assert {"name", "a_seconds", "b_seconds", "difference_seconds"} <= set(compared["compare"][0])
         code, again = flare_json("profile", "--targets", targets, "--ranks", "1", "--steps", "100")
         assert code == 2 and "steps" in again["ranks"][0]["error"]  # beyond profile_max_steps
     with ObservedJob(str(tmp_path / "off"), train_ddp.__file__, args, 2, "plain") as job:

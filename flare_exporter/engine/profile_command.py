@@ -1,13 +1,14 @@
 """`flare profile`: ask ranks' exporters for a capture of a few steps, wait for it, print each rank's verdict.
 
     flare profile (--targets FILE|DIR | --prometheus URL) [--ranks 3,5] [--steps 3] [--run RUN]
-                  [--wait 120] [--json]
+                  [--wait 120] [--compare] [--json]
 
 Each rank named (every rank found where --ranks is not given, up to MAX_RANKS) is asked over HTTP (POST
 /profile?steps=N, with the ranks' TLS and basic auth where they have them); it captures N optimizer steps
 from a step boundary on and reduces them on its node (rank/profiler.py). The command then reads each
 rank's GET /profile until its capture ended or --wait passed. A rank started without `profile: on` has no
 such endpoint: it refuses (404), as does a rank already capturing (409) or in its cooldown (429).
+With --compare and two ranks, the ops or kernels whose time per step differs most between their captures.
 
 Exit codes: 0 every rank asked captured; 1 a capture failed on the rank; 2 a rank refused (or a usage
 error); 3 no rank answered.
@@ -23,6 +24,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from ..rank.profile_summary import compare
 from . import promql, scrape
 from .perf_command import add_source_arguments
 from .prometheus_source import matcher, the_run
@@ -53,6 +55,9 @@ def add_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
     command.add_argument(
         "--wait", type=float, default=120.0, help="seconds to wait for the captures to end (default 120)"
+    )
+    command.add_argument(
+        "--compare", action="store_true", help="two ranks: the ops whose time per step differs most"
     )
 
 
@@ -120,8 +125,18 @@ def answer(args: argparse.Namespace, connection: Any, client: Client) -> tuple[i
         else:
             rows[rank] = {"rank": rank, "state": "refused", "status": status, "error": _why(status, reply)}
     rows.update(_await(client, found, armed, args))
-    result = {"run": run, "steps": args.steps, "ranks": [rows[rank] for rank in sorted(rows)]}
+    result: dict[str, Any] = {"run": run, "steps": args.steps, "ranks": [rows[rank] for rank in sorted(rows)]}
+    if args.compare:
+        result["compare"] = _compared(result["ranks"])
     return _exit_code(result["ranks"]), result, _text(result)
+
+
+def _compared(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The two ranks' captures side by side (profile_summary.compare); ProfileError unless two captured."""
+    captured = [row for row in rows if row["state"] == "captured"]
+    if len(rows) != 2 or len(captured) != 2:
+        raise ProfileError(EXIT_REFUSED, "flag --compare: name two ranks (--ranks A,B) that both capture")
+    return compare(captured[0]["summary"], captured[1]["summary"])
 
 
 def _await(
@@ -215,4 +230,10 @@ def _text(result: Mapping[str, Any]) -> str:
                 lines.append(f"  {key}: {value}")
         else:
             lines.append(f"rank {row['rank']}: {row['state']}: {row.get('error', '')}")
+    for row in result.get("compare", []):
+        seconds = (
+            f"{value * 1000:.3f}ms" if value is not None else "-"
+            for value in (row["a_seconds"], row["b_seconds"])
+        )
+        lines.append(f"  {row['name']}: {' vs '.join(seconds)} ({row['difference_seconds'] * 1000:+.3f}ms)")
     return "\n".join(lines) + "\n"
