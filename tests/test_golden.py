@@ -49,7 +49,7 @@ def fixed_state() -> FlareState:
         switch="leaf-07",
         rack="r12",
     )
-    state = FlareState.create(Config(), identity)
+    state = FlareState.create(Config(profile=True), identity)
     for name, size in (("world", 8), ("data_parallel-0a1b2c3d", 2)):
         tracker = GroupTracker(name, size, "gloo", FutureTiming(state.manager), state.health)
         state.groups[name] = tracker

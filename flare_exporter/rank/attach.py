@@ -92,12 +92,13 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         ProgressCollector(state),
         StragglersCollector(state),
         PerfCollector(state),
-        ProfileCollector(state),
         GpuHealthCollector(state),
         ExporterCollector(state),
     ]
     if state.canary is not None:  # the canary on: its series, and its collector's meta-metrics
         collectors.insert(-1, CanaryCollector(state))
+    if state.config.profile:  # the profiler on: its captures (off, a scrape collects nothing of it)
+        collectors.insert(-1, ProfileCollector(state))
     # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
     # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
     # close. The collectors read what the drain left. Before it, the scrape waits for the rank's next

@@ -47,9 +47,12 @@ class CollectivesCollector:
         """Per (group, peer, direction): issued (completed + in flight), completed, bytes; per (group,
         direction): durations; per group: the oldest send or receive in flight."""
         stats = self.state.manager.point_to_point
+        trackers = list(self.state.groups.values())
+        if not stats.peers and not any(tracker.p2p_in_flight for tracker in trackers):
+            return []  # a rank that never sent or received (DDP, FSDP): no families to build
         in_flight: dict[tuple[str, int, str], int] = {}
         oldest = []
-        for tracker in list(self.state.groups.values()):
+        for tracker in trackers:
             flights = list(tracker.p2p_in_flight)
             for record in flights:
                 key = (tracker.name, record.peer, spec.point_to_point_direction(record.op))
