@@ -346,8 +346,16 @@ def test_warn_trains_on_and_the_metrics_name_the_throttled_rank(tmp_path, thrott
         )
         assert relative < 0.5
         samples = wait_for(lambda: trained(job.targets), 240, "training to finish")
-        for target in job.targets:  # in flight twice, after steps 10 and 20, on every rank
-            assert scrape.value(samples[target], "flare_canary_runs_total", phase="in_flight") == 2
+
+        def in_flight_runs() -> list[float | None]:  # the run after step 20 ends a moment after the step
+            answers = scraped(job.targets) or samples
+            runs = [
+                scrape.value(answers[t], "flare_canary_runs_total", phase="in_flight") for t in job.targets
+            ]
+            return runs if runs == [2] * RANKS else []
+
+        # in flight twice, after steps 10 and 20, on every rank (a third would fail this wait too)
+        assert wait_for(in_flight_runs, 60, "every rank's two in-flight canary runs") == [2] * RANKS
         # `flare diagnose` names it for its compute before the first step, and no other rank's preflight
         code, report = flare_json("diagnose", "--targets", job.file_sd_dir)
         assert code == cli.EXIT_ANOMALY, report

@@ -6,7 +6,7 @@ and 1F1B over 4 stages), FSDP2, FSDP2 with tensor parallel on a 2x2 DeviceMesh, 
 hooks (`FLARE_NATIVE_COLLECTIVES=0`, what a plain `pip install` without the extension gives). One job per
 program and path: healthy for its first steps (no verdict, and its communication seen where it happens),
 then a rank stuck in its own code, named from the ranks (`--targets`), from Prometheus and in the page.
-The pipeline also deadlocks, loses a rank (SIGKILL) and freezes one (SIGSTOP).
+Each also loses a rank (SIGKILL) and freezes one (SIGSTOP), and the pipeline deadlocks.
 """
 
 from __future__ import annotations
@@ -241,12 +241,12 @@ def test_a_pipeline_deadlock_is_a_cycle_of_exactly_its_ranks(shared):
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_pipeline_stage_killed_or_frozen_is_named_down(shared, fault):
+@pytest.mark.parametrize("program", sorted(JOBS))
+def test_a_rank_killed_or_frozen_is_named_down(shared, program, fault):
     work, targets, stack = shared
-    run = f"pipeline-{fault}"
-    with start(
-        work, targets, run, "pipeline_train.py", ["--steps", "100000", "--step-seconds", "0.05"], {}
-    ) as job:
+    script, args, _ = JOBS[program]
+    run = f"{program}-{fault}"
+    with start(work, targets, run, script, [*args, "--steps", "100000", "--step-seconds", "0.05"], {}) as job:
         every_rank(job, 5)
         if stack is not None:
             expr = f'flare_steps_total{{run="{run}"}} >= 5'
