@@ -8,9 +8,11 @@ that a hang shows within seconds; the incident files must survive the job's tear
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -244,12 +246,18 @@ def test_two_ranks_of_one_host_failing_together(shared):
             assert ranks <= {"2", "3"}, ranks
 
 
+def began(alert: dict) -> float:
+    """When Alertmanager says an alert began firing (Unix time)."""
+    return datetime.datetime.fromisoformat(alert["startsAt"].replace("Z", "+00:00")).timestamp()
+
+
 def test_healthy_run_has_no_verdict_from_start_to_end(shared):
     work, targets, prometheus, pages = shared
     steps = 150
     job = start_job(work, targets, "healthy", "--steps", str(steps))  # the later --steps wins
     with job:
         await_steps(job, 1, prometheus)
+        every_rank_seen = time.time()
         reports = []
 
         def finished() -> bool:
@@ -264,7 +272,16 @@ def test_healthy_run_has_no_verdict_from_start_to_end(shared):
 
         wait_for(finished, 180, "the healthy run to finish")
         if pages is not None:  # no page while it trained
-            assert pages_without_stragglers(pages.alerts(run="healthy")) == []
+            # ranks that start seconds apart on a loaded machine are missing until the last starts: with
+            # this stack's `for: 5s` (production's is 1m), a page that began before every rank was seen
+            paged = [
+                alert
+                for alert in pages_without_stragglers(pages.alerts(run="healthy"))
+                if not (
+                    alert["labels"]["alertname"] == "FlareRanksMissing" and began(alert) < every_rank_seen
+                )
+            ]
+            assert paged == []
         job.release()
         assert job.wait(timeout=60) == [0] * RANKS
     assert len(reports) >= 4
