@@ -7,7 +7,6 @@ labels `rank` and `run` (`COMMON_LABELS`), which are not repeated per metric.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from .causes import EXCEPTION_CAUSES
@@ -110,27 +109,6 @@ def peer_label(peer: int) -> str:
 
 
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
-# Words of a group's description (a DeviceMesh dimension's name: mesh_dp, mesh_tp; Megatron's and
-# torchtitan's) and the role each says; a group is named `<words>-<hash>` (rank/groups.group_name).
-_ROLE_WORDS = {
-    "dp": "dp", "data": "dp", "fsdp": "dp", "replicate": "dp", "shard": "dp",
-    "tp": "tp", "tensor": "tp",
-    "pp": "pp", "pipeline": "pp",
-    "ep": "ep", "expert": "ep", "moe": "ep",
-    "cp": "cp", "context": "cp",
-}  # fmt: skip
-
-
-def group_role(name: str) -> str:
-    """dp/tp/pp/ep/cp when the group's description says so, `world` for the world, else `other`."""
-    if name == "world":
-        return "world"
-    for word in re.split(r"[^a-z]+", name.split("-")[0].lower()):
-        if word in _ROLE_WORDS:
-            return _ROLE_WORDS[word]
-    return "other"
-
-
 # The group label of collectives the native shim (cuda_hooks/) saw: NCCL calls carry no group name. They are
 # the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
 NATIVE_GROUP = "native"

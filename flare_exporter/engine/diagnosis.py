@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from ..group_roles import group_role
 from ..policies import IldPolicy, StragglerPolicy
-from ..spec import GPU_SLOWDOWN_REASONS, group_role
+from ..spec import GPU_SLOWDOWN_REASONS
 from .canary import CanaryState, canary_faults
 from .canary import evidence as canary_evidence
 from .canary import summary as canary_summary
@@ -671,7 +672,7 @@ def _held_up_verdict(snapshot: Snapshot, graph: WaitGraph, culprit: int) -> Verd
     evidence = {
         "wait_for": [edge.to_json(snapshot.now) for edge in edges],
         "groups": groups,
-        "roles": {name: group_role(name) for name in groups},
+        "roles": roles_of(groups),
         "held_up": held_up,
         "culprits": {str(culprit): _rank_evidence(snapshot, culprit)},
     }
@@ -698,7 +699,7 @@ def _deadlock_verdict(snapshot: Snapshot, graph: WaitGraph, cycle: tuple[int, ..
         "cycle": list(cycle),
         "wait_for": [edge.to_json(snapshot.now) for edge in edges],
         "groups": groups,
-        "roles": {name: group_role(name) for name in groups},
+        "roles": roles_of(groups),
         "held_up": held_up,
         "culprits": {str(rank): _rank_evidence(snapshot, rank) for rank in cycle},
     }
@@ -731,7 +732,7 @@ def one_verdict_per_culprit(snapshot: Snapshot, verdicts: list[Verdict]) -> list
         if _reach(snapshot, verdict) > _reach(snapshot, kept):
             kept, verdict = verdict, kept
         groups = sorted({*_groups_of(kept), *_groups_of(verdict)})
-        evidence = {**kept.evidence, "groups": groups, "roles": {name: group_role(name) for name in groups}}
+        evidence = {**kept.evidence, "groups": groups, "roles": roles_of(groups)}
         evidence["also"] = [*kept.evidence.get("also", []), {"group": verdict.group, **verdict.evidence}]
         summary = kept.summary.split("; it holds up groups ")[0] + f"; it holds up groups {', '.join(groups)}"
         cause = kept.cause if kept.cause != "unknown" else verdict.cause
@@ -742,6 +743,11 @@ def one_verdict_per_culprit(snapshot: Snapshot, verdicts: list[Verdict]) -> list
 def _reach(snapshot: Snapshot, verdict: Verdict) -> tuple[int, int]:
     """How much a hang verdict explains: its group's members, then the hops of its chain."""
     return len(members_of(snapshot, verdict.group or "")), len(verdict.evidence.get("chain") or ())
+
+
+def roles_of(groups: Iterable[str]) -> dict[str, str]:
+    """Each group's role (dp, tp, pp, ...: a DeviceMesh dimension's name), as evidence lists it."""
+    return {name: group_role(name) for name in groups}
 
 
 def _groups_of(verdict: Verdict) -> list[str]:

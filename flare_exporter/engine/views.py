@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import spec
+from ..group_roles import group_role
 from . import diagnosis, wait_for
 from .diagnosis import Snapshot, Verdict
 
@@ -147,7 +147,7 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
         rows.append(
             {
                 "group": name,
-                "role": spec.group_role(name),
+                "role": group_role(name),
                 "members": len(members),
                 "down": [r for r in members if snapshot.ranks[r].gone],
                 "max_issued_seq": top,

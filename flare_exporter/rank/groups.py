@@ -10,7 +10,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..spec import POINT_TO_POINT_OPS, group_role
+from ..group_roles import group_role
+from ..spec import POINT_TO_POINT_OPS
 from .exporter_health import ExporterHealth
 from .timing import CollectiveRecord, TimingBackend
 

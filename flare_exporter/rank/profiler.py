@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .. import spec
 from .atomic_files import file_name_part, write_json_atomically
 from .exporter_health import ExporterHealth
 
 PROFILES_SUBDIRECTORY = "profiles"
-OUTCOMES = ("captured", "failed")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Profiler:
         self.keep = keep
         self.max_trace_bytes = max_trace_bytes
         self.reducer = reducer
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.outcomes = dict.fromkeys(spec.PROFILE_OUTCOMES, 0)
         self.refused = 0
         self.running: Capture | None = None
         self.last: Capture | None = None
