@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from conftest import torch_extension
+from test_recording_backend import on_both
 
 from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import ObservedJob
@@ -194,27 +193,6 @@ def test_every_functional_collective_is_issued_by_a_case_of_the_program():
 
 
 # --- FlareProcessGroup on a real gloo pair in this process: a thread per rank ---
-
-
-def on_both(call: Callable[[int], Any]) -> list[Any]:
-    """call(rank) for ranks 0 and 1 at once, each on its own thread; their results, or the first error."""
-    results: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = call(rank)
-        except BaseException as error:  # handed to the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def hooked_pair() -> tuple[list[FlareProcessGroup], list[GroupTracker], TimingManager]:
