@@ -310,15 +310,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "flare_p2p_in_flight_started_timestamp_seconds",
         GAUGE,
         "seconds",
-        "Unix time the group's oldest unfinished send or receive was issued, with its peer and direction.",
+        "Unix time the oldest unfinished send or receive to or from the peer was issued, per direction.",
         ("group", "peer", "direction"),
-        detail="Absent when no send or receive is in flight in the group.",
+        detail="Absent when no send or receive to or from the peer is in flight in the group.",
     ),
     MetricSpec(
         "flare_p2p_in_flight_bytes",
         GAUGE,
         "bytes",
-        "Payload of the group's oldest unfinished send or receive.",
+        "Payload of the oldest unfinished send or receive to or from the peer, per direction.",
         ("group", "peer", "direction"),
     ),
     MetricSpec(

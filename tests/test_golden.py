@@ -66,7 +66,10 @@ def fixed_state() -> FlareState:
         record = CollectiveRecord(world, op, 2048, 0, 0.0, peer)
         record.duration = duration
         state.manager.complete(record)
-    world.p2p_pending.append(CollectiveRecord(world, "recv", 2048, 0, 1_700_000_000.375, 2))
+    # in flight, oldest first: a send to 4 (waited for at the end of the step), then two receives from 2; the
+    # oldest per peer and direction is exposed: the send and the first receive
+    for op, issued_at, peer in (("send", 0.125, 4), ("recv", 0.375, 2), ("recv", 0.5, 2)):
+        world.p2p_pending.append(CollectiveRecord(world, op, 2048, 0, 1_700_000_000 + issued_at, peer))
     state.manager.drain()
     state.profiler = Profiler(state.health, 5, 0.0, "", "golden", 3)
     state.profiler.outcomes.update(captured=2, failed=1)

@@ -475,3 +475,32 @@ def test_a_rank_that_ends_normally_says_so(tmp_path):
     document = json.loads((targets / "incidents" / "exit-rank0.json").read_text())
     assert (document["reason"], document["exit_code"]) == ("exit", 0)
     assert document["exception"] is None and document["terminated"] is None
+
+
+def test_sends_and_receives_in_flight_are_written_per_peer_and_read_back_as_the_engine_judges_them(tmp_path):
+    """A pipeline stage's last words hold its oldest send or receive per direction and peer, not only the
+    oldest of the group: a receive it waits in behind an older unfinished send is an edge of its own."""
+    from flare_exporter.engine import incident_source
+    from flare_exporter.rank.groups import GroupTracker
+    from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
+
+    state = make_state(tmp_path)
+    world = GroupTracker("world", 4, "gloo", FutureTiming(state.manager), state.health)
+    state.groups["world"] = world
+    state.manager.add_group(world)
+    now = time.perf_counter()
+    for op, age, peer in (("send", 9.0, 1), ("recv", 5.0, 3), ("recv", 1.0, 3)):
+        world.p2p_pending.append(CollectiveRecord(world, op, 64, 0, now - age, peer))
+    state.manager.drain()
+    path = IncidentWriter(state).write("signal", detail="signal SIGTERM")
+    with open(path) as handle:
+        written = json.load(handle)["groups"]["world"]["p2p"]
+    assert [(flight["direction"], flight["peer"]) for flight in written["in_flight"]] == [
+        ("send", 1),
+        ("recv", 3),
+    ]
+    p2p = incident_source._groups({"world": {"p2p": written}})["world"].p2p
+    assert [(direction, peer) for direction, peer, _ in p2p.in_flight] == [("send", 1), ("recv", 3)]
+    assert p2p.issued == {("send", 1): 1, ("recv", 3): 2} and p2p.completed == {}
+    older = {"direction": "recv", "peer": 3, "issued_timestamp_seconds": 5.0}  # one flight: an older flare
+    assert incident_source._p2p({**written, "in_flight": older}).in_flight == (("recv", 3, 5.0),)

@@ -615,8 +615,8 @@ def test_a_pipeline_stage_its_peers_sends_and_receives_waited_for_at_the_end():
         issued = dict(done)
         if flight is not None:
             issued[flight[:2]] = done.get(flight[:2], 0) + 1
-            flight = (*flight, T0)
-        groups = {"world": GroupState(1, 1, p2p=PointToPoint(issued, done, flight))}
+        flights = () if flight is None else ((*flight, T0),)
+        groups = {"world": GroupState(1, 1, p2p=PointToPoint(issued, done, flights))}
         return word(rank, exception=reset(T0 + 30), groups=groups)
 
     run = run_of(

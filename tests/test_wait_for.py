@@ -12,14 +12,12 @@ HANG = 30.0
 
 def stage(rank: int, done: dict, issued: dict | None = None, flight=None, **fields) -> RankRecord:
     """A pipeline stage in group `world`: its sends and receives done per (direction, peer), issued (done plus
-    the one in flight), and the oldest in flight (direction, peer, age in seconds)."""
+    those in flight), and in flight: one (direction, peer, age in seconds) or a list, oldest first."""
     issued = dict(issued if issued is not None else done)
-    in_flight = None
-    if flight is not None:
-        direction, peer, age = flight
-        in_flight = (direction, peer, NOW - age)
-        if issued == done:
-            issued[(direction, peer)] = done.get((direction, peer), 0) + 1
+    flights = [] if flight is None else flight if isinstance(flight, list) else [flight]
+    for direction, peer, _ in flights if issued == done else []:
+        issued[(direction, peer)] = done.get((direction, peer), 0) + 1
+    in_flight = tuple((direction, peer, NOW - age) for direction, peer, age in flights)
     state = GroupState(1, 1, p2p=PointToPoint(issued, done, in_flight))
     return RankRecord(rank, groups={"world": state}, **fields)
 
@@ -46,6 +44,21 @@ def test_a_stage_that_never_issues_its_side_is_the_one_culprit_of_every_waiting_
     assert "stuck_in_stage_code" in verdict.summary
     edges = {(edge["rank"], edge["waits_on"], edge["in"]) for edge in verdict.evidence["wait_for"]}
     assert edges == {(0, 1, "send"), (1, 2, "send"), (3, 2, "recv")}
+
+
+def test_a_stage_waiting_in_a_receive_behind_an_older_unfinished_send_waits_for_that_receive():
+    """GPipe's backward: stage 1 sent microbatch 0's gradient to stage 0 (that send is waited only at the end
+    of the step, so it is older and unfinished) and waits to receive microbatch 1's from stage 2, which is
+    stuck. Judging stage 1 by its oldest op alone (matched by stage 0) named it the culprit."""
+    records = [
+        stage(0, {("recv", 1): 1}, flight=("recv", 1, 40)),
+        stage(1, {("send", 0): 0, ("recv", 2): 1}, flight=[("send", 0, 45), ("recv", 2, 41)]),
+        stage(2, {("send", 1): 1}, frames="t.py:9 stuck_in_stage_code", activity="compute"),
+    ]
+    [verdict] = diagnose(snapshot(*records), HANG)
+    assert (verdict.kind, verdict.ranks) == ("hang", (2,))
+    edges = {(edge["rank"], edge["waits_on"], edge["in"]) for edge in verdict.evidence["wait_for"]}
+    assert edges == {(0, 1, "recv"), (1, 2, "recv")}  # stage 1's send to 0: inside the transfer, no edge
 
 
 def test_a_wait_shorter_than_the_threshold_is_no_verdict():

@@ -68,11 +68,13 @@ class InFlight(NamedTuple):
 
 class PointToPoint(NamedTuple):
     """One rank's sends and receives in one group: counted per (direction, peer), as the flight recorder's
-    p2p_seq_id (the n-th send from A to B matches B's n-th receive from A), and the oldest in flight."""
+    p2p_seq_id (the n-th send from A to B matches B's n-th receive from A), and the oldest in flight per
+    (direction, peer): a rank waits in a receive from one peer while its send to another is unfinished."""
 
     issued: Mapping[tuple[str, int], int]  # (send | recv, peer's global rank) -> ops issued
     completed: Mapping[tuple[str, int], int]
-    in_flight: tuple[str, int, float] | None = None  # (direction, peer (-1: any source), Unix time issued)
+    # (direction, peer (-1: any source), Unix time issued), oldest first
+    in_flight: tuple[tuple[str, int, float], ...] = ()
 
 
 class GroupState(NamedTuple):
@@ -645,9 +647,9 @@ def point_to_point_verdicts(snapshot: Snapshot, hang_seconds: float, gone: set[i
         and not record.exception
         and any(
             state.p2p is not None
-            and state.p2p.in_flight is not None
+            and state.p2p.in_flight
             and (
-                snapshot.now - state.p2p.in_flight[2] >= hang_seconds
+                snapshot.now - state.p2p.in_flight[0][2] >= hang_seconds
                 or (snapshot.dumped and point_to_point_edges(snapshot, record, name))
             )
             for name, state in record.groups.items()

@@ -275,21 +275,21 @@ def group_states(dump: Dump) -> dict[str, GroupState]:
 
 def _point_to_point(dump: Dump, group: str) -> PointToPoint | None:
     """The group's sends and receives the dump holds unfinished, counted per (direction, peer's global
-    rank), and the oldest. A ring of entries holds no count since the start, so none is complete: the
-    wait-for graph's rule (wait_for.point_to_point_edges) then asks whether the peer has an unfinished op of
-    its own toward this rank, the other side of the same transfer."""
+    rank), and the oldest per direction and peer. A ring of entries holds no count since the start, so none
+    is complete: the wait-for graph's rule (wait_for.point_to_point_edges) then asks whether the peer has an
+    unfinished op of its own toward this rank, the other side of the same transfer."""
     unfinished = [entry for entry in dump.unfinished if entry.group == group and entry.op in POINT_TO_POINT]
     if not unfinished:
         return None
     members = sorted(dump.members.get(group, ()))
     issued: dict[tuple[str, int], int] = defaultdict(int)
-    flights = []
+    oldest: dict[tuple[str, int], float] = {}
     for entry in sorted(unfinished, key=lambda entry: entry.created_at):
         direction = "send" if entry.op == "send" else "recv"
         peer = members[entry.peer] if 0 <= entry.peer < len(members) else entry.peer
         issued[(direction, peer)] += 1
-        flights.append((direction, peer, entry.created_at))
-    return PointToPoint(dict(issued), {}, flights[0])
+        oldest.setdefault((direction, peer), entry.created_at)
+    return PointToPoint(dict(issued), {}, tuple((*key, at) for key, at in oldest.items()))
 
 
 def _in_flight(entry: FlightEntry | None) -> InFlight | None:

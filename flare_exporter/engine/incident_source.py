@@ -163,16 +163,20 @@ def _p2p(found: Any) -> PointToPoint | None:
                     kept[(row[0], peer)] = count
         return kept
 
-    flight = _dict(found.get("in_flight"))
-    in_flight = None
-    direction, peer, at = (
-        flight.get("direction"),
-        _int(flight.get("peer")),
-        _float(flight.get("issued_timestamp_seconds")),
-    )
-    if direction in ("send", "recv") and peer is not None and at is not None:
-        in_flight = (str(direction), peer, at)
-    return PointToPoint(counts(found.get("issued")), counts(found.get("completed")), in_flight)
+    flights = found.get("in_flight")
+    if not isinstance(flights, list):  # written by a flare that kept only the oldest
+        flights = [flights]
+    in_flight = []
+    for flight in (_dict(flight) for flight in flights[:4096]):
+        direction, peer, at = (
+            flight.get("direction"),
+            _int(flight.get("peer")),
+            _float(flight.get("issued_timestamp_seconds")),
+        )
+        if direction in ("send", "recv") and peer is not None and at is not None:
+            in_flight.append((str(direction), peer, at))
+    in_flight.sort(key=lambda flight: flight[2])
+    return PointToPoint(counts(found.get("issued")), counts(found.get("completed")), tuple(in_flight))
 
 
 def _in_flight(flight: Mapping[str, Any]) -> InFlight | None:

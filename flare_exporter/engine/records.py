@@ -169,15 +169,15 @@ def p2p_fields(series: Mapping[str, Series]) -> dict[tuple[int, str], PointToPoi
             peer = _peer(labels.get("peer", ""))
             key = (int(labels["rank"]), labels["group"])
             counts[key][index][(labels.get("direction", ""), peer)] = int(value)
-    oldest: dict[tuple[int, str], tuple[str, int, float]] = {}
+    flights: dict[tuple[int, str], list[tuple[str, int, float]]] = defaultdict(list)
     for labels, started in series.get(P2P_STARTED, []):
         key = (int(labels["rank"]), labels["group"])
-        flight = (labels.get("direction", ""), _peer(labels.get("peer", "")), started)
-        if key not in oldest or started < oldest[key][2]:
-            oldest[key] = flight
+        flights[key].append((labels.get("direction", ""), _peer(labels.get("peer", "")), started))
     return {
-        key: PointToPoint(*counts.get(key, ({}, {})), in_flight=oldest.get(key))
-        for key in counts.keys() | oldest.keys()
+        key: PointToPoint(
+            *counts.get(key, ({}, {})), in_flight=tuple(sorted(flights.get(key, []), key=lambda f: f[2]))
+        )
+        for key in counts.keys() | flights.keys()
     }
 
 

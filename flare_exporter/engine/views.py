@@ -185,23 +185,24 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
 def _point_to_point_rows(
     snapshot: Snapshot, group: str, live: list[diagnosis.RankRecord]
 ) -> list[dict[str, Any]]:
-    """Each live member's oldest send or receive in flight in `group`, and whether it waits for its peer
-    (the peer has not issued the matching op: wait_for.point_to_point_edges)."""
+    """Each live member's oldest send or receive in flight in `group` per direction and peer, and whether
+    it waits for its peer (the peer has not issued the matching op: wait_for.point_to_point_edges)."""
     rows = []
     for record in live:
         state = record.groups[group]
-        if state.p2p is None or state.p2p.in_flight is None:
+        if state.p2p is None:
             continue
-        direction, peer, started = state.p2p.in_flight
-        rows.append(
+        waits = {(edge.how, edge.waits_on) for edge in wait_for.point_to_point_edges(snapshot, record, group)}
+        rows += [
             {
                 "rank": record.rank,
                 "direction": direction,
                 "peer": peer,
                 "age_seconds": round(snapshot.now - started, 3),
-                "waits_for_peer": bool(wait_for.point_to_point_edges(snapshot, record, group)),
+                "waits_for_peer": (direction, peer) in waits,
             }
-        )
+            for direction, peer, started in state.p2p.in_flight
+        ]
     return rows
 
 

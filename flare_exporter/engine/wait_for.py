@@ -64,26 +64,32 @@ def edges_of(snapshot: Snapshot, rank: int) -> list[Edge]:
 
 
 def point_to_point_edges(snapshot: Snapshot, record: RankRecord, group: str) -> list[Edge]:
-    """Whom `record`'s oldest send or receive in flight in `group` waits for: its peer, where the peer is
-    gone or has not issued the matching op."""
+    """Whom `record`'s sends and receives in flight in `group` wait for: for the oldest to or from each
+    peer, the peer, where it is gone or has not issued the matching op."""
     state = record.groups.get(group)
-    flight = state.p2p.in_flight if state is not None and state.p2p is not None else None
-    if flight is None or state is None or state.p2p is None:
+    if state is None or state.p2p is None:
         return []
-    direction, peer, since = flight
+    return [
+        Edge(record.rank, peer, group, direction, since)
+        for direction, peer, since in state.p2p.in_flight
+        if _waits_for_peer(snapshot, record, group, direction, peer)
+    ]
+
+
+def _waits_for_peer(snapshot: Snapshot, record: RankRecord, group: str, direction: str, peer: int) -> bool:
+    """Whether `record`'s oldest op of `direction` in flight with `peer` waits for it: the peer is gone or
+    has not issued the matching op (a receive from any source waits for whoever sends first: no one)."""
     if peer < 0 or peer == record.rank:
-        return []  # a receive from any source waits for whoever sends first
-    edge = Edge(record.rank, peer, group, direction, since)
+        return False
     other = snapshot.ranks.get(peer)
     if other is None or other.gone:
-        return [edge]
+        return True
     theirs = other.groups.get(group)
-    if theirs is None or theirs.p2p is None:
-        return [edge]
-    mine = state.p2p.completed.get((direction, peer), 0) + 1  # the op in flight: the next after those done
-    if theirs.p2p.issued.get((OPPOSITE.get(direction, ""), record.rank), 0) < mine:
-        return [edge]
-    return []  # the peer issued its side: both are inside the transfer
+    mine = record.groups[group].p2p
+    if theirs is None or theirs.p2p is None or mine is None:
+        return True
+    number = mine.completed.get((direction, peer), 0) + 1  # the op in flight: the next after those done
+    return theirs.p2p.issued.get((OPPOSITE.get(direction, ""), record.rank), 0) < number
 
 
 def _not_issued(snapshot: Snapshot, group: str, seq: int) -> list[int]:

@@ -257,8 +257,8 @@ def _matching_issued(t: Thresholds, direction: str, opposite: str) -> str:
 
 def _point_to_point_recordings(t: Thresholds) -> list[Recording]:
     """The wait-for graph's point-to-point edges (wait_for.py): how long each rank's oldest send or receive
-    has been in flight, how many of the matching op its peer issued, and the edges where the peer has not
-    issued it (the value: the wait's age)."""
+    per peer and direction has been in flight, how many of the matching op its peer issued, and the edges
+    where the peer has not issued it (the value: the wait's age)."""
     s = selector(t)
     counterpart = "run_group_rank_peer:flare_p2p_counterpart:issued"
     return [

@@ -176,7 +176,8 @@ def _groups_document(state: Any, now_perf: float) -> dict[str, Any]:
 
 def _point_to_point_document(state: Any, group: Any) -> dict[str, Any] | None:
     """The group's sends and receives: [direction, peer, count] issued and completed per peer, and the
-    oldest in flight (the wait-for graph's edges, post-mortem); None where it made none."""
+    oldest in flight per direction and peer, oldest first (the wait-for graph's edges, post-mortem); None
+    where it made none."""
     flights = list(group.p2p_in_flight)
     completed = {
         (direction, peer): counts.completed
@@ -186,21 +187,23 @@ def _point_to_point_document(state: Any, group: Any) -> dict[str, Any] | None:
     if not flights and not completed:
         return None
     issued = dict(completed)
+    oldest: dict[tuple[str, int], Any] = {}  # the oldest per (direction, peer)
     for record in flights:
         key = (spec.point_to_point_direction(record.op), record.peer)
         issued[key] = issued.get(key, 0) + 1
-    oldest = flights[0] if flights else None
+        oldest.setdefault(key, record)
     return {
         "issued": [[direction, peer, count] for (direction, peer), count in sorted(issued.items())],
         "completed": [[direction, peer, count] for (direction, peer), count in sorted(completed.items())],
-        "in_flight": None
-        if oldest is None
-        else {
-            "direction": spec.point_to_point_direction(oldest.op),
-            "peer": oldest.peer,
-            "bytes": oldest.nbytes,
-            "issued_timestamp_seconds": round(progress.wall_time(oldest.issued_at), 6),
-        },
+        "in_flight": [
+            {
+                "direction": direction,
+                "peer": peer,
+                "bytes": record.nbytes,
+                "issued_timestamp_seconds": round(progress.wall_time(record.issued_at), 6),
+            }
+            for (direction, peer), record in oldest.items()
+        ],
     }
 
 

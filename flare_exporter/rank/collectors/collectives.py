@@ -9,6 +9,7 @@ from prometheus_client.core import Metric
 from ... import spec
 from .. import progress
 from ..state import FlareState
+from ..timing import CollectiveRecord
 from . import Families
 
 
@@ -45,20 +46,19 @@ class CollectivesCollector:
 
     def _point_to_point(self, families: Families) -> list[Metric]:
         """Per (group, peer, direction): issued (completed + in flight), completed, bytes; per (group,
-        direction): durations; per group: the oldest send or receive in flight."""
+        direction): durations; per (group, peer, direction): the oldest send or receive in flight (a rank
+        waits in one while older ones to other peers are unfinished: each has its own wait-for edge)."""
         stats = self.state.manager.point_to_point
         trackers = list(self.state.groups.values())
         if not stats.peers and not any(tracker.p2p_in_flight for tracker in trackers):
             return []  # a rank that never sent or received (DDP, FSDP): no families to build
         in_flight: dict[tuple[str, int, str], int] = {}
-        oldest = []
+        oldest: dict[tuple[str, int, str], CollectiveRecord] = {}  # per (group, peer, direction)
         for tracker in trackers:
-            flights = list(tracker.p2p_in_flight)
-            for record in flights:
+            for record in list(tracker.p2p_in_flight):  # oldest first
                 key = (tracker.name, record.peer, spec.point_to_point_direction(record.op))
                 in_flight[key] = in_flight.get(key, 0) + 1
-            if flights:
-                oldest.append((tracker.name, flights[0]))
+                oldest.setdefault(key, record)
         issued = families.new("flare_p2p_issued_total")
         completed = families.new("flare_p2p_completed_total")
         sent = families.new("flare_p2p_bytes_total")
@@ -76,10 +76,8 @@ class CollectivesCollector:
             families.add_histogram(durations, (group, direction), histogram)
         started = families.new("flare_p2p_in_flight_started_timestamp_seconds")
         nbytes = families.new("flare_p2p_in_flight_bytes")
-        for group, record in oldest:
-            labels = families.labels(
-                group, spec.peer_label(record.peer), spec.point_to_point_direction(record.op)
-            )
+        for (group, peer, direction), record in sorted(oldest.items()):
+            labels = families.labels(group, spec.peer_label(peer), direction)
             started.add_metric(labels, progress.wall_time(record.issued_at))
             nbytes.add_metric(labels, record.nbytes)
         return [issued, completed, sent, durations, started, nbytes]
