@@ -403,6 +403,19 @@ class Config:
     profile_max_trace_bytes: int = _setting(
         64 * 1024 * 1024, "The largest raw trace kept on disk.", *_between(0, 2**40)
     )
+    profile_on_anomaly: bool = _setting(
+        False,
+        "With profile on: a rank that its own signals show as a straggler (policies.ProfileTriggerPolicy), "
+        "with an issue-latency shift from its own baseline, or with a failed in-flight canary captures "
+        "profile_anomaly_steps steps, and asks one peer (the next rank) for a capture beside it; once per "
+        "profile_anomaly_cooldown_seconds.",
+    )
+    profile_anomaly_steps: int = _setting(3, "Optimizer steps of an anomaly's capture.", *_between(1, 1000))
+    profile_anomaly_cooldown_seconds: float = _setting(
+        3600.0,
+        "Seconds after an anomaly's capture before the rank's own signals may arm another.",
+        *_between(0, 7 * 86400),
+    )
 
     @property
     def incident_directory(self) -> str:

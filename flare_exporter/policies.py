@@ -129,3 +129,20 @@ class ProfilePolicy:
             ("launch_bound", "host_gap", self.launch_share),
             ("launch_bound", "short_kernels", self.short_kernel_share),
         )
+
+
+@dataclass(frozen=True)
+class ProfileTriggerPolicy:
+    """When a rank's own signals ask for a capture (rank/profile_trigger.py; profile_on_anomaly only).
+
+    A rank knows no peer's numbers, so it calls itself a straggler only where its last straggler windows
+    all ran slower than its best window and it spent little of them in collectives: the ranks that wait
+    for a straggler slow down as much, but in collectives. An ILD shift is its distribution's own drift from
+    its baseline, as IldPolicy's floors say; a failed in-flight canary is the canary's verdict. Versioned:
+    a change of a threshold is a new `version`, which the capture's evidence carries.
+    """
+
+    version: int = 1
+    slow_windows: int = 2  # consecutive closed straggler windows, each:
+    slowdown: float = 1.5  # ... at least this many times the best window's mean step time
+    max_wait_share: float = 0.2  # ... with at most this share of it waiting in collectives

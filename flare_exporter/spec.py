@@ -147,6 +147,10 @@ CANARY_SCOPES = (
 )
 CANARY_PHASES = ("preflight", "in_flight")
 PROFILE_OUTCOMES = ("captured", "failed")
+# What armed a capture: a person (`flare profile`), a page (`flare profile --on-alert`), a peer whose own
+# signals fired (for a healthy capture beside its own), or the rank's own signals (profile_on_anomaly)
+PROFILE_TRIGGERS = ("asked", "alert", "peer", "straggler", "ild_shift", "canary_failed")
+PROFILE_ASKED_TRIGGERS = PROFILE_TRIGGERS[:3]  # those an HTTP request may name
 # Where a captured step's time went (profile_summary.py): shares of the capture's step time
 PROFILE_PARTS = ("compute", "communication", "exposed_communication", "copy", "idle", "data")
 # A failed preflight under canary=enforce ends every rank with this status (sysexits' EX_TEMPFAIL: the job
@@ -373,6 +377,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "Profiler captures this rank ended, by outcome.",
         ("outcome",),
         detail="outcome: " + ", ".join(PROFILE_OUTCOMES) + ". Present where the rank runs with profile: on.",
+    ),
+    MetricSpec(
+        "flare_profile_armed_total",
+        COUNTER,
+        "",
+        "Captures this rank armed, by what asked for them.",
+        ("trigger",),
+        detail="trigger: " + ", ".join(PROFILE_TRIGGERS) + ". Present where the rank runs with profile: on.",
     ),
     MetricSpec(
         "flare_profile_refused_total",

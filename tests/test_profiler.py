@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 import torch
 from conftest import flare_json
 
+from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.workloads import train_ddp
@@ -183,3 +186,116 @@ def test_flare_profile_captures_chosen_ranks_of_a_real_job_and_is_refused_where_
         assert code == 2 and {row["state"] for row in report["ranks"]} == {"refused"}
         assert "profiling is off" in report["ranks"][0]["error"]
         job.release()
+
+
+def _armed(samples: list, trigger: str) -> float:
+    return scrape.value(samples, "flare_profile_armed_total", trigger=trigger) or 0.0
+
+
+def _by_rank(job: ObservedJob) -> dict[int, list]:
+    return {
+        int(scrape.labels_of(samples, "flare_rank_info")["rank"]): samples
+        for samples in scrape.scrape_all(job.targets, timeout=2).values()
+        if isinstance(samples, list)
+    }
+
+
+def _profile_status(address: str) -> dict:
+    with urllib.request.urlopen(f"http://{address}/profile", timeout=5) as reply:
+        return json.load(reply)
+
+
+@pytest.mark.multirank
+def test_a_straggler_captures_itself_once_per_cooldown_with_a_healthy_peer_beside_it(tmp_path):
+    """profile_on_anomaly: from step 60 rank 2 sleeps 0.1 s before each step's compute. Its own straggler
+    windows (5 steps) show it slower than its best without waiting in collectives: it captures 2 steps, and
+    asks rank 3 (the next rank) for a capture beside it. The others slow down as much, waiting for it."""
+    env = {
+        "FLARE_PROFILE": "1",
+        "FLARE_PROFILE_ON_ANOMALY": "1",
+        "FLARE_PROFILE_ANOMALY_STEPS": "2",
+        "FLARE_PROFILE_COOLDOWN_SECONDS": "0",
+        "FLARE_STRAGGLER_WINDOW_STEPS": "5",
+        "FLARE_TIMING_INTERVAL_SECONDS": "0.5",
+    }
+    args = ["--steps", "100000", "--step-seconds", "0.02", "--slow-rank", "2", "--slowdown", "100"]
+    args += ["--slow-from-step", "60", "--slow-by", "sleep"]
+    with ObservedJob(str(tmp_path), train_ddp.__file__, args, 4, "anomaly", env=env) as job:
+
+        def both_captured() -> dict[int, list] | None:
+            ranks = _by_rank(job)
+            captured = "flare_profile_captures_total"
+            done = [scrape.value(ranks.get(rank, []), captured, outcome="captured") for rank in (2, 3)]
+            return ranks if len(ranks) == 4 and all(done) else None
+
+        ranks = wait_for(both_captured, 120, "rank 2's capture and its peer's")
+        assert _armed(ranks[2], "straggler") == 1 and _armed(ranks[3], "peer") == 1
+        steps = scrape.value(ranks[2], "flare_steps_total") or 0
+        wait_for(
+            lambda: (scrape.value(_by_rank(job).get(2, []), "flare_steps_total") or 0) >= steps + 30,
+            120,
+            "6 more windows of rank 2",
+        )
+        later = _by_rank(job)
+        assert _armed(later[2], "straggler") == 1  # still slow, and in its cooldown (an hour): no other
+        for samples in later.values():
+            assert (
+                sum(_armed(samples, trigger) for trigger in ("straggler", "ild_shift", "canary_failed")) <= 1
+            )
+        mine, peers = (_profile_status(job.targets[rank])["last"] for rank in (2, 3))
+        paged = on_alert(job, str(tmp_path / "targets"))
+        job.release()
+    assert (mine["trigger"], mine["state"], mine["steps"]) == ("straggler", "captured", 2)
+    assert mine["reason"]["slowdown"] >= 1.5 and mine["reason"]["wait_share"] <= 0.2
+    assert (peers["trigger"], peers["peer_of"], peers["state"]) == ("peer", 2, "captured")
+    # side by side: the peer spent its steps in the all-reduce that waited for rank 2, rank 2 did not
+    assert peers["summary"]["shares"]["communication"] > mine["summary"]["shares"]["communication"]
+    # the page's rank, and the next rank no alert names, beside it; the same page again asks nothing
+    asked, lasts = paged
+    assert [(row["rank"], row["trigger"], row["state"]) for row in asked] == [
+        (0, "alert", "armed"),
+        (1, "peer", "armed"),
+    ]
+    assert (lasts[0]["trigger"], lasts[1]["trigger"], lasts[1]["peer_of"]) == ("alert", "peer", 0)
+
+
+def on_alert(job: ObservedJob, targets: str) -> tuple[list[dict], list[dict]]:
+    """`flare profile --on-alert`'s receiver, served, sent a notification twice over HTTP: rank 0 a
+    straggler (a dead rank's page and a resolved one ask nothing). The rows it printed, and the captures."""
+    from flare_exporter.engine import cli, profile_on_alert
+
+    argv = ["profile", "--targets", targets, "--steps", "2", "--on-alert", "x:1", "--json"]
+    args = cli.build_parser().parse_args(argv)
+    out = io.StringIO()
+    server = profile_on_alert.serve(
+        profile_on_alert.AlertCaptures(args, None, cli._client(args), out), "127.0.0.1:0"
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    alerts = [
+        ("FlareRankStraggler", "0", "firing"),
+        ("FlareRankDown", "3", "firing"),
+        ("FlareRankStraggler", "2", "resolved"),
+    ]
+    payload = {
+        "version": "4",
+        "alerts": [
+            {"status": status, "labels": {"alertname": name, "run": "anomaly", "rank": rank}}
+            for name, rank, status in alerts
+        ],
+    }
+    try:
+        for _ in range(2):
+            url = f"http://127.0.0.1:{server.server_address[1]}/"
+            request = urllib.request.Request(url, json.dumps(payload).encode(), method="POST")
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert reply.status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def ended(rank: int) -> dict | None:
+        last = _profile_status(job.targets[rank])["last"] or {}
+        return last if last.get("trigger") in ("alert", "peer") and last.get("state") == "captured" else None
+
+    lasts = [wait_for(lambda r=rank: ended(r), 60, f"rank {rank}'s capture") for rank in (0, 1)]
+    return [json.loads(line) for line in out.getvalue().splitlines()], lasts

@@ -450,6 +450,8 @@ def _profile(args: argparse.Namespace) -> int:
     try:
         if not 0 < args.timeout <= 3600 or not 0 < args.wait <= 86400:
             raise config_module.ConfigError("flags --timeout and --wait: seconds, above 0")
+        if args.on_alert:
+            return _profile_on_alert(args)
         code, result, text = profile_command.answer(args, _prometheus_connection(args), _client(args))
     except profile_command.ProfileError as error:
         print(error, file=sys.stderr)
@@ -459,6 +461,30 @@ def _profile(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else text)
     return code
+
+
+def _profile_on_alert(args: argparse.Namespace) -> int:
+    """`flare profile --on-alert HOST:PORT` (profile_on_alert.py): receive until interrupted."""
+    from . import profile_on_alert
+
+    host, _, port = args.on_alert.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise config_module.ConfigError(
+            f"flag --on-alert: {args.on_alert!r} is not HOST:PORT (e.g. 0.0.0.0:9095)"
+        )
+    if not 0 <= args.cooldown <= 7 * 86400:
+        raise config_module.ConfigError(
+            f"flag --cooldown: {args.cooldown!r} must be between 0 and 604800 seconds"
+        )
+    if not 1 <= args.steps <= 1000:
+        raise config_module.ConfigError(f"flag --steps: {args.steps} must be between 1 and 1000")
+    connection, client = _prometheus_connection(args), _client(args)
+    try:
+        return profile_on_alert.run(args, connection, client)
+    except OSError as error:  # the address is taken or not this host's
+        raise config_module.ConfigError(
+            f"flag --on-alert: cannot listen on {args.on_alert}: {error}"
+        ) from None
 
 
 def _serve_mcp(args: argparse.Namespace) -> int:

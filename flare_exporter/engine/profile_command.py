@@ -9,6 +9,7 @@ from a step boundary on and reduces them on its node (rank/profiler.py). The com
 rank's GET /profile until its capture ended or --wait passed. A rank started without `profile: on` has no
 such endpoint: it refuses (404), as does a rank already capturing (409) or in its cooldown (429).
 With --compare and two ranks, the ops or kernels whose time per step differs most between their captures.
+With --on-alert HOST:PORT, an Alertmanager webhook receiver that asks paged ranks (profile_on_alert.py).
 
 Exit codes: 0 every rank asked captured; 1 a capture failed on the rank; 2 a rank refused (or a usage
 error); 3 no rank answered.
@@ -58,6 +59,24 @@ def add_arguments(command: argparse.ArgumentParser) -> None:
     )
     command.add_argument(
         "--compare", action="store_true", help="two ranks: the ops whose time per step differs most"
+    )
+    command.add_argument(
+        "--on-alert",
+        default="",
+        metavar="HOST:PORT",
+        help="receive Alertmanager webhooks there: capture each paged rank and a healthy peer (runs until "
+        "interrupted; profile_on_alert.py)",
+    )
+    command.add_argument(
+        "--alerts",
+        default="",
+        help="with --on-alert: the alert names that ask for captures (default: slow ranks')",
+    )
+    command.add_argument(
+        "--cooldown",
+        type=float,
+        default=3600.0,
+        help="with --on-alert: seconds before the same rank is asked again (default 3600)",
     )
 
 
@@ -119,11 +138,11 @@ def answer(args: argparse.Namespace, connection: Any, client: Client) -> tuple[i
     rows = {rank: {"rank": rank, "state": "unreachable"} for rank in missing}
     armed = {}
     for rank in (rank for rank in ranks if rank in found):
-        status, reply = _call(client, found[rank], "POST", f"/profile?steps={args.steps}", args.timeout)
+        status, reply = call(client, found[rank], "POST", f"/profile?steps={args.steps}", args.timeout)
         if status == 202:
             armed[rank] = int(reply["capture"]["id"])
         else:
-            rows[rank] = {"rank": rank, "state": "refused", "status": status, "error": _why(status, reply)}
+            rows[rank] = {"rank": rank, "state": "refused", "status": status, "error": why(status, reply)}
     rows.update(_await(client, found, armed, args))
     result: dict[str, Any] = {"run": run, "steps": args.steps, "ranks": [rows[rank] for rank in sorted(rows)]}
     if args.compare:
@@ -148,7 +167,7 @@ def _await(
     waiting = dict(armed)
     while waiting:
         for rank, capture in list(waiting.items()):
-            status, reply = _call(client, found[rank], "GET", "/profile", args.timeout)
+            status, reply = call(client, found[rank], "GET", "/profile", args.timeout)
             last = reply.get("last") if status == 200 else None
             if isinstance(last, dict) and last.get("id") == capture and last.get("state") in DONE:
                 rows[rank] = _row(rank, last)
@@ -177,7 +196,7 @@ def _row(rank: int, capture: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _call(client: Client, address: str, method: str, path: str, timeout: float) -> tuple[int, dict[str, Any]]:
+def call(client: Client, address: str, method: str, path: str, timeout: float) -> tuple[int, dict[str, Any]]:
     """(HTTP status, JSON answer) of one request to a rank; status 0 where it did not answer."""
     request = urllib.request.Request(
         f"{client.scheme}://{address}{path}",
@@ -202,7 +221,7 @@ def _json(body: bytes) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _why(status: int, reply: Mapping[str, Any]) -> str:
+def why(status: int, reply: Mapping[str, Any]) -> str:
     if status == 404:
         return "profiling is off on this rank (start it with profile: on, FLARE_PROFILE=1)"
     if status == 0:

@@ -16,7 +16,7 @@ import torch.distributed
 from prometheus_client import CollectorRegistry
 
 from .. import config as config_module
-from . import cpp_recorder, file_sd, gpu_health, identity, process_group
+from . import cpp_recorder, file_sd, gpu_health, identity, process_group, profile_trigger
 from .canary import Canary
 from .collectors import Collector
 from .collectors.canary import CanaryCollector
@@ -198,6 +198,35 @@ def say_which_recorder(state: FlareState, config: config_module.Config) -> None:
     )
 
 
+def start_server(state: FlareState, registry: CollectorRegistry) -> tuple[MetricsServer | None, str | None]:
+    """Serve /metrics on the configured port (plus the local rank) and write the rank's file_sd target:
+    (the server, the target file); None for what is not configured or failed."""
+    config = state.config
+    if not config.port:
+        return None, None
+    server = serve(
+        registry,
+        config.addr,
+        config.port + state.identity.local_rank,
+        state.identity.rank,
+        config.web_config_file,
+        state.health,
+        state.scrapes,
+        state.profiler,
+    )
+    if server is None or not config.file_sd_dir:
+        return server, None
+    return server, file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
+
+
+def peer_address(config: config_module.Config, server: MetricsServer | None) -> str:
+    """Where the rank's peers ask it for a capture (host:port): '' without a server, or behind a secured
+    one (a rank holds no password to ask its peers with)."""
+    if server is None or config.web_config_file:
+        return ""
+    return file_sd.reachable_address(config.addr, server.port)
+
+
 def attach(config: config_module.Config | None = None) -> Attachment:
     """Observe this process: wrap process groups, hook optimizer steps, serve /metrics. Once per process.
 
@@ -259,22 +288,8 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     watcher = StallWatcher(state, threading.get_ident(), incidents.on_hang)  # this thread trains
     watcher.start()
 
-    server = None
-    target_file = None
-    if config.port:
-        port = config.port + state.identity.local_rank
-        server = serve(
-            registry,
-            config.addr,
-            port,
-            state.identity.rank,
-            config.web_config_file,
-            state.health,
-            state.scrapes,
-            state.profiler,
-        )
-        if server is not None and config.file_sd_dir:
-            target_file = file_sd.write_target(config.file_sd_dir, state.identity, config.addr, server.port)
+    server, target_file = start_server(state, registry)
+    profile_trigger.make_trigger(state, peer_address(config, server))
     _attachment = Attachment(state, registry, server, target_file, incidents, watcher)
     atexit.register(_attachment.close)
     atexit.register(incidents.on_exit)  # before close (atexit runs the last registered first)

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
+from .. import spec
 from . import web_config
 from .collectors import Collector, Families
 from .exporter_health import ExporterHealth
@@ -352,7 +353,9 @@ def make_app(
 class Profiles(Protocol):
     """What the endpoint asks of the rank's profiler (rank/profiler.py)."""
 
-    def request(self, steps: int) -> tuple[int, dict[str, Any]]: ...
+    def request(
+        self, steps: int, trigger: str = ..., peer_of: int | None = ...
+    ) -> tuple[int, dict[str, Any]]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -361,18 +364,25 @@ HTTP_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 409: "Conflict",
 
 
 def _profile_answer(profiler: Profiles, environ: dict, respond: Callable[..., Any]) -> list[bytes]:
-    """POST /profile?steps=N: arm a capture (202) or say why not; GET /profile: its status (200)."""
+    """POST /profile?steps=N[&trigger=alert|peer&of=RANK]: arm a capture (202) or say why not; GET
+    /profile: its status (200)."""
     method = environ.get("REQUEST_METHOD", "GET")
     if method == "GET":
         status, answer = 200, profiler.status()
     elif method == "POST":
         query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+        trigger = query.get("trigger", ["asked"])[0]
         try:
             steps = int(query.get("steps", ["1"])[0])
-        except ValueError:
-            status, answer = 400, {"error": "steps must be a whole number"}
+            peer_of = int(query["of"][0]) if trigger == "peer" else None
+        except (ValueError, KeyError):
+            status, answer = 400, {"error": "steps (and of, with trigger=peer) must be whole numbers"}
         else:
-            status, answer = profiler.request(steps)
+            if trigger in spec.PROFILE_ASKED_TRIGGERS:
+                status, answer = profiler.request(steps, trigger, peer_of)
+            else:
+                allowed = ", ".join(spec.PROFILE_ASKED_TRIGGERS)
+                status, answer = 400, {"error": f"trigger must be one of {allowed}"}
     else:
         respond("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, POST")])
         return [b"/profile answers GET and POST only\n"]

@@ -18,18 +18,21 @@ def target_path(directory: str, identity: RankIdentity) -> str:
     return os.path.join(directory, f"flare-{file_name_part(identity.run)}-rank{identity.rank}.json")
 
 
+def reachable_address(addr: str, port: int) -> str:
+    """host:port at which others reach an exporter bound to `addr` (this host's name for any address)."""
+    host = socket.gethostname() if addr in _ANY_ADDRESS else addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def target_document(identity: RankIdentity, addr: str, port: int) -> list[dict]:
     """The file_sd document; `rank` and `run` label the target so that `up` says which rank is down.
 
     `__meta_flare_host` tells `flare --targets` which host a rank that no longer answers was on;
     Prometheus drops labels that start with `__` once relabeling is done, so no series carries it.
     """
-    host = socket.gethostname() if addr in _ANY_ADDRESS else addr
-    if ":" in host:
-        host = f"[{host}]"
     return [
         {
-            "targets": [f"{host}:{port}"],
+            "targets": [reachable_address(addr, port)],
             "labels": {"rank": str(identity.rank), "run": identity.run, "__meta_flare_host": identity.host},
         }
     ]

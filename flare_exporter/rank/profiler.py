@@ -48,6 +48,9 @@ class Capture:
     steps: int
     requested_at: float
     state: str = "armed"  # armed | capturing | reducing | captured | failed
+    trigger: str = "asked"  # spec.PROFILE_TRIGGERS: what asked for it
+    peer_of: int | None = None  # trigger peer: the rank whose own capture this one stands beside
+    reason: Mapping[str, Any] = field(default_factory=dict)  # a trigger's evidence (the signal that fired)
     started_at: float | None = None
     finished_at: float | None = None
     bottleneck: str = ""
@@ -98,6 +101,7 @@ class Profiler:
         self.max_trace_bytes = max_trace_bytes
         self.reducer = reducer
         self.outcomes = dict.fromkeys(spec.PROFILE_OUTCOMES, 0)
+        self.armed = dict.fromkeys(spec.PROFILE_TRIGGERS, 0)
         self.refused = 0
         self.running: Capture | None = None
         self.last: Capture | None = None
@@ -121,11 +125,19 @@ class Profiler:
     # ---------------------------------------------------------------------------------------------------
     # the endpoint's thread
 
-    def request(self, steps: int) -> tuple[int, dict[str, Any]]:
-        """Arm a capture of `steps` steps: (HTTP status, answer). 202 armed; 400 a bad step count; 409 one
-        runs; 429 in the cooldown after the last."""
+    def request(
+        self,
+        steps: int,
+        trigger: str = "asked",
+        peer_of: int | None = None,
+        reason: Mapping[str, Any] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Arm a capture of `steps` steps for `trigger` (spec.PROFILE_TRIGGERS): (HTTP status, answer). 202
+        armed; 400 a bad step count or trigger; 409 one runs; 429 in the cooldown after the last."""
         if not 1 <= steps <= self.max_steps:
             return 400, {"error": f"steps must be between 1 and {self.max_steps} (profile_max_steps)"}
+        if trigger not in spec.PROFILE_TRIGGERS:
+            return 400, {"error": f"trigger must be one of {', '.join(spec.PROFILE_TRIGGERS)}"}
         with self._lock:
             now = time.time()
             if self.running is not None:
@@ -138,7 +150,10 @@ class Profiler:
                     "error": f"in the cooldown after the last capture for {wait} s",
                     "retry_after": wait,
                 }
-            self.running = Capture(next(self._ids), steps, now)
+            self.running = Capture(
+                next(self._ids), steps, now, trigger=trigger, peer_of=peer_of, reason=dict(reason or {})
+            )
+            self.armed[trigger] += 1
             self._armed = steps  # the training thread's next step boundary starts it
             return 202, {"capture": self.running.to_json()}
 

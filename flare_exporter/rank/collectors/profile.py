@@ -16,6 +16,7 @@ class ProfileCollector:
     name = "profile"
     metrics = (
         "flare_profile_captures_total",
+        "flare_profile_armed_total",
         "flare_profile_refused_total",
         "flare_profile_last_end_timestamp_seconds",
         "flare_profile_bottleneck_info",
@@ -31,9 +32,11 @@ class ProfileCollector:
         profiler = self.state.profiler
         if profiler is None:
             return found
-        captures, refused, ended, bottleneck, step, shares = found
+        captures, armed, refused, ended, bottleneck, step, shares = found
         for outcome in spec.PROFILE_OUTCOMES:
             captures.add_metric(families.labels(outcome), profiler.outcomes.get(outcome, 0))
+        for trigger in spec.PROFILE_TRIGGERS:
+            armed.add_metric(families.labels(trigger), profiler.armed.get(trigger, 0))
         refused.add_metric(families.labels(), profiler.refused)
         last = profiler.last
         if last is None or last.finished_at is None:
