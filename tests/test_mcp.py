@@ -221,7 +221,7 @@ def test_the_server_lists_exactly_the_read_only_tools(flare_mcp):
 def test_every_tool_argument_is_a_flag_of_its_command():
     parser = cli.build_parser()
     (commands,) = [action for action in parser._actions if action.dest == "command"]
-    for tool in TOOLS:
+    for tool in [*TOOLS, "profile"]:
         flags = {flag for action in commands.choices[tool]._actions for flag in action.option_strings}
         wanted = {argument.flag for argument in mcp_server.ARGUMENTS if tool in argument.tools}
         assert wanted <= flags, (tool, wanted - flags)
@@ -598,3 +598,45 @@ def test_the_ranks_tool_takes_the_selection_of_flare_ranks():
         mcp_server.command_line("ranks", {"problems": "yes"})
     with pytest.raises(mcp_server.ArgumentError, match="no argument 'top'"):
         mcp_server.command_line("diagnose", {"top": 5})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# profile: the one tool that acts, offered only by a server started with --allow-profile
+
+
+def test_the_profile_tool_is_refused_unless_the_server_allows_it_and_takes_flare_profiles_flags():
+    from flare_exporter.engine.mcp_policy import Policy
+
+    asked: list[list[str]] = []
+
+    def answer(argv: list[str]) -> tuple[int, dict]:
+        asked.append(argv)
+        return 2, {"run": "r", "ranks": [{"rank": 1, "state": "refused", "error": "profiling is off"}]}
+
+    arguments = {"targets": "/t", "ranks": "1,2", "steps": 2, "compare": True}
+    failed, texts, _ = mcp_server.call(answer, "profile", arguments, Policy(roots=("/",)))
+    assert failed and "--allow-profile" in texts[0] and asked == []
+    failed, texts, result = mcp_server.call(answer, "profile", arguments, Policy(roots=("/",), profile=True))
+    assert not failed and result["ranks"][0]["state"] == "refused"  # each rank's state is the answer
+    assert asked == [["profile", "--targets=/t", "--ranks=1,2", "--steps=2", "--compare"]]
+
+
+@pytest.mark.multirank
+def test_a_server_started_with_allow_profile_offers_profile_and_captures_a_live_rank(tmp_path):
+    args = ["--steps", "100000", "--step-seconds", "0.02"]
+    env = {"FLARE_PROFILE": "1"}
+    with ObservedJob(str(tmp_path), train_ddp.__file__, args, 2, "mcp-profile", env=env) as job:
+        allowed = ["--allow-dir", str(tmp_path), "--allow-profile"]
+        server = StdioServerParameters(command=FLARE_MCP[0], args=[*FLARE_MCP[1:], *allowed], cwd=str(REPO))
+        with connected(stdio_client(server)) as client:
+            tools = {tool.name: tool for tool in client.tools()}
+            assert set(tools) == TOOLS | {"profile"}
+            assert (
+                not tools["profile"].annotations.read_only_hint
+                and tools["diagnose"].annotations.read_only_hint
+            )
+            wait_for(lambda: len(list(Path(job.file_sd_dir).glob("*.json"))) == 2, 60, "the targets")
+            found = client.answer("profile", targets=job.file_sd_dir, ranks="1", steps=2)
+        job.release()
+    [row] = found["ranks"]
+    assert (row["rank"], row["state"], row["steps"]) == (1, "captured", 2) and row["bottleneck"]

@@ -13,10 +13,10 @@
                            where each rank's step time goes: phases, bottleneck class, MFU, seconds lost
     flare rules [--for D] [--selector M] [--scrape-interval D]   the Prometheus rules for this config
     flare mcp [--transport stdio|http] [--host 127.0.0.1] [--port N] [--token-file FILE] [--allow-dir DIR]
-              [--prometheus URL and its credentials' flags] [--targets ...] [--incidents ...]
+              [--allow-profile] [--prometheus URL and its credentials' flags] [--targets ...] [--incidents]
                            diagnose, ranks, hang, stragglers, canary, perf and report as read-only tools
-                           for agents over the Model Context Protocol (mcp_server.py; what a tool may
-                           read: mcp_policy.py; needs flare-exporter[mcp])
+                           for agents over the Model Context Protocol, and profile with --allow-profile
+                           (mcp_server.py; what a tool may read: mcp_policy.py; needs flare-exporter[mcp])
 
 `--prometheus` reads the Prometheus HTTP API (a fixed number of queries, whatever the rank count);
 `--targets` scrapes the ranks' /metrics directly: a file of host:port lines, a file_sd JSON file, or a
@@ -246,6 +246,11 @@ def _add_mcp_command(commands: Any) -> None:
         metavar="DIR",
         help="a directory whose files the tools' targets, incidents, flight_recorder may name (repeatable)",
     )
+    command.add_argument(
+        "--allow-profile",
+        action="store_true",
+        help="offer the profile tool too: it arms captures on the ranks, which costs their training time",
+    )
     sources = command.add_argument_group(
         "the server's own sources: what a tool that names none reads; their paths are always allowed"
     )
@@ -400,6 +405,8 @@ def answer(argv: list[str]) -> tuple[int, dict[str, Any]]:
     prints}. The MCP server's tools call it."""
     try:
         args = build_parser(_RefusingParser).parse_args(argv)
+        if args.command == "profile" and not args.on_alert:
+            return _profile_answer(args)
         if args.command not in ANSWERING:
             raise CommandError(EXIT_USAGE, f"flare {args.command}: not one of {', '.join(ANSWERING)}")
         found = _answer(args)
@@ -448,23 +455,45 @@ def _perf(args: argparse.Namespace) -> Answer:
 def _profile(args: argparse.Namespace) -> int:
     """`flare profile` (profile_command.py): its exit code; one line on stderr where it cannot go on."""
     try:
-        if not 0 < args.timeout <= 3600 or not 0 < args.wait <= 86400:
-            raise config_module.ConfigError("flags --timeout and --wait: seconds, above 0")
         if args.on_alert:
             return _profile_on_alert(args)
-        code, result, text = profile_command.answer(args, _prometheus_connection(args), _client(args))
-    except profile_command.ProfileError as error:
+        code, result, text = _profiled(args)
+    except CommandError as error:
         print(error, file=sys.stderr)
         return error.code
-    except ENGINE_ERRORS as error:
-        print(f"flare profile: {error}", file=sys.stderr)
-        return EXIT_USAGE
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else text)
     return code
 
 
+def _profile_answer(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """`flare profile --json` for answer() (the MCP server's profile tool): (exit code, JSON)."""
+    code, result, _ = _profiled(args)
+    return code, result
+
+
+def _profiled(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    """Ask the ranks and await their captures: (exit code, JSON, text); CommandError where it cannot."""
+    try:
+        if not 0 < args.timeout <= 3600 or not 0 < args.wait <= 86400:
+            raise config_module.ConfigError("flags --timeout and --wait: seconds, above 0")
+        return profile_command.answer(args, _prometheus_connection(args), _client(args))
+    except profile_command.ProfileError as error:
+        raise CommandError(error.code, str(error)) from None
+    except ENGINE_ERRORS as error:
+        raise CommandError(EXIT_USAGE, f"flare profile: {error}") from None
+
+
 def _profile_on_alert(args: argparse.Namespace) -> int:
-    """`flare profile --on-alert HOST:PORT` (profile_on_alert.py): receive until interrupted."""
+    """`flare profile --on-alert HOST:PORT` (profile_on_alert.py): receive until interrupted; 2 with one
+    line on a bad flag or an address it cannot listen on."""
+    try:
+        return _receive_alerts(args)
+    except ENGINE_ERRORS as error:
+        print(f"flare profile: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _receive_alerts(args: argparse.Namespace) -> int:
     from . import profile_on_alert
 
     host, _, port = args.on_alert.rpartition(":")
@@ -500,6 +529,7 @@ def _serve_mcp(args: argparse.Namespace) -> int:
             {name: getattr(args, name) for name in mcp_policy.SOURCES},
             _given_flags(args, [*prometheus_flags, ("--header", "prometheus_headers")]),
             _given_flags(args, RANKS_ACCESS_FLAGS),
+            args.allow_profile,
         )
     except (*ENGINE_ERRORS, mcp_policy.Refused) as error:
         print(f"flare mcp: {error}", file=sys.stderr)

@@ -27,7 +27,7 @@ from .incident_source import INCIDENTS_SUBDIRECTORY
 SOURCES = ("prometheus", "targets", "incidents", "flight_recorder")  # in the order a default is taken
 PATHS = ("targets", "incidents", "flight_recorder")  # the sources that are paths
 # the tools that scrape a targets file's ranks
-SCRAPING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf")
+SCRAPING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf", "profile")
 DEFAULT_PORTS = {"http": 80, "https": 443}
 ALLOW_HINT = "start `flare mcp` with --allow-dir DIR (or --targets, --incidents, --flight-recorder)"
 
@@ -48,6 +48,7 @@ class Policy:
     defaults: tuple[tuple[str, str], ...] = ()
     prometheus_flags: tuple[str, ...] = ()
     ranks_flags: tuple[str, ...] = ()
+    profile: bool = False  # --allow-profile: the `profile` tool, which acts on the ranks, is offered
 
     def arguments(self, tool: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """`arguments` as the server runs them: the server's default source where none is named, each path
@@ -139,6 +140,7 @@ def policy(
     sources: Mapping[str, str],
     prometheus_flags: Sequence[str] = (),
     ranks_flags: Sequence[str] = (),
+    profile: bool = False,
 ) -> Policy:
     """The Policy of a server started with --allow-dir `allowed`, its default `sources` ({source: value},
     any of SOURCES) and the `--flag=value` of its access flags; Refused for an --allow-dir that is not a
@@ -153,4 +155,4 @@ def policy(
     )
     roots = [os.path.realpath(directory) for directory in allowed]
     roots += [value for name, value in defaults if name in PATHS]
-    return Policy(tuple(dict.fromkeys(roots)), defaults, tuple(prometheus_flags), tuple(ranks_flags))
+    return Policy(tuple(dict.fromkeys(roots)), defaults, tuple(prometheus_flags), tuple(ranks_flags), profile)

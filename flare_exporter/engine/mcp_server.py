@@ -8,8 +8,11 @@ that command's source arguments under the flags' names (`targets` is --targets, 
 --hang-seconds), and returns the JSON object the command prints, computed by `cli.answer`; a usage, input
 or connection error, or a run it cannot decide, is a tool error carrying the one line `flare` prints.
 
-Nothing here acts on a cluster: the tools only read (Prometheus's API, the ranks' /metrics, incident files,
-flight-recorder dumps); `flare targets prune` and report's --out are not offered, and no tool writes a file.
+Nothing here acts on a cluster unless the person who starts it says so: the tools only read (Prometheus's
+API, the ranks' /metrics, incident files, flight-recorder dumps); `flare targets prune` and report's --out
+are not offered, and no tool writes a file. One tool acts, and only on a server started with
+--allow-profile: `profile` (`flare profile`) arms a capture of a few steps on chosen ranks, which costs
+their training time.
 What they may read, and where the server's credentials go, is the server's to say (mcp_policy.py): paths
 only inside --allow-dir directories, credentials only to the server's own --prometheus; over HTTP every
 request carries the server's bearer token.
@@ -57,6 +60,11 @@ Prometheus URL (`prometheus`), the ranks' file_sd directory (`targets`), an inci
 (`incidents`) or flight-recorder dumps (`flight_recorder`); with none, the server's own source is read.
 Paths are read only inside the directories the server allows (a refusal names them). Every tool only
 reads."""
+PROFILE_INSTRUCTIONS = """\
+This server was started with --allow-profile: `profile` captures a few optimizer steps with torch.profiler
+on chosen ranks (each rank's bottleneck class and its evidence; `compare` for two ranks). A capture costs
+those ranks' training time: ask the user before calling it, and name the ranks (a straggler and a healthy
+peer)."""
 
 TOOLS: dict[str, str] = {
     "diagnose": (
@@ -104,6 +112,18 @@ TOOLS: dict[str, str] = {
 }
 
 
+PROFILE_TOOL = (
+    'Capture a few optimizer steps with torch.profiler on the `ranks` named (e.g. "3,5": a straggler and '
+    "a healthy peer), reduced on their nodes: per rank the bottleneck class (input, communication, "
+    "transfer, launch or compute bound), the measurements that decided it and the summary (compute, "
+    "communication, copies, idle, top ops); with `compare` and two ranks, the ops whose time differs most. "
+    "Acts on the job: it costs those ranks' training time, and ranks started without profile: on refuse. "
+    "Only on a server started with --allow-profile."
+)
+READING = tuple(TOOLS)  # the tools that only read
+WITH_PROFILE = (*READING, "profile")
+
+
 @dataclass(frozen=True)
 class Argument:
     """A tool argument: the `flare` flag it becomes, its JSON schema, and the tools that take it."""
@@ -112,7 +132,7 @@ class Argument:
     flag: str
     description: str
     schema: Mapping[str, Any]
-    tools: tuple[str, ...] = tuple(TOOLS)
+    tools: tuple[str, ...] = READING
 
 
 DIAGNOSING = tuple(tool for tool in TOOLS if tool != "perf")  # the tools that judge: perf only breaks down
@@ -126,6 +146,7 @@ ARGUMENTS = (
         "--prometheus",
         "Prometheus base URL (or Thanos, Mimir, VictoriaMetrics), e.g. http://localhost:9090",
         TEXT,
+        WITH_PROFILE,
     ),
     Argument(
         "targets",
@@ -133,6 +154,7 @@ ARGUMENTS = (
         "scrape the ranks directly: their file_sd directory (FLARE_FILE_SD_DIR), a file_sd JSON file or "
         "a file of host:port lines; a run that is gone is read from the incident files beside it",
         TEXT,
+        WITH_PROFILE,
     ),
     Argument(
         "incidents", "--incidents", "the directory of the incident files a run's ranks left", TEXT, DIAGNOSING
@@ -146,7 +168,7 @@ ARGUMENTS = (
         DIAGNOSING,
     ),
     # which run, when, how long to look
-    Argument("run", "--run", "the run (needed when a source holds several)", TEXT),
+    Argument("run", "--run", "the run (needed when a source holds several)", TEXT, WITH_PROFILE),
     Argument(
         "at",
         "--at",
@@ -160,7 +182,7 @@ ARGUMENTS = (
         "Prometheus lookback, a duration such as 5m (default 5m; report: 10m)",
         TEXT,
     ),
-    Argument("timeout", "--timeout", "seconds per scrape or query (default 5)", NUMBER),
+    Argument("timeout", "--timeout", "seconds per scrape or query (default 5)", NUMBER, WITH_PROFILE),
     Argument(
         "hang_seconds",
         "--hang-seconds",
@@ -191,6 +213,25 @@ ARGUMENTS = (
         ("ranks",),
     ),
     Argument("top", "--top", "the first N ranks only", {"type": "integer", "minimum": 1}, ("ranks",)),
+    # what `profile` captures
+    Argument(
+        "ranks",
+        "--ranks",
+        "the ranks to capture, e.g. 3,5 (default: every rank, at most 64)",
+        TEXT,
+        ("profile",),
+    ),
+    Argument(
+        "steps",
+        "--steps",
+        "optimizer steps per capture (default 3)",
+        {"type": "integer", "minimum": 1, "maximum": 1000},
+        ("profile",),
+    ),
+    Argument("wait", "--wait", "seconds to wait for the captures to end (default 120)", NUMBER, ("profile",)),
+    Argument(
+        "compare", "--compare", "two ranks: the ops whose time per step differs most", FLAG, ("profile",)
+    ),
 )
 
 
@@ -211,7 +252,7 @@ class ArgumentError(Exception):
 def command_line(tool: str, arguments: Mapping[str, Any]) -> list[str]:
     """The `flare` argv that `tool` with `arguments` stands for (`--flag=value`, so that no value is read as
     a flag); ArgumentError for an unknown tool, an argument it does not take or a value of the wrong kind."""
-    if tool not in TOOLS:
+    if tool not in WITH_PROFILE:
         raise ArgumentError(f"flare mcp: no tool {tool!r}; the tools: {', '.join(TOOLS)}")
     taken = {argument.name: argument for argument in ARGUMENTS if tool in argument.tools}
     argv = [tool]
@@ -248,11 +289,16 @@ def call(
     one that says what the policy refused."""
     try:
         command_line(tool, arguments)  # an unknown tool or argument, a wrong kind: said before the policy
+        if tool == "profile" and not policy.profile:
+            raise Refused(
+                "flare mcp: the profile tool is off: a capture costs the ranks' training time, so only a "
+                "server started with --allow-profile offers it"
+            )
         allowed = policy.arguments(tool, arguments)
         code, result = answer(command_line(tool, allowed) + policy.flags(tool, allowed))
     except (ArgumentError, Refused) as error:
         return True, [str(error)], {}
-    if code not in ANSWERED:
+    if code not in ANSWERED and (tool != "profile" or "error" in result):  # profile: each rank's state
         return True, [result.get("error", f"flare {tool}: exit code {code}")], {}
     texts = [json.dumps(result, indent=2)]
     if tool == "report":
@@ -344,6 +390,7 @@ def build_server(answer: Answerer, policy: Policy) -> Server[Any]:
     import mcp_types as types
     from mcp.server import Server
 
+    offered = {**TOOLS, "profile": PROFILE_TOOL} if policy.profile else TOOLS
     tools = [
         types.Tool(
             name=name,
@@ -351,10 +398,13 @@ def build_server(answer: Answerer, policy: Policy) -> Server[Any]:
             description=description,
             input_schema=input_schema(name),
             annotations=types.ToolAnnotations(
-                read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True
+                read_only_hint=name != "profile",
+                destructive_hint=False,
+                idempotent_hint=name != "profile",
+                open_world_hint=True,
             ),
         )
-        for name, description in TOOLS.items()
+        for name, description in offered.items()
     ]
 
     async def list_tools(
@@ -379,7 +429,7 @@ def build_server(answer: Answerer, policy: Policy) -> Server[Any]:
         "flare",
         version=__version__,
         title="flare: which rank, and why?",
-        instructions=INSTRUCTIONS,
+        instructions=INSTRUCTIONS + ("\n" + PROFILE_INSTRUCTIONS if policy.profile else ""),
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
