@@ -7,6 +7,7 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,6 +124,28 @@ def test_only_the_newest_raw_traces_are_kept(tmp_path):
     traces = sorted(path.name for path in (tmp_path / "profiles").glob("*.trace.json"))
     summaries = sorted(path.name for path in (tmp_path / "profiles").glob("*.summary.json"))
     assert traces == ["run-1-rank3-capture2.trace.json"] and len(summaries) == 2
+
+
+def test_a_trace_is_exported_beside_the_kept_ones_and_a_killed_predecessors_scratch_is_removed(tmp_path):
+    profiles = tmp_path / "profiles"
+    stale, others = profiles / ".run-1-rank3-scratch-abc", profiles / ".run-1-rank4-scratch-abc"
+    for directory in (stale, others):
+        directory.mkdir(parents=True)
+        (directory / "trace.json").write_text('{"traceEvents": [')  # half-exported when it was killed
+    reducer = Recorded()
+    found = profiler(tmp_path, reducer)  # the same run and rank starting again
+    try:
+        assert not stale.exists() and others.exists()  # rank 4's is rank 4's to remove
+        found.request(1)
+        train(2)
+        ended(found)
+    finally:
+        found.uninstall()
+    assert sorted(path.name for path in profiles.iterdir()) == [
+        ".run-1-rank4-scratch-abc",
+        "run-1-rank3-capture1.summary.json",
+        "run-1-rank3-capture1.trace.json",
+    ]
 
 
 def call(app: Any, method: str, path: str, query: str = "", authorization: str = "") -> tuple[str, Any]:
@@ -299,3 +322,58 @@ def on_alert(job: ObservedJob, targets: str) -> tuple[list[dict], list[dict]]:
 
     lasts = [wait_for(lambda r=rank: ended(r), 60, f"rank {rank}'s capture") for rank in (0, 1)]
     return [json.loads(line) for line in out.getvalue().splitlines()], lasts
+
+
+# the jobs of tests/test_perf.py, run until released: each rank's capture, judged beside the others', is in
+# the class the perf monitor gives the job
+CLASSED = {
+    "input_bound": ["--data-workers", "1", "--slow-data-seconds", "0.06"],
+    "communication_bound": ["--width", "1536", "--batch", "1"],
+    "compute_bound": ["--batch", "2048"],
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("expected", sorted(CLASSED))
+def test_captures_of_real_jobs_are_classed_as_the_job_is(tmp_path, expected):
+    args = [*CLASSED[expected], "--steps", "100000"]
+    env = {"FLARE_PROFILE": "1"}
+    with ObservedJob(str(tmp_path), train_ddp.__file__, args, 4, expected, env=env) as job:
+        wait_for(lambda: len(list(Path(job.file_sd_dir).glob("*.json"))) == 4, 60, "the targets")
+        wait_for(
+            lambda: all((scrape.value(s, "flare_steps_total") or 0) >= 3 for s in _by_rank(job).values()),
+            120,
+            "3 steps on every rank",
+        )
+        code, report = flare_json("profile", "--targets", job.file_sd_dir, "--steps", "3", "--wait", "240")
+        job.release()
+    assert code == 0, report
+    classes = {row["rank"]: (row["bottleneck"], row["evidence"]["shares"]) for row in report["ranks"]}
+    print(expected, classes)
+    assert len(classes) == 4 and {bottleneck for bottleneck, _ in classes.values()} == {expected}, classes
+    assert all(row["evidence"]["peers"] == 3 for row in report["ranks"])  # judged beside the others
+
+
+@pytest.mark.multirank
+def test_a_rank_killed_mid_capture_leaves_nothing_half_written_and_flare_report_names_it(tmp_path):
+    """Rank 1 capturing 500 steps is killed (SIGKILL): its peers (gloo) end on the lost connection, and the
+    incident directory holds no half capture of it; `flare report` reads what the ranks left."""
+    env = {"FLARE_PROFILE": "1", "FLARE_PROFILE_MAX_STEPS": "1000"}
+    args = ["--steps", "100000", "--step-seconds", "0.02"]
+    with ObservedJob(str(tmp_path), train_ddp.__file__, args, 4, "killed", env=env) as job:
+        wait_for(lambda: len(list(Path(job.file_sd_dir).glob("*.json"))) == 4, 60, "the targets")
+        request = urllib.request.Request(f"http://{job.targets[1]}/profile?steps=500", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert reply.status == 202
+        wait_for(
+            lambda: (_profile_status(job.targets[1])["running"] or {}).get("state") == "capturing",
+            60,
+            "rank 1 to capture",
+        )
+        job.processes[1].kill()
+        codes = job.wait(120)
+    assert codes[1] == -9 and all(code != 0 for code in codes)  # gloo: the peers end on the lost rank
+    incidents = Path(job.file_sd_dir) / "incidents"
+    assert [*incidents.glob("profiles/killed-rank1*"), *incidents.glob("profiles/.killed-rank1*")] == []
+    code, report = flare_json("report", "--incidents", str(incidents), "--run", "killed")
+    assert code == 1 and report["verdicts"][0]["ranks"] == [1], report["verdicts"][:1]

@@ -25,7 +25,8 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from ..rank.profile_summary import compare
+from ..policies import ProfilePolicy
+from ..rank.profile_summary import TraceError, classify, compare
 from . import promql, scrape
 from .perf_command import add_source_arguments
 from .prometheus_source import matcher, the_run
@@ -144,10 +145,26 @@ def answer(args: argparse.Namespace, connection: Any, client: Client) -> tuple[i
         else:
             rows[rank] = {"rank": rank, "state": "refused", "status": status, "error": why(status, reply)}
     rows.update(_await(client, found, armed, args))
+    judged_beside_peers(rows)
     result: dict[str, Any] = {"run": run, "steps": args.steps, "ranks": [rows[rank] for rank in sorted(rows)]}
     if args.compare:
         result["compare"] = _compared(result["ranks"])
     return _exit_code(result["ranks"]), result, _text(result)
+
+
+def judged_beside_peers(rows: Mapping[int, dict[str, Any]]) -> None:
+    """Each captured rank's class judged again beside the other ranks' captures of the same steps (a rank
+    classes its capture alone: the time it waited in a collective for a slower peer looks like
+    communication to it). Where fewer than two captured, the ranks' own verdicts stand."""
+    captured = {rank: row for rank, row in rows.items() if row.get("state") == "captured"}
+    if len(captured) < 2:
+        return
+    for rank, row in captured.items():
+        peers = [other["summary"] for other_rank, other in captured.items() if other_rank != rank]
+        try:
+            row["bottleneck"], row["evidence"] = classify(row["summary"], ProfilePolicy(), peers)
+        except TraceError as error:  # a summary this flare cannot read: the rank's verdict stands
+            row["evidence"] = {**(row.get("evidence") or {}), "not_judged_beside_peers": str(error)}
 
 
 def _compared(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

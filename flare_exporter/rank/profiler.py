@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -114,6 +115,7 @@ class Profiler:
 
     def install(self) -> None:
         """Hook optimizer steps (profiling on only: off, no hook runs)."""
+        self.remove_stale_scratch()
         if self._handle is None:
             self._handle = register_optimizer_step_post_hook(self.on_step)
 
@@ -221,7 +223,9 @@ class Profiler:
         if running is None:
             return
         try:
-            with tempfile.TemporaryDirectory(prefix="flare-profile-") as scratch:
+            with tempfile.TemporaryDirectory(
+                prefix=self._scratch_prefix(), dir=self._scratch_parent()
+            ) as scratch:
                 path = os.path.join(scratch, "trace.json")
                 profile.export_chrome_trace(path)
                 with open(path) as handle:
@@ -240,6 +244,23 @@ class Profiler:
         except Exception as error:
             self.health.error("profiler", error)
             self._end(state="failed", error=f"{type(error).__name__}: {error}"[:300])
+
+    def _scratch_parent(self) -> str | None:
+        """Where a trace is exported before it is reduced: beside the kept ones (a rank killed while it
+        exports leaves its scratch there, removed when the same rank starts again), else the temp dir."""
+        if not self.directory:
+            return None
+        os.makedirs(self.directory, exist_ok=True)
+        return self.directory
+
+    def _scratch_prefix(self) -> str:
+        return f".{self.name}-scratch-"
+
+    def remove_stale_scratch(self) -> None:
+        """Remove what a killed predecessor of this rank (same run and rank) left half-exported."""
+        if self.directory and os.path.isdir(self.directory):
+            for stale in Path(self.directory).glob(self._scratch_prefix() + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _keep(self, trace: str, capture: int, summary: Mapping[str, Any]) -> str:
         """Write the summary beside the incident files, and the raw trace if small enough; remove the
