@@ -403,6 +403,17 @@ class Config:
     profile_max_trace_bytes: int = _setting(
         64 * 1024 * 1024, "The largest raw trace kept on disk.", *_between(0, 2**40)
     )
+    experiment_trackers: str = _setting(
+        "auto",
+        "auto: the perf monitor's summary (step time, MFU, phase shares, bottleneck) and each capture's "
+        "verdict also go to the experiment tracker the script made active (TensorBoard's SummaryWriter, "
+        "a wandb run); off: to none.",
+        lambda value: value in ("auto", "off"),
+        "auto or off",
+    )
+    tracker_interval_seconds: float = _setting(
+        60.0, "Seconds between two perf summaries sent to the experiment trackers.", *_between(1, 86400)
+    )
     profile_on_anomaly: bool = _setting(
         False,
         "With profile on: a rank that its own signals show as a straggler (policies.ProfileTriggerPolicy), "

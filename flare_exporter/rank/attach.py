@@ -16,7 +16,7 @@ import torch.distributed
 from prometheus_client import CollectorRegistry
 
 from .. import config as config_module
-from . import cpp_recorder, file_sd, gpu_health, identity, process_group, profile_trigger
+from . import cpp_recorder, file_sd, gpu_health, identity, process_group, profile_trigger, trackers
 from .canary import Canary
 from .collectors import Collector
 from .collectors.canary import CanaryCollector
@@ -282,6 +282,7 @@ def attach(config: config_module.Config | None = None) -> Attachment:
     if state.canary is not None:  # its step hook after the step counter's: it reads the step just counted
         state.canary.install()
     state.profiler = make_profiler(state)
+    trackers.make_trackers(state)
     state.manager.start()
     incidents = IncidentWriter(state)
     incidents.install()
