@@ -357,6 +357,12 @@ class Config:
     canary_storage_max_seconds: float = _setting(
         2.0, "Longest the canary reads from each storage path.", *_between(0.01, 600)
     )
+    canary_confirm_runs: int = _setting(
+        2,
+        "Preflight runs repeated, at most, while a rank fails: the job is judged on each rank's best value "
+        "of the runs, so a rank fails (and `enforce` stops the start) only where every run failed it.",
+        *_between(0, 10),
+    )
     canary_interval_steps: int = _setting(
         0,
         "Repeat a smaller canary (GEMM, intra-host all-reduce) after every this many optimizer steps, at "

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ from .canary_verdict import (
     Key,
     Policy,
     RankResults,
+    best_of,
+    confirmed,
     describe,
     judge,
     medians,
@@ -117,6 +119,7 @@ class Canary:
         self.device = torch.device("cpu")
         self.trackers: dict[Key, DriftTracker] = {}
         self.preflight_done = False
+        self.confirm_runs = 0  # the preflight's runs: 1, or more where a rank failed the first
         self._last_in_flight_step = 0
         self._pre_hook: Any = None
         self._post_hook: Any = None
@@ -174,20 +177,36 @@ class Canary:
             self.health.error("canary", error)
             log.warning("flare canary: preflight not completed: %s: %s", type(error).__name__, error)
             return
-        self._count_run(PREFLIGHT, time.perf_counter() - started)
+        self._count_run(PREFLIGHT, time.perf_counter() - started, self.confirm_runs)
         self._report(failures)
 
     def _preflight(self) -> list[Failure]:
+        """Measure, judge; while a rank fails, every rank measures again (at most canary_confirm_runs
+        more), and the job is judged on each rank's best value of the runs so far: a rank fails only where
+        it failed in every run. Every rank judges the same gathered values, so all repeat together."""
         self.device = self._device()
         self.groups = self._make_groups()
+        policy = policy_of(self.config)
         values = self._measure_preflight(self.groups)
+        results = self._gathered(values)
+        failures = judge(results, policy)
+        runs = 1
+        while failures and runs <= self.config.canary_confirm_runs:
+            values = best_of(values, self._measure_preflight(self.groups))
+            results = self._gathered(values)
+            failures = judge(results, policy)
+            runs += 1
+        self.confirm_runs = runs
+        self._record_preflight(self.identity().rank, values, results, failures)
+        return failures
+
+    def _gathered(self, values: dict[Key, float]) -> list[RankResults]:
+        """Every rank's values (this rank's: `values`), gathered over the canary's world group."""
+        assert self.groups is not None
         me = self.identity()
         gathered: list[Any] = [None] * dist.get_world_size(self.groups.world)
         dist.all_gather_object(gathered, (me.rank, me.host, values), group=self.groups.world)
-        results = [RankResults(rank, host, dict(found)) for rank, host, found in gathered]
-        failures = judge(results, policy_of(self.config))
-        self._record_preflight(me.rank, values, results, failures)
-        return failures
+        return [RankResults(rank, host, dict(found)) for rank, host, found in gathered]
 
     def _device(self) -> torch.device:
         if dist.get_backend() == "nccl" and torch.cuda.is_available():
@@ -269,8 +288,8 @@ class Canary:
         if self.config.canary == "enforce":
             if speaks:
                 print(
-                    f"flare canary: preflight failed: {describe(primary)}; exiting with status "
-                    f"{spec.CANARY_EXIT_CODE}",
+                    f"flare canary: preflight failed: {describe(primary)}; "
+                    f"{confirmed(failures, self.confirm_runs)}; exiting with status {spec.CANARY_EXIT_CODE}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -281,23 +300,27 @@ class Canary:
             os._exit(spec.CANARY_EXIT_CODE)
         if speaks:
             log.warning(
-                "flare canary: preflight failed: %s (canary=warn: training goes on)", describe(primary)
+                "flare canary: preflight failed: %s; %s (canary=warn: training goes on)",
+                describe(primary),
+                confirmed(failures, self.confirm_runs),
             )
 
     # in flight
 
     def in_flight(self) -> None:
         """The smaller set: a short GEMM and a small all-reduce on the rank's host group, each folded into
-        its moving average against the preflight value."""
+        its moving average against the preflight value, and compared with the job's median of the same
+        run (gathered: every rank runs it at the same step)."""
         if self.groups is None:
             return
         started = time.perf_counter()
         try:
             values = self._measure_in_flight(self.groups)
+            job_medians = medians(self._gathered(values))
         except Exception as error:
             self.health.error("canary", error)
             return
-        self._record_in_flight(values)
+        self._record_in_flight(values, job_medians)
         self._count_run(IN_FLIGHT, time.perf_counter() - started)
 
     def _measure_in_flight(self, groups: CanaryGroups) -> dict[Key, float]:
@@ -316,15 +339,20 @@ class Canary:
                 values["allreduce_busbw", scope] = busbw
         return values
 
-    def _record_in_flight(self, values: dict[Key, float]) -> None:
+    def _record_in_flight(self, values: dict[Key, float], job_medians: Mapping[Key, float]) -> None:
+        """Fold `values` in; a measurement fails in flight below its hard threshold (of its own preflight
+        value) and below the relative floor of the job's median of the same run: a load that slows every
+        rank alike (a busy host, a job-wide change) is not one rank's failure."""
         failed = {entry for entry in self.snapshot.failed if entry[2] != IN_FLIGHT}
         ewma, drift = dict(self.snapshot.ewma_ratio), dict(self.snapshot.drift)
+        floor = self.config.canary_relative_floor
         for key, value in values.items():
             tracker = self.trackers.get(key)
             if tracker is None:
                 continue
             below_hard, drifted = tracker.update(value)
-            if below_hard:
+            below_peers = not floor or value < floor * job_medians.get(key, 0.0)
+            if below_hard and below_peers:
                 failed.add((*key, IN_FLIGHT))
             if drifted and not drift.get(key):
                 log.warning(
@@ -338,8 +366,8 @@ class Canary:
             self.snapshot, in_flight=dict(values), failed=frozenset(failed), ewma_ratio=ewma, drift=drift
         )
 
-    def _count_run(self, phase: str, seconds: float) -> None:
+    def _count_run(self, phase: str, seconds: float, count: int = 1) -> None:
         runs = dict(self.snapshot.runs)
-        runs[phase] = runs.get(phase, 0) + 1
+        runs[phase] = runs.get(phase, 0) + count
         durations = {**self.snapshot.durations, phase: seconds}
         self.snapshot = dataclasses.replace(self.snapshot, runs=runs, durations=durations)

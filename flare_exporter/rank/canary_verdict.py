@@ -133,6 +133,17 @@ def judge(results: Sequence[RankResults], policy: Policy) -> list[Failure]:
     )
 
 
+def best_of(first: Mapping[Key, float], again: Mapping[Key, float]) -> dict[Key, float]:
+    """Each measurement's best of two runs (every one is better higher: a throughput, a health ratio)."""
+    return {key: max(value, again.get(key, value)) for key, value in first.items()}
+
+
+def confirmed(failures: Sequence[Failure], runs: int) -> str:
+    """What a verdict says of how it was confirmed: the runs whose best values still failed."""
+    measurements = sorted({f"{failure.measurement} [{failure.scope}]" for failure in failures})
+    return f"confirmed by {runs} runs (best of each): {', '.join(measurements)}"
+
+
 UNITS = {"gemm_flops": "FLOP/s"}
 
 
