@@ -1,0 +1,121 @@
+"""The fault scenarios that matter most, with every core of the host loaded: the same verdicts, ranks and
+causes as on a quiet host (tests/test_scenarios.py, tests/test_post_mortem.py run them quiet).
+
+Real nodes are never quiet: data-loader workers, checkpoint writers, other jobs' processes share the
+cores. `busy_host` runs one busy process per core and one more (a run queue longer than the cores) for the
+test, each ending by itself after BUSY_SECONDS at most. The jobs are judged from the ranks (`--targets`):
+live where they live, post-mortem from the files they left where they are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import flare_json, without_stragglers
+
+from flare_exporter.engine import cli, scrape
+from flare_exporter.local.jobs import ObservedJob
+from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.workloads import train_ddp
+
+pytestmark = pytest.mark.multirank
+
+RANKS, FAULT_RANK, FAULT_STEP, HANG_SECONDS = 4, 2, 15, 3
+BUSY_SECONDS = 300
+SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.fixture
+def busy_host() -> Iterator[int]:
+    """Every core busy for the test: one spinning process per core and one more; their count."""
+    count = (os.cpu_count() or 1) + 1
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=BUSY_SECONDS)]) for _ in range(count)
+    ]
+    yield count
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait(timeout=10)
+
+
+def start(tmp_path: Path, run: str, *fault: str) -> ObservedJob:
+    env = {"FLARE_STALL_SECONDS": "1", "FLARE_HANG_SECONDS": str(HANG_SECONDS), "FLARE_LINGER_SECONDS": "60"}
+    hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
+    args = ["--steps", "100000", "--step-seconds", "0.02", "--fault-step", str(FAULT_STEP), *fault]
+    return ObservedJob(str(tmp_path), train_ddp.__file__, args, RANKS, run, env=env, rank_env=hosts)
+
+
+def verdicts(job: ObservedJob, run: str) -> tuple[int, list[dict]]:
+    code, report = flare_json(
+        "diagnose", "--targets", job.file_sd_dir, "--run", run, "--timeout", "5", "--hang-seconds", "3"
+    )
+    return code, without_stragglers(report.get("verdicts", []))
+
+
+def first_verdict(job: ObservedJob, run: str, kind: str, ranks: list[int], budget: float = 120) -> dict:
+    seen: list[list[dict]] = []
+
+    def named() -> dict | None:
+        code, found = verdicts(job, run)
+        seen.append(found)
+        if code == cli.EXIT_ANOMALY and found and (found[0]["kind"], found[0]["ranks"]) == (kind, ranks):
+            return found[0]
+        return None
+
+    try:
+        return wait_for(named, budget, f"{kind} {ranks} named")
+    except TimeoutError:
+        pytest.fail(f"never named {kind} {ranks} on a busy host; last: {seen[-1:]}")
+
+
+def stepped(job: ObservedJob, steps: int) -> None:
+    def every_rank() -> bool:
+        found = scrape.scrape_all(job.targets, timeout=5)
+        return all(
+            isinstance(samples, list) and (scrape.value(samples, "flare_steps_total") or 0) >= steps
+            for samples in found.values()
+        )
+
+    wait_for(every_rank, 180, f"every rank to take {steps} steps on a busy host")
+
+
+def test_a_stuck_rank_is_named_with_every_core_busy(tmp_path, busy_host):
+    with start(tmp_path, "busy-stuck", "--fault", "stuck", "--fault-rank", str(FAULT_RANK)) as job:
+        verdict = first_verdict(job, "busy-stuck", "hang", [FAULT_RANK])
+        assert "stuck_in_compute" in verdict["summary"], verdict["summary"]
+        job.release()
+
+
+def test_a_killed_rank_is_named_down_with_every_core_busy(tmp_path, busy_host):
+    with start(tmp_path, "busy-killed") as job:
+        stepped(job, 5)
+        job.processes[FAULT_RANK].send_signal(signal.SIGKILL)
+        first_verdict(job, "busy-killed", "rank_down", [FAULT_RANK])
+        job.release()
+
+
+def test_a_rank_that_raises_is_named_with_its_cause_with_every_core_busy(tmp_path, busy_host):
+    """The rank's exception is in its incident file before it exits, however loaded the host and however
+    fast its peers die of gloo errors: the post-mortem names it and why."""
+    with start(tmp_path, "busy-raise", "--fault", "raise", "--fault-rank", str(FAULT_RANK)) as job:
+        job.wait(180)
+        code, report = flare_json("diagnose", "--targets", job.file_sd_dir, "--run", "busy-raise")
+    assert report.get("post_mortem"), report
+    assert code == cli.EXIT_ANOMALY and report["verdicts"], report
+    first = report["verdicts"][0]
+    assert (first["ranks"], first["cause"]) == ([FAULT_RANK], "software_exception"), first
+
+
+def test_a_healthy_job_has_no_verdict_with_every_core_busy(tmp_path, busy_host):
+    with start(tmp_path, "busy-healthy") as job:
+        stepped(job, 40)
+        code, found = verdicts(job, "busy-healthy")
+        assert (code, found) == (cli.EXIT_OK, []), found
+        job.release()
+        assert job.wait(120) == [0] * RANKS
