@@ -82,9 +82,14 @@ def test_a_scripts_tensorboard_and_wandb_run_get_the_perf_summary_and_the_captur
                 return None
             events = EventAccumulator(str(runs[0]), size_guidance={"tensors": 0, "scalars": 0})
             events.Reload()
-            return events if "flare/profile/verdict/text_summary" in events.Tags()["tensors"] else None
+            tags = events.Tags()
+            both = (
+                "flare/profile/verdict/text_summary" in tags["tensors"]
+                and "flare/step_seconds" in tags["scalars"]
+            )
+            return events if both else None
 
-        events = wait_for(verdict_written, 60, "the capture's verdict in rank 0's TensorBoard run")
+        events = wait_for(verdict_written, 60, "the perf summary and the capture's verdict in rank 0's run")
         job.release()
         assert job.wait(120) == [0, 0]
     scalars = set(events.Tags()["scalars"])
