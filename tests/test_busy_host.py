@@ -44,10 +44,10 @@ def busy_host() -> Iterator[int]:
         spinner.wait(timeout=10)
 
 
-def start(tmp_path: Path, run: str, *fault: str) -> ObservedJob:
+def start(tmp_path: Path, run: str, *fault: str, steps: int = 100_000) -> ObservedJob:
     env = {"FLARE_STALL_SECONDS": "1", "FLARE_HANG_SECONDS": str(HANG_SECONDS), "FLARE_LINGER_SECONDS": "60"}
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
-    args = ["--steps", "100000", "--step-seconds", "0.02", "--fault-step", str(FAULT_STEP), *fault]
+    args = ["--steps", str(steps), "--step-seconds", "0.02", "--fault-step", str(FAULT_STEP), *fault]
     return ObservedJob(str(tmp_path), train_ddp.__file__, args, RANKS, run, env=env, rank_env=hosts)
 
 
@@ -113,7 +113,7 @@ def test_a_rank_that_raises_is_named_with_its_cause_with_every_core_busy(tmp_pat
 
 
 def test_a_healthy_job_has_no_verdict_with_every_core_busy(tmp_path, busy_host):
-    with start(tmp_path, "busy-healthy") as job:
+    with start(tmp_path, "busy-healthy", steps=50) as job:
         stepped(job, 40)
         code, found = verdicts(job, "busy-healthy")
         assert (code, found) == (cli.EXIT_OK, []), found
