@@ -44,8 +44,12 @@ def busy_host() -> Iterator[int]:
         spinner.wait(timeout=10)
 
 
-def start(tmp_path: Path, run: str, *fault: str, steps: int = 100_000) -> ObservedJob:
-    env = {"FLARE_STALL_SECONDS": "1", "FLARE_HANG_SECONDS": str(HANG_SECONDS), "FLARE_LINGER_SECONDS": "60"}
+def start(tmp_path: Path, run: str, *fault: str, steps: int = 100_000, linger: int = 60) -> ObservedJob:
+    env = {
+        "FLARE_STALL_SECONDS": "1",
+        "FLARE_HANG_SECONDS": str(HANG_SECONDS),
+        "FLARE_LINGER_SECONDS": str(linger),
+    }
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
     args = ["--steps", str(steps), "--step-seconds", "0.02", "--fault-step", str(FAULT_STEP), *fault]
     return ObservedJob(str(tmp_path), train_ddp.__file__, args, RANKS, run, env=env, rank_env=hosts)
@@ -103,10 +107,14 @@ def test_a_killed_rank_is_named_down_with_every_core_busy(tmp_path, busy_host):
 def test_a_rank_that_raises_is_named_with_its_cause_with_every_core_busy(tmp_path, busy_host):
     """The rank's exception is in its incident file before it exits, however loaded the host and however
     fast its peers die of gloo errors: the post-mortem names it and why."""
-    with start(tmp_path, "busy-raise", "--fault", "raise", "--fault-rank", str(FAULT_RANK)) as job:
-        job.wait(180)
-        code, report = flare_json("diagnose", "--targets", job.file_sd_dir, "--run", "busy-raise")
-    assert report.get("post_mortem"), report
+    fault = ("--fault", "raise", "--fault-rank", str(FAULT_RANK))
+    with start(tmp_path, "busy-raise", *fault, linger=5) as job:
+
+        def post_mortem() -> tuple[int, dict] | None:
+            code, report = flare_json("diagnose", "--targets", job.file_sd_dir, "--run", "busy-raise")
+            return (code, report) if report.get("post_mortem") else None
+
+        code, report = wait_for(post_mortem, 150, "every rank gone and the run judged from its files")
     assert code == cli.EXIT_ANOMALY and report["verdicts"], report
     first = report["verdicts"][0]
     assert (first["ranks"], first["cause"]) == ([FAULT_RANK], "software_exception"), first
