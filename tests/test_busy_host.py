@@ -127,3 +127,50 @@ def test_a_healthy_job_has_no_verdict_with_every_core_busy(tmp_path, busy_host):
         assert (code, found) == (cli.EXIT_OK, []), found
         job.release()
         assert job.wait(120) == [0] * RANKS
+
+
+def test_a_straggler_is_named_with_every_core_busy(tmp_path, busy_host):
+    """Rank 2 sleeps 40 ms in every step (paced at 100 ms): the busy cores slow every rank, rank 2 most."""
+    slow = ["--slow-rank", str(FAULT_RANK), "--slowdown", "40", "--slow-by", "sleep", "--slow-from-step", "0"]
+    with start(tmp_path, "busy-straggler", *slow, "--step-seconds", "0.1") as job:
+        seen: list[dict] = []
+
+        def named() -> dict | None:
+            code, report = flare_json("diagnose", "--targets", job.file_sd_dir, "--run", "busy-straggler")
+            seen.append(report)
+            stragglers = [v for v in report.get("verdicts", []) if v["kind"] == "straggler"]
+            return stragglers[0] if stragglers and stragglers[0]["ranks"] == [FAULT_RANK] else None
+
+        try:
+            wait_for(named, 150, "the straggler named on a busy host")
+        except TimeoutError:
+            pytest.fail(f"never named rank {FAULT_RANK}; last: {seen[-1:]}")
+        job.release()
+
+
+def test_a_rank_whose_interpreter_is_contended_is_named_by_its_host_side_latency_with_every_core_busy(
+    tmp_path, busy_host
+):
+    """Eight threads spinning in rank 1's own interpreter (its GIL contended) beside the busy cores: an
+    issue-latency regression of rank 1, host side, as on a quiet host (tests/test_ild_scenarios.py)."""
+    from test_ild_scenarios import FAKE_KERNELS, ILD_ENV
+
+    fault = ["--fault", "contention", "--contention-threads", "8", "--fault-rank", "1", "--fault-step", "40"]
+    args = ["--steps", "100000", *FAKE_KERNELS, *fault]
+    with ObservedJob(str(tmp_path), train_ddp.__file__, args, RANKS, "busy-gil", env=ILD_ENV) as job:
+        seen: list[dict] = []
+
+        def named() -> dict | None:
+            code, report = flare_json("diagnose", "--targets", job.file_sd_dir, "--run", "busy-gil")
+            seen.append(report)
+            ild = [v for v in report.get("verdicts", []) if v["kind"] == "ild_regression"]
+            return ild[0] if ild and ild[0]["ranks"] == [1] else None
+
+        try:
+            verdict = wait_for(named, 150, "rank 1's issue-latency regression on a busy host")
+        except TimeoutError:
+            pytest.fail(
+                f"never named rank 1; last: {[(v['kind'], v['ranks']) for v in seen[-1]['verdicts']]}"
+            )
+        assert {"host_dispatch", "host_gap"} & set(verdict["evidence"]["distributions"]), verdict["evidence"]
+        job.release()
