@@ -9,10 +9,7 @@ live where they live, post-mortem from the files they left where they are gone.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,26 +19,20 @@ from conftest import flare_json, without_stragglers
 from flare_exporter.engine import cli, scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import wait_for
+from flare_exporter.local.testing.load import BusyCores
 from flare_exporter.local.workloads import train_ddp
 
 pytestmark = pytest.mark.multirank
 
 RANKS, FAULT_RANK, FAULT_STEP, HANG_SECONDS = 4, 2, 15, 3
 BUSY_SECONDS = 300
-SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
 @pytest.fixture
 def busy_host() -> Iterator[int]:
-    """Every core busy for the test: one spinning process per core and one more; their count."""
-    count = (os.cpu_count() or 1) + 1
-    spinners = [
-        subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=BUSY_SECONDS)]) for _ in range(count)
-    ]
-    yield count
-    for spinner in spinners:
-        spinner.kill()
-        spinner.wait(timeout=10)
+    """Every core busy for the test (BusyCores: one spinning process per core and one more); their count."""
+    with BusyCores(seconds=BUSY_SECONDS) as busy:
+        yield busy.count
 
 
 def start(tmp_path: Path, run: str, *fault: str, steps: int = 100_000, linger: int = 60) -> ObservedJob:

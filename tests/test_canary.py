@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from flare_exporter.engine import cli, scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
+from flare_exporter.local.testing.load import DutyCycle
 from flare_exporter.local.workloads import train_ddp
 from flare_exporter.rank import canary_measure, gpu_health
 from flare_exporter.rank.canary_verdict import (
@@ -261,63 +259,6 @@ def test_the_cpu_gemm_is_timed_in_wall_time():
 
 
 # --- real jobs --------------------------------------------------------------------------------------------
-
-
-THROTTLER = """
-import os, select, signal, sys
-
-pid, stopped, running = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-
-
-def wait(seconds):  # a new "stopped running" line on stdin cuts it short; its end stops the throttler
-    global stopped, running
-    if select.select([0], [], [], seconds)[0]:
-        lines = os.read(0, 4096)
-        if not lines:
-            raise SystemExit
-        stopped, running = map(float, lines.splitlines()[-1].split())
-
-
-try:
-    while True:
-        os.kill(pid, signal.SIGSTOP)
-        wait(stopped)
-        os.kill(pid, signal.SIGCONT)
-        wait(running)
-except ProcessLookupError:
-    pass
-finally:
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-"""
-
-
-class DutyCycle:
-    """Stops process `pid` for `stopped` seconds out of every `stopped + running`, until stop(): its CPU time
-    throttled from outside, as a cgroup quota would. From a process of its own: a thread of the test's
-    would stop and continue it late whenever the test's other threads hold the interpreter's lock."""
-
-    def __init__(self, pid: int, stopped: float = 0.09, running: float = 0.01) -> None:
-        self.pid = pid
-        command = [sys.executable, "-c", THROTTLER, str(pid), str(stopped), str(running)]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
-
-    def throttle(self, share: float, period: float = 0.1) -> None:
-        """From now on, let the process run `share` of every `period` seconds."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{(1 - share) * period} {share * period}\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> None:
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
-        self.process.wait(timeout=30)
-        try:
-            os.kill(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def canary_job(tmp_path, mode: str, **extra: str) -> ObservedJob:

@@ -62,8 +62,8 @@ class Launcher:
 
 
 def gpu_trace(steps: int = 2) -> dict[str, Any]:
-    """`steps` steps (two) of 1000 us. Per step, from its start (us): the data loader 0-40; on the device a memcpy
-    HtoD 50-100, a GEMM 100-400, an NCCL all-reduce 300-600 on its own stream (100 under the GEMM), 20
+    """`steps` steps (two) of 1000 us. Per step, from its start (us): the data loader 0-40; on the device a
+    memcpy HtoD 50-100, a GEMM 100-400, an NCCL all-reduce 300-600 on its own stream (100 under the GEMM), 20
     kernels of 5 us every 10 us from 600, a GEMM 800-900, a memcpy DtoH 900-920, a memset 920-930.
     Launch delays: 8 us for the short kernels, 30 for the GEMMs, 50 for NCCL."""
     launcher = Launcher()
