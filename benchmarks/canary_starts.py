@@ -1,14 +1,12 @@
 """The canary under `enforce` on a busy host: healthy starts it lets through, throttled ranks it stops.
 
-    python benchmarks/canary_starts.py [--healthy 20] [--throttled 5] [--share 0.3] [--busy N]
-                                       [--confirm-runs N] [--json OUT]
+    python benchmarks/canary_starts.py [--healthy 20] [--throttled 5] [--share 0.3] [--busy N] [--json OUT]
 
 Each start is a real 4-rank gloo job of flare's DDP workload under the launcher, `canary: enforce`, with
 every core of the host busy beside it (`--busy` spinning processes; default one per core and one more,
 BusyCores). A healthy start trains 30 steps and ends 0; a stopped one ends 75 on every rank. In the throttled
 starts rank 2 runs `--share` of every 100 ms (DutyCycle, as a cgroup quota would): the canary must stop the
-start and name rank 2 in its one line. `--confirm-runs` sets canary_confirm_runs (0: judged on one run, as
-before confirmation).
+start and name rank 2 in its one line.
 
 Reported: healthy starts stopped (goal 0), throttled starts stopped naming rank 2 (goal all), the
 preflight's runs per start (1, or more where a rank failed its first), and the stop lines. Exit status 0
@@ -34,13 +32,13 @@ RANKS, THROTTLED, STEPS = 4, 2, 30
 ENV = {"FLARE_CANARY": "enforce", "FLARE_CANARY_COMPUTE_SECONDS": "0.5"}
 
 
-def start(work: Path, index: int, share: float, env: dict[str, str]) -> dict:
+def start(work: Path, index: int, share: float) -> dict:
     """One start: its exit codes, its preflight runs (as rank 0 exported them) and the canary's stop line."""
     run = f"start-{index}"
     (work / run).mkdir()
     args = ["--steps", str(STEPS), "--step-seconds", "0.02"]
     runs = None
-    with ObservedJob(str(work / run), train_ddp.__file__, args, RANKS, run, env=env) as job:
+    with ObservedJob(str(work / run), train_ddp.__file__, args, RANKS, run, env=ENV) as job:
         throttle = DutyCycle(job.processes[THROTTLED].pid) if share else None
         if throttle is not None:
             throttle.throttle(share)
@@ -71,19 +69,15 @@ def main() -> int:
     parser.add_argument("--throttled", type=int, default=5)
     parser.add_argument("--share", type=float, default=0.3)
     parser.add_argument("--busy", type=int, default=0)
-    parser.add_argument("--confirm-runs", type=int, default=-1, help="canary_confirm_runs (default: flare's)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    env = dict(ENV)
-    if args.confirm_runs >= 0:
-        env["FLARE_CANARY_CONFIRM_RUNS"] = str(args.confirm_runs)
     work = Path(tempfile.mkdtemp(prefix="canary-starts-"))
     results: dict[str, list[dict]] = {"healthy": [], "throttled": []}
     with BusyCores(args.busy, seconds=3600) as busy:
         print(f"{busy.count} busy processes beside each start", flush=True)
         for index in range(args.healthy + args.throttled):
             kind = "healthy" if index < args.healthy else "throttled"
-            found = start(work, index, 0.0 if kind == "healthy" else args.share, env)
+            found = start(work, index, 0.0 if kind == "healthy" else args.share)
             results[kind].append(found)
             print(kind, index, found["codes"], found["preflight_runs"], found["line"][:160], flush=True)
     stopped = [r for r in results["healthy"] if spec.CANARY_EXIT_CODE in r["codes"]]

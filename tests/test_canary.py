@@ -161,28 +161,6 @@ def test_in_flight_a_rank_fails_only_below_its_own_baseline_and_the_jobs_median_
     assert canary.snapshot.failed == frozenset()
 
 
-def test_a_cpu_gemm_slowed_by_a_busy_hosts_scheduler_is_excused_a_throttled_one_is_not(tmp_path):
-    from flare_exporter.rank.canary_measure import runnable_processes
-    from flare_exporter.rank.canary_verdict import busy_host_failures
-
-    failures = judge(results([10.0, 4.0, 11.0, 3.0, 10.0], [5e8, 1e8, 5e8, 5e8, 5e8]), POLICY)
-    assert [(f.rank, f.measurement) for f in failures] == [
-        (3, "gemm_flops"),
-        (1, "gemm_flops"),
-        (1, "storage_read"),
-    ]
-    # 7 runnable on 2 cores: a fair share of 0.29 of a core; rank 1 got 0.25 of it, rank 3 (a quota) 0.08
-    stand, excused = busy_host_failures(failures, {1: (0.25, 0.29), 3: (0.08, 0.29)})
-    assert [(f.rank, f.measurement) for f in stand] == [(3, "gemm_flops"), (1, "storage_read")]
-    assert [(f.rank, f.measurement) for f in excused] == [(1, "gemm_flops")]
-    quiet = busy_host_failures(failures, {1: (0.95, 1.0)})[0]  # a core each: the scheduler is no excuse
-    assert quiet == failures and busy_host_failures(failures, {})[0] == failures  # GPUs: no shares
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  1 2 3\nprocs_running 7\nprocs_blocked 0\n")
-    assert runnable_processes(str(stat)) == 7 and runnable_processes(str(tmp_path / "none")) is None
-    assert (runnable_processes() or 0) >= 1  # this host's, this process among them
-
-
 def test_the_moving_average_flags_a_growing_degradation_before_the_hard_threshold():
     tracker = DriftTracker(baseline=100.0, alpha=0.3, band=0.2, hard_fraction=0.5)
     drifted_at = hard_at = None

@@ -45,7 +45,6 @@ from .canary_verdict import (
     Policy,
     RankResults,
     best_of,
-    busy_host_failures,
     confirmed,
     describe,
     judge,
@@ -121,7 +120,6 @@ class Canary:
         self.trackers: dict[Key, DriftTracker] = {}
         self.preflight_done = False
         self.confirm_runs = 0  # the preflight's runs: 1, or more where a rank failed the first
-        self.cpu_share: tuple[float, float] | None = None  # the last CPU GEMM's (CPU s/s, fair share)
         self._last_in_flight_step = 0
         self._pre_hook: Any = None
         self._post_hook: Any = None
@@ -190,37 +188,17 @@ class Canary:
         self.groups = self._make_groups()
         policy = policy_of(self.config)
         values = self._measure_preflight(self.groups)
-        results, failures = self._judged(values, policy)
+        results = self._gathered(values)
+        failures = judge(results, policy)
         runs = 1
         while failures and runs <= self.config.canary_confirm_runs:
             values = best_of(values, self._measure_preflight(self.groups))
-            results, failures = self._judged(values, policy)
+            results = self._gathered(values)
+            failures = judge(results, policy)
             runs += 1
         self.confirm_runs = runs
         self._record_preflight(self.identity().rank, values, results, failures)
         return failures
-
-    def _judged(self, values: dict[Key, float], policy: Policy) -> tuple[list[RankResults], list[Failure]]:
-        """Every rank's results, and the failures that stand: not a CPU GEMM of a rank that got its fair
-        share of a busy host (busy_host_failures; said once, on rank 0 and the rank)."""
-        assert self.groups is not None
-        me = self.identity()
-        gathered: list[Any] = [None] * dist.get_world_size(self.groups.world)
-        mine = (me.rank, me.host, values, self.cpu_share)
-        dist.all_gather_object(gathered, mine, group=self.groups.world)
-        results = [RankResults(rank, host, dict(found)) for rank, host, found, _ in gathered]
-        shares = {rank: share for rank, _, _, share in gathered if share is not None}
-        failures, excused = busy_host_failures(judge(results, policy), shares)
-        for failure in excused if me.rank in (0, *(f.rank for f in excused)) else ():
-            cpu, fair = shares[failure.rank]
-            log.warning(
-                "flare canary: %s; but it had its fair share of a busy host (%.2f CPU s/s of %.2f): the "
-                "host's load, not its core; not failed",
-                describe(failure),
-                cpu,
-                fair,
-            )
-        return results, failures
 
     def _gathered(self, values: dict[Key, float]) -> list[RankResults]:
         """Every rank's values (this rank's: `values`), gathered over the canary's world group."""
@@ -256,10 +234,7 @@ class Canary:
         values: dict[Key, float] = {}
         dist.barrier(group=groups.world)  # every rank computes at once, under the same contention
         size = measure.gemm_size(device, config.canary_gemm_size)
-        share = measure.CpuShare()
-        share.start()
         values["gemm_flops", "device"] = measure.gemm_flops(device, size, config.canary_compute_seconds)
-        self.cpu_share = share.stop() if device.type == "cpu" else None
         for measurement, value in measure.gpu_state(self.gpu_monitor()).items():
             values[measurement, "device"] = value
         if device.type == "cuda":

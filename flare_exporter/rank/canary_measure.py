@@ -163,37 +163,3 @@ def gpu_state(monitor: Any) -> dict[str, float]:
         slowed = any(reading.clock_events.get(reason) for reason in spec.GPU_SLOWDOWN_REASONS)
         values["gpu_clock_ok"] = 0.0 if slowed else 1.0
     return values
-
-
-def runnable_processes(stat: str = "/proc/stat") -> int | None:
-    """The host's processes running or ready to run now (Linux's procs_running); None where unknown."""
-    try:
-        with open(stat) as handle:
-            for line in handle:
-                if line.startswith("procs_running "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-class CpuShare:
-    """This process's CPU seconds per wall second from start() to stop(), and the share of a core the host's
-    load left it: its cores over the processes runnable (sampled at both ends). A CPU GEMM slower than its
-    peers' while it got its fair share was slowed by the host's load, not by its own core."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-        self.runnable: list[int] = []
-
-    def start(self) -> None:
-        self.runnable = [count for count in (runnable_processes(),) if count]
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def stop(self) -> tuple[float, float]:
-        """(CPU seconds per wall second, fair share of a core: 1 on a host with a core for each)."""
-        share = (time.process_time() - self.cpu) / max(time.perf_counter() - self.wall, 1e-9)
-        self.runnable += [count for count in (runnable_processes(),) if count]
-        cores = os.cpu_count() or 1
-        runnable = sum(self.runnable) / len(self.runnable) if self.runnable else 0.0
-        return share, min(1.0, cores / runnable) if runnable else 1.0

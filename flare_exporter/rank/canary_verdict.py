@@ -133,25 +133,6 @@ def judge(results: Sequence[RankResults], policy: Policy) -> list[Failure]:
     )
 
 
-FAIR_SHARE_TAKEN = 0.8  # of the fair share: a rank that got this much of it was not held back itself
-
-
-def busy_host_failures(
-    failures: Sequence[Failure], shares: Mapping[int, tuple[float, float]]
-) -> tuple[list[Failure], list[Failure]]:
-    """(failures that stand, CPU GEMM failures of ranks that got their fair share of a busy host): a CPU
-    rank's GEMM measures the scheduler as much as the core, so a rank that had FAIR_SHARE_TAKEN of the share
-    the host's load left it (shares: rank -> (CPU seconds per second, fair share), CPU devices only) lost
-    its throughput to its neighbours. A throttled rank (a quota, a stopped process) got far less."""
-    stand: list[Failure] = []
-    excused: list[Failure] = []
-    for failure in failures:
-        share = shares.get(failure.rank)
-        busy = share is not None and share[1] < 1.0 and share[0] >= FAIR_SHARE_TAKEN * share[1]
-        (excused if busy and failure.measurement == "gemm_flops" else stand).append(failure)
-    return stand, excused
-
-
 def best_of(first: Mapping[Key, float], again: Mapping[Key, float]) -> dict[Key, float]:
     """Each measurement's best of two runs (every one is better higher: a throughput, a health ratio)."""
     return {key: max(value, again.get(key, value)) for key, value in first.items()}
@@ -160,8 +141,7 @@ def best_of(first: Mapping[Key, float], again: Mapping[Key, float]) -> dict[Key,
 def confirmed(failures: Sequence[Failure], runs: int) -> str:
     """What a verdict says of how it was confirmed: the runs whose best values still failed."""
     measurements = sorted({f"{failure.measurement} [{failure.scope}]" for failure in failures})
-    counted = "1 run" if runs == 1 else f"{runs} runs (best of each)"
-    return f"confirmed by {counted}: {', '.join(measurements)}"
+    return f"confirmed by {runs} runs (best of each): {', '.join(measurements)}"
 
 
 UNITS = {"gemm_flops": "FLOP/s"}
