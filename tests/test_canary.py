@@ -161,6 +161,27 @@ def test_in_flight_a_rank_fails_only_below_its_own_baseline_and_the_jobs_median_
     assert canary.snapshot.failed == frozenset()
 
 
+def test_a_cpu_gemm_that_failed_beside_the_others_is_measured_alone_beside_a_reference_rank():
+    """A busy host's scheduler can keep one CPU rank at 0.64 of the median in every run (its core holds one
+    more runnable process): alone it computes as fast as the reference rank alone, and passes. A throttled
+    rank is as slow alone, and fails, and the line says how it did alone."""
+    from flare_exporter.config import Config
+    from flare_exporter.rank.canary import Canary
+    from flare_exporter.rank.identity import RankIdentity
+
+    me = RankIdentity(rank=0, local_rank=0, world_size=5, run="c", host="node-0", pid=1)
+    canary = Canary(Config(canary="enforce", canary_confirm_runs=2), lambda: me, ExporterHealth(), lambda: 0)
+    found = results([10.0, 4.0, 11.0, 3.0, 10.0], [5e8, 1e8, 5e8, 5e8, 5e8])
+    failures = judge(found, POLICY)
+    measured: list[int] = []
+    alone = {4: 10.0, 1: 9.0, 3: 2.0}  # rank 4: the median of those that passed, measured first
+    canary._gemm_alone = lambda rank: measured.append(rank) or alone[rank]  # type: ignore[method-assign]
+    standing = canary._confirmed_alone(failures, found, POLICY)
+    assert measured == [4, 1, 3]
+    assert [(f.rank, f.measurement) for f in standing] == [(3, "gemm_flops"), (1, "storage_read")]
+    assert canary._alone_text(standing[0]) == "; alone, 0.20 of rank 4's alone"
+
+
 def test_the_moving_average_flags_a_growing_degradation_before_the_hard_threshold():
     tracker = DriftTracker(baseline=100.0, alpha=0.3, band=0.2, hard_fraction=0.5)
     drifted_at = hard_at = None

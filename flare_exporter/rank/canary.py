@@ -120,6 +120,7 @@ class Canary:
         self.trackers: dict[Key, DriftTracker] = {}
         self.preflight_done = False
         self.confirm_runs = 0  # the preflight's runs: 1, or more where a rank failed the first
+        self.alone: dict[int, float] = {}  # CPU GEMMs measured alone to confirm a failure: rank -> FLOP/s
         self._last_in_flight_step = 0
         self._pre_hook: Any = None
         self._post_hook: Any = None
@@ -197,8 +198,52 @@ class Canary:
             failures = judge(results, policy)
             runs += 1
         self.confirm_runs = runs
+        if self.device.type == "cpu" and self.config.canary_confirm_runs:
+            failures = self._confirmed_alone(failures, results, policy)
         self._record_preflight(self.identity().rank, values, results, failures)
         return failures
+
+    def _confirmed_alone(
+        self, failures: list[Failure], results: list[RankResults], policy: Policy
+    ) -> list[Failure]:
+        """`failures` without the CPU GEMMs that pass when measured alone. On a host with more runnable
+        processes than cores a CPU GEMM measures the scheduler as much as the core: a rank whose core holds
+        one more runnable process keeps 0.64 of the median over every run. So each rank whose GEMM failed
+        measures it again alone, and so does a reference rank (the median one of those that passed), the
+        others waiting at a barrier; it fails only below the relative floor of the reference's. A
+        throttled rank (a quota, a stopped process) is as slow alone."""
+        suspects = sorted(
+            {f.rank for f in failures if f.measurement == "gemm_flops" and f.reason == "relative"}
+        )
+        key = ("gemm_flops", "device")
+        passed = sorted(
+            (result.values[key], result.rank)
+            for result in results
+            if result.rank not in suspects and key in result.values
+        )
+        if not suspects or not passed:
+            return failures
+        reference = passed[len(passed) // 2][1]
+        alone = {rank: self._gemm_alone(rank) for rank in (reference, *suspects)}
+        floor = policy.relative_floor * alone[reference]
+        self.alone = alone
+        return [
+            f
+            for f in failures
+            if f.rank not in suspects or f.measurement != "gemm_flops" or alone[f.rank] < floor
+        ]
+
+    def _gemm_alone(self, rank: int) -> float:
+        """`rank`'s GEMM FLOP/s measured while every other rank waits (every rank calls it, in one order)."""
+        assert self.groups is not None
+        world = self.groups.world
+        dist.barrier(group=world)
+        found: list[Any] = [None]
+        if self.identity().rank == rank:
+            size = measure.gemm_size(self.device, self.config.canary_gemm_size)
+            found[0] = measure.gemm_flops(self.device, size, self.config.canary_compute_seconds)
+        dist.broadcast_object_list(found, src=rank, group=world)
+        return float(found[0])
 
     def _gathered(self, values: dict[Key, float]) -> list[RankResults]:
         """Every rank's values (this rank's: `values`), gathered over the canary's world group."""
@@ -289,7 +334,8 @@ class Canary:
             if speaks:
                 print(
                     f"flare canary: preflight failed: {describe(primary)}; "
-                    f"{confirmed(failures, self.confirm_runs)}; exiting with status {spec.CANARY_EXIT_CODE}",
+                    f"{confirmed(failures, self.confirm_runs)}{self._alone_text(primary)}; "
+                    f"exiting with status {spec.CANARY_EXIT_CODE}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -304,6 +350,15 @@ class Canary:
                 describe(primary),
                 confirmed(failures, self.confirm_runs),
             )
+
+    def _alone_text(self, failure: Failure) -> str:
+        """How the failing GEMM compared, measured alone, with the reference rank's ('' if it was not)."""
+        alone = dict(self.alone)
+        if failure.measurement != "gemm_flops" or failure.rank not in alone or len(alone) < 2:
+            return ""
+        reference = next(iter(alone))  # measured first
+        ratio = alone[failure.rank] / alone[reference] if alone[reference] > 0 else 0.0
+        return f"; alone, {ratio:.2f} of rank {reference}'s alone"
 
     # in flight
 
