@@ -158,6 +158,7 @@ def test_the_peer_is_found_through_the_jobs_store_and_asked_over_http():
         identity = SimpleNamespace(run="r", rank=0, world_size=4)
         published = PeerProfiles(lambda: identity, f"127.0.0.1:{server.port}", health)
         published.publish()
+        wait_for(lambda: profile_trigger._store().check(["flare/r/exporter/0"]), 15, "rank 0's address")
         asking = PeerProfiles(lambda: SimpleNamespace(run="r", rank=3, world_size=4), "127.0.0.1:1", health)
         asking.ask(2)
         wait_for(lambda: asking.asked, 15, "the peer's answer")

@@ -52,8 +52,9 @@ def test_a_tracker_that_fails_is_dropped_and_counted_and_the_others_go_on():
     state = SimpleNamespace(perf=perf([0.1], {"compute": 1.0}), profiler=None, steps=SimpleNamespace(steps=7))
     health = ExporterHealth()
     trackers = Trackers(state, 0.0, [Failing(), working], health)
-    trackers.after_drain()
-    trackers.after_drain()
+    for _ in range(2):
+        trackers.after_drain()  # logs on a thread of its own
+        wait_for(lambda: not trackers.lock.locked(), 10, "the logging thread")
     assert health.errors["tracker_broken"] == 1 and len(trackers.trackers) == 1
     assert [step for _, step, _ in logged] == [7, 7] and logged[0][2] == {"flare/bottleneck": "compute_bound"}
 

@@ -94,12 +94,21 @@ class PeerProfiles:
         self.asked: list[dict[str, Any]] = []  # the answers of the peers asked (the newest last, bounded)
 
     def publish(self) -> None:
-        """Put this rank's exporter address in the store, once the default process group exists."""
+        """Put this rank's exporter address in the store, once the default process group exists, on a
+        thread of its own: a store that does not answer must not hold the drain (and the scrapes) up."""
         if self.published or not self.address or not _initialized():
             return
         self.published = True
         me = self.identity()
-        _store().set(_key(me.run, me.rank), self.address)
+        threading.Thread(
+            target=self._publish, args=(_key(me.run, me.rank),), name="flare-profile-peer", daemon=True
+        ).start()
+
+    def _publish(self, key: str) -> None:
+        try:
+            _store().set(key, self.address)
+        except Exception as error:  # no peer finds this rank: no capture beside another's
+            self.health.error("profile_peer", error)
 
     def ask(self, steps: int) -> None:
         """Ask the peer for a capture of `steps` steps, on a thread of its own (never blocks)."""

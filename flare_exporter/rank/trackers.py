@@ -11,10 +11,11 @@ No code in the training script: a tracker is used where the script made it activ
   writes its own event files in `<log dir>/flare-rank<N>`, a run of its own beside the script's in
   TensorBoard's run list; the script's writer is never touched.
 
-What goes there, every `tracker_interval_seconds` (at the timing manager's drains: never the training
-thread): flare/step_seconds (mean over the perf window), flare/mfu where known, flare/share/<phase> and
-the rank's own bottleneck class (BottleneckPolicy on its phases; `flare perf` weighs the ranks together);
-and once per capture: flare/profile/step_seconds, flare/profile/share/<part>, its bottleneck class and
+What goes there, every `tracker_interval_seconds` (looked at after the timing manager's drains, logged on a
+thread of its own: never the training thread, never holding a drain up): flare/step_seconds (mean over the
+perf window), flare/mfu where known, flare/share/<phase> and the rank's own bottleneck class
+(BottleneckPolicy on its phases; `flare perf` weighs the ranks together); and once per capture:
+flare/profile/step_seconds, flare/profile/share/<part>, its bottleneck class and
 evidence as text. An error stops that tracker, counted in the exporter's health; training never sees it.
 """
 
@@ -170,7 +171,7 @@ def wrap_summary_writer(module: Any, runs: TensorBoardRuns, health: ExporterHeal
 
 class Trackers:
     """Logs the perf summary every `interval` seconds and each new capture once, to the active trackers;
-    `after_drain` runs at the end of every timing-manager drain."""
+    `after_drain` runs at the end of every timing-manager drain and starts the logging thread when due."""
 
     def __init__(self, state: Any, interval: float, trackers: list[Any], health: ExporterHealth) -> None:
         self.state = state
@@ -179,13 +180,28 @@ class Trackers:
         self.health = health
         self.logged_at = 0.0
         self.logged_capture = 0
-        self.lock = threading.Lock()  # drains of a scrape and of the manager may overlap at the end
+        self.lock = threading.Lock()  # held by the logging thread: one at a time
 
     def after_drain(self) -> None:
-        if not self.lock.acquire(blocking=False):
+        """Log on a thread of its own when one is due: a tracker that blocks (a slow log directory, a wedged
+        W&B service) must not hold the drain, and the scrapes behind it, up. One at a time."""
+        if not self.due() or not self.lock.acquire(blocking=False):
             return
+        threading.Thread(target=self._log_once, name="flare-trackers", daemon=True).start()
+
+    def due(self) -> bool:
+        """A tracker is active, and the interval passed or a capture ended since the last log."""
+        if not any(tracker.active() for tracker in self.trackers):
+            return False
+        last = self.state.profiler.last if self.state.profiler is not None else None
+        new_capture = last is not None and last.id != self.logged_capture and last.state == "captured"
+        return new_capture or time.monotonic() - self.logged_at >= self.interval
+
+    def _log_once(self) -> None:
         try:
             self._log()
+        except Exception as error:
+            self.health.error("tracker", error)
         finally:
             self.lock.release()
 
@@ -196,11 +212,11 @@ class Trackers:
         numbers: dict[str, float] = {}
         texts: dict[str, str] = {}
         now = time.monotonic()
-        if now - self.logged_at >= self.interval and self.state.perf is not None:
-            numbers, bottleneck = perf_numbers(self.state.perf)
-            if bottleneck:
-                texts["flare/bottleneck"] = bottleneck
+        if now - self.logged_at >= self.interval:
             self.logged_at = now
+            if self.state.perf is not None:
+                numbers, bottleneck = perf_numbers(self.state.perf)
+                texts.update({"flare/bottleneck": bottleneck} if bottleneck else {})
         last = self.state.profiler.last if self.state.profiler is not None else None
         if last is not None and last.id != self.logged_capture and last.state == "captured":
             self.logged_capture = last.id
