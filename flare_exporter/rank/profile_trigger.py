@@ -22,6 +22,7 @@ auth (web config) publishes nothing: a rank holds no password to ask its peers w
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -123,7 +124,7 @@ class PeerProfiles:
     def _ask(self, run: str, rank: int, peer: int, steps: int) -> None:
         try:
             store, key = _store(), _key(run, peer)
-            store.wait([key], _timedelta(STORE_SECONDS))
+            store.wait([key], datetime.timedelta(seconds=STORE_SECONDS))
             address = store.get(key).decode()
             url = f"http://{address}/profile?steps={steps}&trigger=peer&of={rank}"
             request = urllib.request.Request(url, data=b"", method="POST")
@@ -220,9 +221,3 @@ def _store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
-
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
