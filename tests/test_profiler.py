@@ -328,7 +328,7 @@ def on_alert(job: ObservedJob, targets: str) -> tuple[list[dict], list[dict]]:
 # the class the perf monitor gives the job
 CLASSED = {
     "input_bound": ["--data-workers", "1", "--slow-data-seconds", "0.06"],
-    "communication_bound": ["--width", "1536", "--batch", "1", "--pair-groups"],
+    "communication_bound": ["--width", "1536", "--batch", "1", "--pair-groups", "--sync-mb", "32"],
     "compute_bound": ["--batch", "2048"],
 }
 

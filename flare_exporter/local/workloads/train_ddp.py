@@ -52,6 +52,8 @@
 --pair-groups also makes process groups of ranks 0-1, 2-3, ... (a tensor-parallel pair's, described "tp":
   role tp), and each rank all-reduces a small tensor in its pair before every forward pass (after the fault
   step's fault).
+--sync-mb M: each step also all-reduces M megabytes of float32 after its backward pass (weights averaged
+  across ranks, an EMA or optimizer state kept in sync): communication with no compute beside it.
 --fr-dump-after S: with PyTorch's flight recorder on (TORCH_FR_BUFFER_SIZE), dump every rank's recorder to
   TORCH_FR_DUMP_TEMP_FILE<rank> once a collective has been in flight for S seconds, as NCCL's watchdog dumps
   on a timeout (flight_recorder_dumps.py: gloo has no dump of its own).
@@ -222,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow-data-seconds", type=float, default=0.0)
     parser.add_argument("--pg-timeout", type=float, default=0.0)
     parser.add_argument("--pair-groups", action="store_true")
+    parser.add_argument("--sync-mb", type=float, default=0.0)
     parser.add_argument("--fr-dump-after", type=float, default=0.0)
     return parser.parse_args(argv)
 
@@ -265,6 +268,8 @@ class Training:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.generator = torch.Generator(self.tensor_device).manual_seed(self.rank)
         self.faulty = self.rank == args.fault_rank
+        elements = int(args.sync_mb * 2**20 / 4)
+        self.synced_state = torch.zeros(elements, device=self.tensor_device) if elements else None
         self.device = None
         if args.fake_kernels:
             from flare_exporter.rank.fake_device import FakeDevice  # a script: no relative import
@@ -343,6 +348,8 @@ class Training:
         loss = nn.functional.cross_entropy(self.model(inputs), targets)
         self.optimizer.zero_grad()
         loss.backward()
+        if self.synced_state is not None:
+            dist.all_reduce(self.synced_state)
         synced = time.perf_counter()  # DDP's all-reduce is done: every rank is here at about this time
         self.optimizer.step()
         if self.device is not None:
