@@ -12,8 +12,9 @@ exception's type and message, versioned: a change to them changes CAUSE_RULES_VE
   out, NCCL/gloo errors): on a rank whose peer died, this is what it raises, so it is evidence, never the
   culprit by itself (secondary).
 - software_exception: anything else raised out of the training script.
-- collective_mismatch, deadlock, straggler, node_failure, unknown: decided by the engine's rules, never
-  from one exception (node_failure: a rank gone without a word: killed, frozen, its host lost).
+- collective_mismatch, deadlock, straggler, host_contention, node_failure, unknown: decided by the engine's
+  rules, never from one exception (node_failure: a rank gone without a word: killed, frozen, its host lost;
+  host_contention: a slowdown every rank of a busy host shares, engine/host_load.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CAUSES = (
     "collective_mismatch",
     "deadlock",
     "straggler",
+    "host_contention",
     "node_failure",
     "communication",
     "unknown",

@@ -53,6 +53,24 @@ class IldPolicy:
         return self.op_shift_seconds, min(ks, default=math.inf), self.min_wasserstein_seconds
 
 
+@dataclass(frozen=True)
+class HostLoadPolicy:
+    """When a host was busy enough to explain a slowdown of its ranks (engine/host_load.py).
+
+    Busy: some runnable task waited for a CPU for at least `cpu_pressure` of the last 10 s (PSI), and that
+    share rose by at least `pressure_rise` since the rank closed its best window (a job that crowds its own
+    cores has always done so: its slowdown is not the host's); where the kernel has no PSI, at least
+    `runnable_per_cpu` runnable tasks per CPU the rank may use. A host's figure is the median of its ranks'
+    readings. Versioned: a change of a threshold is a new `version`, which the verdict's evidence carries.
+    """
+
+    version: int = 1
+    # quiet, this 2-core machine read 0.00-0.06; with a spinning process more than its cores, 0.9-1.0
+    cpu_pressure: float = 0.25
+    pressure_rise: float = 0.15
+    runnable_per_cpu: float = 1.5
+
+
 BOTTLENECKS = ("input_bound", "communication_bound", "transfer_bound", "launch_bound", "compute_bound")
 
 

@@ -543,6 +543,42 @@ METRICS: tuple[MetricSpec, ...] = (
         "Last window's mean step time over the best.",
         detail="Best: the rank's own lowest window mean so far; 1: as fast as it has ever been.",
     ),
+    # what the rank's host is doing to it (rank/host_load.py): read with a slowdown (engine/host_load.py)
+    MetricSpec(
+        "flare_host_cpu_pressure_ratio",
+        GAUGE,
+        "",
+        "Share of the last 10 s some runnable task on the host waited for a CPU.",
+        detail="Linux PSI's /proc/pressure/cpu some avg10; absent where the kernel has no PSI.",
+    ),
+    MetricSpec(
+        "flare_host_cpu_pressure_at_best_ratio",
+        GAUGE,
+        "",
+        "flare_host_cpu_pressure_ratio when the rank closed its best straggler window.",
+        detail="A slowdown since the best window with the pressure risen since: the host's load.",
+    ),
+    MetricSpec(
+        "flare_host_runnable_tasks",
+        GAUGE,
+        "",
+        "Runnable tasks on the host now (its run queue).",
+        detail="/proc/stat procs_running, the reading thread included: beside flare_host_cpus.",
+    ),
+    MetricSpec(
+        "flare_host_cpus",
+        GAUGE,
+        "",
+        "CPUs the rank may run on (its affinity).",
+    ),
+    MetricSpec(
+        "flare_training_thread_cpu_ratio",
+        GAUGE,
+        "",
+        "The training thread's CPU time over wall time since the last reading.",
+        detail="Over at least 1 s; the main thread's. Low while the thread waits (collectives, data, a "
+        "device) or while a busy host keeps it off the cores.",
+    ),
     # where the step time goes (rank/perf.py), MFU, and what the badput ledger charges (engine/perf.py)
     MetricSpec(
         "flare_step_phase_seconds_total",

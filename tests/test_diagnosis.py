@@ -498,7 +498,8 @@ def test_to_json_keys_and_serialisable():
     verdicts = _many_faults()
     for verdict in verdicts:
         data = verdict.to_json()
-        assert set(data) == {"kind", "cause", "ranks", "domain", "group", "summary", "evidence"}
+        assert set(data) == {"kind", "severity", "cause", "ranks", "domain", "group", "summary", "evidence"}
+        assert data["severity"] == "page"  # the faults of _many_faults: no busy host
         assert data["cause"] in causes.CAUSES and data["cause"] != "unknown"
         assert json.loads(json.dumps(data)) == data
     assert verdicts[0].to_json()["ranks"] == [13, 14]

@@ -34,6 +34,12 @@ BYTES_BUDGET = 40 * 1024  # uncompressed text; the issue's goal is 32 KiB (bench
 # Labels that say who a rank is: only on flare_rank_info, one value per rank.
 IDENTITY_LABELS = {"host", "local_rank", "world_size", "backend", "pid", "gpu_uuid", "pci_bus_id"}
 
+# the host's load, read at each render (rank/host_load.py): it changes from one render to the next
+HOST_LOAD_NOW = (
+    rb"flare_host_cpu_pressure_ratio|flare_host_runnable_tasks|flare_host_cpus|"
+    rb"flare_training_thread_cpu_ratio"
+)
+
 
 def rendered(world: int, faults: vc.Faults, ranks: range | list[int] | None = None) -> dict[int, str]:
     now = time.perf_counter()
@@ -159,7 +165,10 @@ def test_the_fast_renderer_writes_what_generate_latest_writes(text_format):
     state = vc.rank_state(5, 64, "budget", now, busiest_faults(now))
     registry = build_registry(state)
     unstable = re.compile(
-        rb"^(flare_exporter_collector_duration_seconds\{[^}]*\}|flare_heartbeat\S+) \S+\n", re.MULTILINE
+        rb"^(flare_exporter_collector_duration_seconds\{[^}]*\}|flare_heartbeat\S+|(?:"
+        + HOST_LOAD_NOW
+        + rb")\S*) \S+\n",
+        re.MULTILINE,
     )
     fast = unstable.sub(b"", render_text(registry)).decode()
     reference = unstable.sub(b"", generate_latest(registry)).decode()
@@ -211,9 +220,11 @@ def test_sample_lines_kept_between_scrapes_render_what_a_fresh_render_writes(mon
         monkeypatch.setattr(exposition, "_native_text_format", lambda: None)
 
     now = time.perf_counter()
-    # what changes from one render to the next: collector times, and Unix times converted at each render
+    # what changes from one render to the next: collector times, Unix times converted at each render, and the
+    # host's load, read at each render
     unstable = re.compile(
-        rb"^(flare_exporter_collector_duration_seconds|flare_\w+_timestamp_seconds)(\{[^}]*\})? \S+\n",
+        rb"^(flare_exporter_collector_duration_seconds|flare_\w+_timestamp_seconds|" + HOST_LOAD_NOW + rb")"
+        rb"(\{[^}]*\})? \S+\n",
         re.MULTILINE,
     )
 

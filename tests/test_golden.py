@@ -20,9 +20,11 @@ from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.rank import progress
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.canary import Canary, CanarySnapshot
+from flare_exporter.rank.collectors import host_load as host_load_collector
 from flare_exporter.rank.collectors import identity as identity_collector
 from flare_exporter.rank.gpu_health import GpuHealthMonitor
 from flare_exporter.rank.groups import GroupTracker
+from flare_exporter.rank.host_load import HostLoad
 from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.last_word import RaisedException, Termination
 from flare_exporter.rank.perf import PerfMonitor
@@ -132,6 +134,7 @@ def fixed_state() -> FlareState:
     state.perf = PerfMonitor(None, Config(model_flops_per_step=1e9, peak_flops=1e11))
     for step in (2, 3, 4):
         state.perf.on_step(step, 0.125, 0.04, {"world": 0.03, "tp": 0.01})
+    state.windows.best_host_pressure = 0.08
     return state
 
 
@@ -147,6 +150,14 @@ def pinned_build(monkeypatch):
     them."""
     pinned = ("0.1.0", "2.5.1", "3.12.3", "python")
     monkeypatch.setattr(identity_collector, "build_values", lambda torch_version, cpp_recorder: pinned)
+
+
+@pytest.fixture(autouse=True)
+def fixed_host_load(monkeypatch):
+    """The host's load as a fixed reading: the real one changes from one render to the next, and a host
+    without PSI (or a first read of the training thread's CPU share) would leave a series out."""
+    reading = HostLoad(cpu_pressure=0.42, runnable_tasks=9, cpus=8, thread_cpu_ratio=0.61)
+    monkeypatch.setattr(host_load_collector, "read_host_load", lambda thread=None: reading)
 
 
 def stable_exposition() -> str:

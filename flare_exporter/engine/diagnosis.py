@@ -41,11 +41,12 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from ..group_roles import group_role
-from ..policies import IldPolicy, StragglerPolicy
+from ..policies import HostLoadPolicy, IldPolicy, StragglerPolicy
 from ..spec import GPU_SLOWDOWN_REASONS
 from .canary import CanaryState, canary_faults
 from .canary import evidence as canary_evidence
 from .canary import summary as canary_summary
+from .host_load import WARNING, HostLoadState, judged_with_host_load
 from .verdict_causes import cause_of
 from .wait_for import WaitGraph, point_to_point_edges, wait_graph
 
@@ -120,6 +121,7 @@ class RankRecord:
     ild_wasserstein: Mapping[str, float] = field(default_factory=dict)
     ild_op_shift: Mapping[str, float] = field(default_factory=dict)  # host dispatch's per-op shift, seconds
     canary: CanaryState | None = None  # the hardware canary's readings (None: not exported, or not read)
+    host_load: HostLoadState | None = None  # its host's CPU load, as the rank read it (None: not exported)
 
     @property
     def gone(self) -> bool:
@@ -228,10 +230,12 @@ class Verdict:
     evidence: dict[str, Any]
     group: str | None = None
     cause: str = "unknown"  # one of flare_exporter.causes.CAUSES (verdict_causes.py sets it)
+    severity: str = "page"  # or host_load.WARNING: no rank's fault (a busy host), exit 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
+            "severity": self.severity,
             "cause": self.cause,
             "ranks": list(self.ranks),
             "domain": self.domain,
@@ -272,8 +276,9 @@ def diagnose(
     hang_seconds: float,
     stragglers: StragglerPolicy = StragglerPolicy(),
     ild: IldPolicy | None = None,
+    host_load: HostLoadPolicy | None = None,
 ) -> list[Verdict]:
-    """All verdicts for the snapshot, most severe first."""
+    """All verdicts for the snapshot, most severe first (a warning after the pages of its kind)."""
     hangs = hung_groups(snapshot, hang_seconds)
     verdicts: list[Verdict] = []
     down = gone_ranks(snapshot)
@@ -289,9 +294,12 @@ def diagnose(
     if not verdicts:
         verdicts.extend(straggler_verdicts(snapshot, stragglers))
         verdicts.extend(ild_verdicts(snapshot, ild or IldPolicy()))
+        verdicts = judged_with_host_load(snapshot, verdicts, host_load or HostLoadPolicy())
     verdicts.extend(canary_verdicts(snapshot))
     verdicts = [host_verdict(snapshot, with_cause(snapshot, verdict)) for verdict in verdicts]
-    return sorted(_unique(verdicts), key=lambda verdict: KINDS.index(verdict.kind))
+    return sorted(
+        _unique(verdicts), key=lambda verdict: (KINDS.index(verdict.kind), verdict.severity == WARNING)
+    )
 
 
 def with_cause(snapshot: Snapshot, verdict: Verdict) -> Verdict:
@@ -1326,6 +1334,8 @@ def host_verdict(snapshot: Snapshot, verdict: Verdict) -> Verdict:
     which names its host or link itself, below the hangs it must not mask, and a deadlock's, whose ranks wait
     for each other wherever they run)."""
     if len(verdict.ranks) < 2 or verdict.kind == "canary" or verdict.evidence.get("deadlock"):
+        return verdict
+    if verdict.severity == WARNING:  # already the host's (host_load.py)
         return verdict
     hosts = {snapshot.ranks[rank].host for rank in verdict.ranks}
     if len(hosts) != 1 or "" in hosts:

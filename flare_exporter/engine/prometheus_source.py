@@ -20,6 +20,7 @@ from .. import spec
 from ..mixin import rules
 from . import canary, diagnosis, promql
 from .diagnosis import Snapshot
+from .host_load import HOST_LOAD_METRICS
 from .promql import Prometheus
 from .records import (
     FLIGHT_INFO,
@@ -142,6 +143,7 @@ GONE_GROUP_QUERIES = {
 # read the last few of each rank first (see recent_windows).
 PACE_QUERIES = {
     **_current(STRAGGLER_METRICS, ", ago"),
+    **_current(HOST_LOAD_METRICS.values(), ""),
     "flare_step_duration_seconds_count": (
         "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
     ),

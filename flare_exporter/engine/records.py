@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from .. import spec
 from . import canary, diagnosis
 from .diagnosis import GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
+from .host_load import HOST_LOAD_METRICS, HostLoadState
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
 ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
@@ -235,7 +236,18 @@ def _pace_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
             fields[int(labels["rank"])].setdefault(field, {})[labels.get("distribution", "")] = value
     for rank, found in _straggler_fields(series).items():
         fields[rank].update(found)
+    for rank, load in _host_loads(series).items():
+        fields[rank]["host_load"] = load
     return fields
+
+
+def _host_loads(series: Mapping[str, Series]) -> dict[int, HostLoadState]:
+    """Per rank, what it exported of its host's load (engine/host_load.py)."""
+    values: dict[int, dict[str, float]] = defaultdict(dict)
+    for attribute, name in HOST_LOAD_METRICS.items():
+        for labels, value in series.get(name, []):
+            values[int(labels["rank"])][attribute] = value
+    return {rank: HostLoadState(**found) for rank, found in values.items()}
 
 
 def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:

@@ -229,7 +229,8 @@ def format_verdicts(verdicts: list[Verdict]) -> list[str]:
     for verdict in verdicts:
         culprits = f"rank {_ranks(list(verdict.ranks))}" if verdict.ranks else "no single rank"
         group = f" [group {verdict.group}]" if verdict.group else ""
-        head = f"{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
+        warning = "WARNING " if verdict.severity == diagnosis.WARNING else ""
+        head = f"{warning}{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
         lines.append(f"{head}: {verdict.summary}")
     return lines
 

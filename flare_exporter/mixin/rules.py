@@ -41,6 +41,7 @@ from .. import spec
 from ..policies import IldPolicy
 from .canary_rules import canary_alerts
 from .dashboard_rules import dashboard_recording_rules
+from .host_load_rules import BUSY_EVERYWHERE, host_load_alerts, host_load_recording_rules
 from .perf_rules import perf_recording_rules
 from .rule_model import CULPRIT_ALERTS as CULPRIT_ALERTS  # re-exported: the rules' public names
 from .rule_model import DASHBOARD_PATHS as DASHBOARD_PATHS
@@ -904,13 +905,15 @@ def straggler_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareJobSlowdown",
             f"min by (run) (flare_straggler_slowdown_ratio{selector(t)}) >= {1 + policy.job_slowdown:g}\n"
-            f"unless on (run) ({named})",
+            f"unless on (run) ({named})\n"
+            f"unless on (run) ({BUSY_EVERYWHERE})",  # the busy hosts' then: FlareHostBusy
             t.straggler_for,
             "warning",
             "Every rank of run {{ $labels.run }} is slower than its own best",
             'Every rank of run {{ $labels.run }} takes at least {{ $value | printf "%.2f" }} times its own '
             "best step time, and no rank stands out: a job-wide slowdown (input pipeline, storage, network, "
-            "a configuration change), not one straggler.",
+            "a configuration change), not one straggler; where every host of the run is busy, FlareHostBusy "
+            "says so instead.",
             "flarejobslowdown",
             link("overview"),
         ),
@@ -1127,8 +1130,19 @@ RULE_GROUPS = (
     # group's once took 9.7 s instead of 1.8 s).
     RuleGroup(
         "flare.slow_signals",
-        recordings=(ild_recording_rules, straggler_recording_rules, straggler_summary_rules),
-        alerts=(issue_latency_alerts, straggler_alerts, gpu_slowdown_alerts, exporter_alerts),
+        recordings=(
+            ild_recording_rules,
+            straggler_recording_rules,
+            straggler_summary_rules,
+            host_load_recording_rules,
+        ),
+        alerts=(
+            issue_latency_alerts,
+            straggler_alerts,
+            host_load_alerts,
+            gpu_slowdown_alerts,
+            exporter_alerts,
+        ),
         slow=True,
     ),
     # the canary measures once in many steps: a minute's evaluation loses nothing

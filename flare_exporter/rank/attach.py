@@ -23,6 +23,7 @@ from .collectors.canary import CanaryCollector
 from .collectors.collectives import CollectivesCollector
 from .collectors.exporter import ExporterCollector
 from .collectors.gpu_health import GpuHealthCollector
+from .collectors.host_load import HostLoadCollector
 from .collectors.identity import IdentityCollector
 from .collectors.ild import IldCollector
 from .collectors.in_flight import InFlightCollector
@@ -93,6 +94,7 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         StragglersCollector(state),
         PerfCollector(state),
         GpuHealthCollector(state),
+        HostLoadCollector(state),
         ExporterCollector(state),
     ]
     if state.canary is not None:  # the canary on: its series, and its collector's meta-metrics

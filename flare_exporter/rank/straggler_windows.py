@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .exporter_health import ExporterHealth
+from .host_load import cpu_pressure
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class StepWindows:
         self._waits: list[tuple] = []  # (issued_at, duration, ...) of collectives of steps not complete yet
         self._last_step = 0
         self._last_boundary: float | None = None
+        self.best_host_pressure: float | None = None  # host_load.cpu_pressure() when the best window closed
         # listener(step, step seconds, exposed collective seconds, the same by group role) for every
         # complete step (rank/perf.py)
         self.step_listeners: list[StepListener] = []
@@ -213,7 +215,9 @@ class StepWindows:
                 wait += waits[taken][1]
                 taken += 1
             if step == self._last_step + 1 and self._last_boundary is not None:
-                self.ring.add_step(step, at - self._last_boundary, wait)
+                closed = self.ring.add_step(step, at - self._last_boundary, wait)
+                if closed is not None and closed.step_seconds == self.ring.best_step_seconds:
+                    self.best_host_pressure = cpu_pressure()  # how busy the host was at the rank's best
                 if self.step_listeners:
                     by_role = exposed_by_role(waits[first:taken], self._last_boundary, at)
                     exposed = sum(by_role.values())
