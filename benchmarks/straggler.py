@@ -39,7 +39,9 @@ import sys
 from dataclasses import dataclass
 
 from flare_exporter.config import Config
-from flare_exporter.engine.diagnosis import RankRecord, Snapshot, StragglerPolicy, Verdict, diagnose
+from flare_exporter.engine.diagnosis import diagnose
+from flare_exporter.engine.rule_types import RankRecord, Snapshot, Verdict
+from flare_exporter.policies import StragglerPolicy
 from flare_exporter.rank.straggler_windows import WindowRing
 
 GOAL_SLOWDOWN = 0.05

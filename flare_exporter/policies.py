@@ -1,8 +1,8 @@
 """The policies both sides apply: when a rank counts as a straggler, when its issue latency has shifted,
 what bounds a rank's step.
 
-The rules engine (engine/diagnosis.py) decides with them; the generated alert rules and dashboards
-(mixin/) draw the same thresholds from them, so that a page and `flare diagnose` agree.
+The rules engine (engine/diagnosis.py and its rule modules) decides with them; the generated alert rules
+and dashboards (mixin/) draw the same thresholds from them, so that a page and `flare diagnose` agree.
 """
 
 from __future__ import annotations

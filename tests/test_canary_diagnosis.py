@@ -30,7 +30,8 @@ from flare_exporter.engine import (
     verdict_causes,
 )
 from flare_exporter.engine.canary import CanaryReading, CanaryState
-from flare_exporter.engine.diagnosis import GroupState, InFlight, RankRecord, Snapshot, diagnose
+from flare_exporter.engine.diagnosis import diagnose
+from flare_exporter.engine.rule_types import GroupState, InFlight, RankRecord, Snapshot
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.rank.canary import Canary, CanarySnapshot

@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter.engine import cli, diagnosis, promql, sources
+from flare_exporter.engine import cli, promql, rule_types, sources
 from flare_exporter.engine.targets import Target, TargetsError, read_targets
 from flare_exporter.local.jobs import free_port
 from flare_exporter.local.prometheus import wait_for
@@ -133,7 +133,7 @@ def test_the_ild_op_shift_threshold_is_a_flag_of_diagnose(tmp_path, monkeypatch,
     """A per-op shift of 100 ns on one rank of four: below the default threshold (400 ns, for ranks that
     share cores), a regression at --ild-op-shift-seconds 5e-8 (dedicated cores)."""
     records = [
-        diagnosis.RankRecord(
+        rule_types.RankRecord(
             rank,
             host=f"h{rank}",
             ild_ks={"host_dispatch": 0.02},
@@ -142,7 +142,7 @@ def test_the_ild_op_shift_threshold_is_a_flag_of_diagnose(tmp_path, monkeypatch,
         )
         for rank in range(4)
     ]
-    snapshot = diagnosis.Snapshot({record.rank: record for record in records}, 1e9, "r", 4)
+    snapshot = rule_types.Snapshot({record.rank: record for record in records}, 1e9, "r", 4)
     monkeypatch.setattr(sources, "from_targets", lambda *args: snapshot)
     monkeypatch.delenv("FLARE_ILD_OP_SHIFT_SECONDS", raising=False)
     (tmp_path / "t.txt").write_text("127.0.0.1:1\n")

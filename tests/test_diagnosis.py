@@ -12,27 +12,26 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from flare_exporter import causes
-from flare_exporter.engine.diagnosis import (
+from flare_exporter.engine.diagnosis import diagnose
+from flare_exporter.engine.hang_rules import follow_chain
+from flare_exporter.engine.ild_rules import IldDrift, IldPeers, ild_shifted
+from flare_exporter.engine.rule_types import (
     KINDS,
-    LEAVE_ONE_OUT_RANKS,
     GpuState,
     GroupState,
-    IldDrift,
-    IldPeers,
-    IldPolicy,
     InFlight,
     RankRecord,
     Snapshot,
-    StragglerPolicy,
     Verdict,
     WindowSummary,
+)
+from flare_exporter.engine.straggler_rules import (
+    LEAVE_ONE_OUT_RANKS,
     decided_by_last_windows,
-    diagnose,
-    follow_chain,
     hardware_reasons,
-    ild_shifted,
     straggler_scores,
 )
+from flare_exporter.policies import IldPolicy, StragglerPolicy
 
 NOW = 1_700_000_000.0
 HANG = 30.0  # hang_seconds for every test

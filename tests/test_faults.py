@@ -23,7 +23,7 @@ import torch
 from conftest import one_rank_env
 
 from flare_exporter.config import Config
-from flare_exporter.engine import cli, diagnosis, scrape, sources
+from flare_exporter.engine import cli, diagnosis, rule_types, scrape, sources
 from flare_exporter.local.jobs import LocalJob, free_port, free_port_block
 from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
 from flare_exporter.local.workloads import train_ddp
@@ -303,21 +303,21 @@ def test_a_scrape_from_code_that_runs_an_event_loop_gets_its_answer(good_rank):
 # a rank restarted under the same rank id: the snapshot
 
 
-def _record(rank: int, **fields) -> diagnosis.RankRecord:
-    return diagnosis.RankRecord(rank=rank, **fields)
+def _record(rank: int, **fields) -> rule_types.RankRecord:
+    return rule_types.RankRecord(rank=rank, **fields)
 
 
 def test_restarted_rank_with_lower_sequence_numbers_is_not_a_hang():
     now = 1000.0
     ranks = {
-        0: _record(0, heartbeat=now - 1, groups={"world": diagnosis.GroupState(5000, 5000)}),
-        1: _record(1, heartbeat=now - 1, groups={"world": diagnosis.GroupState(12, 12)}),  # restarted
+        0: _record(0, heartbeat=now - 1, groups={"world": rule_types.GroupState(5000, 5000)}),
+        1: _record(1, heartbeat=now - 1, groups={"world": rule_types.GroupState(12, 12)}),  # restarted
     }
-    assert diagnosis.diagnose(diagnosis.Snapshot(ranks, now, "r", 2), hang_seconds=30) == []
+    assert diagnosis.diagnose(rule_types.Snapshot(ranks, now, "r", 2), hang_seconds=30) == []
     # the others wait on it, but for less than hang_seconds: not a hang yet either
-    waiting = diagnosis.InFlight("allreduce", 5001, 4, "issued", now - 5)
-    ranks[0] = _record(0, heartbeat=now - 5, groups={"world": diagnosis.GroupState(5001, 5000, waiting)})
-    assert diagnosis.diagnose(diagnosis.Snapshot(ranks, now, "r", 2), hang_seconds=30) == []
+    waiting = rule_types.InFlight("allreduce", 5001, 4, "issued", now - 5)
+    ranks[0] = _record(0, heartbeat=now - 5, groups={"world": rule_types.GroupState(5001, 5000, waiting)})
+    assert diagnosis.diagnose(rule_types.Snapshot(ranks, now, "r", 2), hang_seconds=30) == []
 
 
 def test_previous_process_exception_does_not_make_a_restarted_rank_gone():

@@ -186,7 +186,7 @@ def test_a_host_side_shift_on_the_slowest_rank_stays_host_side():
 
 
 def test_a_slowest_rank_whose_gpu_explains_it_stays_a_straggler_beside_its_shift():
-    from flare_exporter.engine.diagnosis import GpuState
+    from flare_exporter.engine.rule_types import GpuState
 
     records = [windowed(r, [0.40, 0.41, 0.39]) for r in (0, 2, 3)]
     records = [

@@ -22,13 +22,13 @@ import pytest
 from conftest import await_page, flare_json, pages_without_stragglers, without_stragglers
 
 from flare_exporter.engine import cli, scrape
-from flare_exporter.engine.diagnosis import IldPolicy
 from flare_exporter.engine.targets import read_targets
 from flare_exporter.local import alertmanager
 from flare_exporter.local.alertmanager import AlertingStack
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.workloads import train_ddp
+from flare_exporter.policies import IldPolicy
 
 pytestmark = pytest.mark.multirank
 

@@ -13,7 +13,6 @@ import pytest
 
 from flare_exporter import causes
 from flare_exporter.engine import cli, history_source, incident_source, verdict_causes
-from flare_exporter.engine.diagnosis import GroupState, InFlight, PointToPoint, RankRecord
 from flare_exporter.engine.post_mortem import (
     DeadRun,
     ExceptionWord,
@@ -24,6 +23,7 @@ from flare_exporter.engine.post_mortem import (
     post_mortem,
 )
 from flare_exporter.engine.records import SourceError
+from flare_exporter.engine.rule_types import GroupState, InFlight, PointToPoint, RankRecord
 
 T0 = 1_800_000_000.0
 

@@ -18,8 +18,18 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json, queries_sent
 
-from flare_exporter import spec
-from flare_exporter.engine import cli, diagnosis, prometheus_source, promql, records, sources, thresholds
+from flare_exporter import policies, spec
+from flare_exporter.engine import (
+    cli,
+    diagnosis,
+    prometheus_source,
+    promql,
+    records,
+    rule_types,
+    sources,
+    straggler_rules,
+    thresholds,
+)
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.mixin import rules
@@ -42,7 +52,8 @@ class Clusters:
     prometheus: PrometheusProcess
     small: Cluster
     large: Cluster
-    huge: Cluster  # more ranks than diagnosis.LEAVE_ONE_OUT_RANKS: the rules' straggler figures stand in
+    # more ranks than straggler_rules.LEAVE_ONE_OUT_RANKS: the rules' straggler figures stand in
+    huge: Cluster
 
 
 def await_count(prometheus: PrometheusProcess, expr: str, count: int) -> None:
@@ -98,11 +109,11 @@ def test_every_metric_a_snapshot_reads_is_in_the_spec_and_asked_of_prometheus():
     assert "flare_gpu_power_watts" not in sources.SNAPSHOT_METRICS
 
 
-def culprits(snapshot: diagnosis.Snapshot) -> set[int]:
+def culprits(snapshot: rule_types.Snapshot) -> set[int]:
     return {rank for verdict in diagnosis.diagnose(snapshot, HANG_SECONDS) for rank in verdict.ranks}
 
 
-def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[diagnosis.Snapshot, list[str]]:
+def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[rule_types.Snapshot, list[str]]:
     """from_prometheus with the rules naming the detailed ranks, and every query it sent (to Prometheus)."""
     with queries_sent(monkeypatch) as sent:
         snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
@@ -143,7 +154,7 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
 
 
 def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_windows(clusters, monkeypatch):
-    """With more ranks than one median serves (diagnosis.LEAVE_ONE_OUT_RANKS), the straggler rules weigh
+    """With more ranks than one median serves (straggler_rules.LEAVE_ONE_OUT_RANKS), the straggler rules weigh
     Prometheus's figures of every rank's windows (rules.straggler_summary_rules) and the windows of the
     ranks the figures could name: the same verdict as every rank's windows, in as many queries whatever
     the number of ranks, none of them over every rank's windows."""
@@ -247,7 +258,7 @@ NOW = 1_700_000_000.0
 def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters, floors):
     cluster = clusters.large
     op_shift, ks, wasserstein = floors
-    policy = diagnosis.IldPolicy(
+    policy = policies.IldPolicy(
         ks=ks, partial_ks=ks, min_wasserstein_seconds=wasserstein, op_shift_seconds=op_shift
     )
     assert policy.floors() == floors
@@ -288,7 +299,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
     everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
     matchers = f'run="{cluster.run}"'
     parts = []
-    for queries in sources.recent_windows(diagnosis.StragglerPolicy()):
+    for queries in sources.recent_windows(policies.StragglerPolicy()):
         found = prometheus_source._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
         parts.append(
             {(labels["rank"], labels["ago"], name) for name, rows in found.items() for labels, _ in rows}
@@ -307,7 +318,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
 def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds(monkeypatch):
     sent: list[str] = []
     monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
-    queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(diagnosis.StragglerPolicy())[0]}
+    queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(policies.StragglerPolicy())[0]}
     prometheus_source._fetch(
         "http://x", queries, prometheus_source.matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
     )
@@ -398,7 +409,7 @@ def screened(everything: dict[str, list], ranks: set[str] | None, name: str) -> 
     """What Prometheus answers to sources.ild_screen (`name` "ild_screen", IldPolicy's floors) or to
     sources.ild_candidates (the same without the W1 floor): a series per rank reaching them, of the ranks
     named (all if None)."""
-    op_shift, ks, wasserstein = diagnosis.IldPolicy().floors()
+    op_shift, ks, wasserstein = policies.IldPolicy().floors()
     if name == "ild_candidates":
         wasserstein = -math.inf
 
@@ -476,13 +487,13 @@ def fake_prometheus(monkeypatch: pytest.MonkeyPatch) -> dict:
     return state
 
 
-def read(record: diagnosis.RankRecord, field: str, windows: Sequence[int] = ()) -> object:
+def read(record: rule_types.RankRecord, field: str, windows: Sequence[int] = ()) -> object:
     """A field of a record as the rules read it: a group's name for the record's state in that group (its
     last issued number and since when it has had a collective in flight, not the last completed: only views
     read that; which collective, only where a hang's verdict weighs it: see
     test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weighs_it); of its straggler
     windows, the `windows` the rules weigh (the rounds leave older ones unread)."""
-    if field not in diagnosis.RankRecord.__dataclass_fields__:
+    if field not in rule_types.RankRecord.__dataclass_fields__:
         state = record.groups.get(field)
         if state is None:
             return None
@@ -560,9 +571,9 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         if not ild_shifted:  # not read: the rules find no drift, and no shift in none
             fields = tuple(field for field in fields if not field.startswith("ild_"))
             assert all(record.ild_ks == {} for record in snapshot.ranks.values())
-    windows, _ = diagnosis.window_scores(everything, diagnosis.StragglerPolicy())
+    windows, _ = straggler_rules.window_scores(everything, policies.StragglerPolicy())
     if fault == "straggler":  # the last three, of every rank alike: the rounds read no older one
-        assert diagnosis.window_scores(snapshot, diagnosis.StragglerPolicy())[0] == windows == [7, 8, 9]
+        assert straggler_rules.window_scores(snapshot, policies.StragglerPolicy())[0] == windows == [7, 8, 9]
         assert all(set(record.step_windows) == {7, 8, 9} for record in snapshot.ranks.values())
     for rank, record in snapshot.ranks.items():
         full = everything.ranks[rank]
@@ -635,7 +646,7 @@ def test_older_straggler_windows_are_read_only_where_the_rules_would_weigh_them(
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5])]
-    windows = set(sources.recent_windows(diagnosis.StragglerPolicy())[1])
+    windows = set(sources.recent_windows(policies.StragglerPolicy())[1])
     asked = [names for names, _, _ in fake_prometheus["asked"]]
     assert (windows in asked) == older_read
     if older_read:  # then every window, as all at once
@@ -810,10 +821,10 @@ def test_a_rounds_fields_keep_the_group_indexes_built_unless_they_change_the_gro
     assert faults.oldest_in_flight == {"world": 100.0}
     detailed = records.with_fields(faults, {1: {"steps": 7.0, "activity": "compute"}})
     assert detailed.ranks[1].steps == 7.0
-    assert [vars(detailed).get(name) for name in diagnosis.GROUP_INDEXES] == indexes  # not built again
+    assert [vars(detailed).get(name) for name in rule_types.GROUP_INDEXES] == indexes  # not built again
     for fields in ({"up": False}, {"exception": "RuntimeError"}, {"groups": {}}):
         changed = records.with_fields(detailed, {0: fields})
-        assert not any(name in vars(changed) for name in diagnosis.GROUP_INDEXES)
+        assert not any(name in vars(changed) for name in rule_types.GROUP_INDEXES)
         assert changed.oldest_in_flight == ({"world": 100.0} if "exception" in fields else {"world": 99.0})
         assert changed.ranks[0].gone == ("groups" not in fields)
 
@@ -903,7 +914,7 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
     assert found == {name: counts[name] for name in picked if name in counts}
 
 
-SUMMARY_RANKS = diagnosis.LEAVE_ONE_OUT_RANKS + 4
+SUMMARY_RANKS = straggler_rules.LEAVE_ONE_OUT_RANKS + 4
 # rules.straggler_summary_rules's figures for a run whose every rank closed window 12 and has 10 to 12
 FIGURES = {
     **{(f"{rules.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
@@ -953,15 +964,15 @@ def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(cha
         fetched.append((set(queries), list(ranks), at))
         return {"flare_straggler_last_window": [({"rank": "5"}, 12.0)]}
 
-    faults = diagnosis.Snapshot({r: diagnosis.RankRecord(r) for r in range(SUMMARY_RANKS)}, NOW, "r")
-    found = prometheus_source._window_summary(answers, fetch, faults, diagnosis.StragglerPolicy())
+    faults = rule_types.Snapshot({r: rule_types.RankRecord(r) for r in range(SUMMARY_RANKS)}, NOW, "r")
+    found = prometheus_source._window_summary(answers, fetch, faults, policies.StragglerPolicy())
     assert asked == [(["summary_at"], NOW), (["candidates", "figures"], NOW - 20)]
     if not stands:
         assert found is None and fetched == []
         return
     assert found is not None
     summary, windows = found
-    assert summary == diagnosis.WindowSummary(
+    assert summary == rule_types.WindowSummary(
         (10, 11, 12), SUMMARY_RANKS, ((0.4, 1.4826 * 0.01),) * 3, (0.4, 1.4826 * 0.01), NOW - 20
     )
     assert fetched == [(set(sources.PACE_QUERIES), [5], NOW - 20)]  # the named rank's, at the figures' time

@@ -21,7 +21,7 @@ from conftest import flare_json, queries_sent
 
 from flare_exporter.config import Config
 from flare_exporter.engine import cli, records, scrape, thresholds
-from flare_exporter.engine.diagnosis import Snapshot
+from flare_exporter.engine.rule_types import Snapshot
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.mixin import rules

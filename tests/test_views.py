@@ -10,7 +10,8 @@ from conftest import flare_json
 
 from flare_exporter.config import Config
 from flare_exporter.engine import views
-from flare_exporter.engine.diagnosis import GroupState, InFlight, RankRecord, Snapshot, diagnose
+from flare_exporter.engine.diagnosis import diagnose
+from flare_exporter.engine.rule_types import GroupState, InFlight, RankRecord, Snapshot
 from flare_exporter.local.testing import virtual_cluster as vc
 
 NOW = 1_700_000_000.0

@@ -3,7 +3,8 @@ hand-built snapshots of a pipeline, pure."""
 
 from __future__ import annotations
 
-from flare_exporter.engine.diagnosis import GroupState, InFlight, PointToPoint, RankRecord, Snapshot, diagnose
+from flare_exporter.engine.diagnosis import diagnose
+from flare_exporter.engine.rule_types import GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 from flare_exporter.engine.wait_for import wait_graph
 
 NOW = 1_700_000_000.0

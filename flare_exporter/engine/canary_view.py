@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .canary import DRIFT, CanaryReading, measurement_order
-from .diagnosis import RankRecord, Snapshot
+from .rule_types import RankRecord, Snapshot
 
 NO_READINGS = "(no canary readings: the canary is off (canary: warn or enforce turns it on), or has not run)"
 

@@ -52,6 +52,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from .. import config as config_module
 from ..mixin import rules
+from ..policies import IldPolicy
 from . import (
     canary_view,
     diagnosis,
@@ -68,8 +69,9 @@ from . import (
     sources,
     thresholds,
 )
-from .diagnosis import Snapshot, Verdict
+from .host_load import WARNING
 from .promql import PrometheusError
+from .rule_types import Snapshot, Verdict
 from .targets import TargetsError, read_targets
 from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
 
@@ -360,9 +362,7 @@ def _client(args: argparse.Namespace) -> scrape.Client:
     return scrape.client(scheme, args.ca_file, args.cert_file, args.key_file, args.basic_auth_user, password)
 
 
-def _detail_for(
-    command: str, hang_seconds: float, ild: diagnosis.IldPolicy
-) -> Callable[[Snapshot], set[int]] | None:
+def _detail_for(command: str, hang_seconds: float, ild: IldPolicy) -> Callable[[Snapshot], set[int]] | None:
     """Whose detail (stack sample, GPU health, ...) `command` shows: the culprits' for `diagnose`, every
     rank's for the views (None)."""
     if command not in ("diagnose", "canary"):  # `flare canary` reads in rounds, and its own (_canary_round)
@@ -555,7 +555,7 @@ def _answer(args: argparse.Namespace) -> Answer:
         if args.command == "perf":
             return _perf(args)
         config = rules.engine_config(args)
-        ild = diagnosis.IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
+        ild = IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
         _check_common(args)
         if args.incidents or args.at is not None:
             return _dead_run_answer(_dead_run(args))
@@ -621,9 +621,7 @@ def parse_time(text: str) -> float:
     return seconds
 
 
-def _snapshot(
-    args: argparse.Namespace, hang_seconds: float, ild: diagnosis.IldPolicy
-) -> tuple[Snapshot, str]:
+def _snapshot(args: argparse.Namespace, hang_seconds: float, ild: IldPolicy) -> tuple[Snapshot, str]:
     """The live snapshot the source flags name, and the source's name."""
     if args.prometheus:
         detail_for = _detail_for(args.command, hang_seconds, ild)
@@ -712,7 +710,7 @@ def _snapshot_answer(
     snapshot: Snapshot,
     source: str,
     hang: thresholds.Threshold,
-    ild: diagnosis.IldPolicy,
+    ild: IldPolicy,
 ) -> Answer:
     """The live verdicts of a snapshot, and the command's view (judged by the hang threshold `hang`)."""
     hang_seconds = hang.seconds
@@ -747,7 +745,7 @@ def _snapshot_answer(
         result.update(found, every_rank=every_rank)
     header = f"run {snapshot.run}: {snapshot.ranks_seen} of {len(snapshot.ranks)} ranks answered ({source})"
     text = "\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]) + "\n"
-    pages = [verdict for verdict in shown if verdict.severity != diagnosis.WARNING]  # a busy host: exit 0
+    pages = [verdict for verdict in shown if verdict.severity != WARNING]  # a busy host: exit 0
     return Answer(EXIT_ANOMALY if pages else EXIT_OK, result, text)
 
 

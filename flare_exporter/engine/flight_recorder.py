@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from . import diagnosis, incident_source, post_mortem, report, thresholds
-from .diagnosis import Snapshot
 from .flight_recorder_records import (
     Dump,
     DumpError,
@@ -37,6 +36,7 @@ from .flight_recorder_records import (
     world_size_of,
 )
 from .records import SourceError, one_run
+from .rule_types import Snapshot
 
 __all__ = ["DumpError", "FlightRecorder", "incident_report", "read_flight_recorder", "snapshot_from"]
 

@@ -10,7 +10,7 @@ collective the rank issued (`process_group` (name, description), `collective_seq
 the group by its id alone. Every field is checked for its type; one of the wrong type is left out.
 
 Per group, a rank's record holds the last collective it issued and completed and its oldest unfinished one
-(diagnosis.GroupState), as flare's own ranks export them; the rules in diagnosis.py decide. A group is named
+(rule_types.GroupState), as flare's own ranks export them; the rules in diagnosis.py decide. A group is named
 as flare's ranks name it: `world`, else its description and a hash of its members where the dump lists them,
 else its description and the recorder's group name (gloo's dumps list no members).
 """
@@ -24,8 +24,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .diagnosis import GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 from .post_mortem import LastWord
+from .rule_types import GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 
 WORLD = "world"
 MAX_ENTRIES = 100_000  # per dump, the newest: a recorder keeps 2,000 by default

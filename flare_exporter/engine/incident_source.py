@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import causes
-from .diagnosis import GroupState, InFlight, PointToPoint
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
 from .records import SourceError, one_run
+from .rule_types import GroupState, InFlight, PointToPoint
 
 MAX_INCIDENT_BYTES = 16 * 1024 * 1024  # an incident holds every thread's stack; far more is not one
 MAX_FILES = 100_000

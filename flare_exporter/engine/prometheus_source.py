@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from .. import spec
 from ..mixin import rules
-from . import canary, diagnosis, promql
-from .diagnosis import Snapshot
+from ..policies import IldPolicy, StragglerPolicy
+from . import canary, diagnosis, hang_rules, promql, straggler_rules
 from .host_load import HOST_LOAD_METRICS
 from .promql import Prometheus
 from .records import (
@@ -43,6 +43,7 @@ from .records import (
     with_fields,
     with_pace,
 )
+from .rule_types import Snapshot, WindowSummary
 
 # The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
 # series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
@@ -113,7 +114,7 @@ PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 GROUP_QUERIES = {
     "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
     # when each number was scraped: one scraped at or before its group's newest issue (the latest start the
-    # faults round read) is late (diagnosis.GroupState.seen_before_stall). Compared here, not in
+    # faults round read) is late (rule_types.GroupState.seen_before_stall). Compared here, not in
     # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
     ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
 }
@@ -151,10 +152,11 @@ PACE_QUERIES = {
 WINDOW_METRICS = ("flare_straggler_window_step_seconds", "flare_straggler_window_wait_seconds")
 
 
-def recent_windows(policy: diagnosis.StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
+def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
     """The straggler windows' queries in two parts: each rank's last `hold_windows` (label ago below it),
-    which the rules read when every rank closed the same last window (diagnosis.decided_by_last_windows),
-    and the older ones, read only when they do not: a quarter of the pace round's series at 6,144 ranks."""
+    which the rules read when every rank closed the same last window
+    (straggler_rules.decided_by_last_windows), and the older ones, read only when they do not: a quarter of
+    the pace round's series at 6,144 ranks."""
     recent = "|".join(str(ago) for ago in range(policy.hold_windows))
 
     def windows(match: str) -> dict[str, str]:
@@ -164,18 +166,18 @@ def recent_windows(policy: diagnosis.StragglerPolicy) -> tuple[dict[str, str], d
 
 
 # At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
-# (rules.straggler_summary_rules; diagnosis.WindowSummary), read in place of them where it stands for them:
+# (rules.straggler_summary_rules; WindowSummary), read in place of them where it stands for them:
 # the time of the rules' last evaluation, then the figures at that time and the ranks that could be named.
 SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({rules.SUMMARY_AT}{{sel}}))"}
 SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
 SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
 
 
-def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
+def summary_candidates(policy: StragglerPolicy) -> str:
     """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
-    and min_wait_gap of the step; diagnosis.WindowScores.stands_out) that the rules could name them."""
+    and min_wait_gap of the step; straggler_rules.WindowScores.stands_out) that the rules could name them."""
     pooled, figure = rules.SUMMARY_POOLED, rules.POOLED_SHARE
-    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {diagnosis.MIN_SHARE_SPREAD!r})"
+    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {straggler_rules.MIN_SHARE_SPREAD!r})"
     distance = (
         f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
     )
@@ -187,7 +189,7 @@ def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
 ILD_QUERIES = _current(ILD_METRICS, ", distribution")
 
 
-def ild_screen(policy: diagnosis.IldPolicy) -> dict[str, str]:
+def ild_screen(policy: IldPolicy) -> dict[str, str]:
     """The query for the ranks whose drift could count as shifted under `policy` (IldPolicy.floors), one
     series each, without the drift itself (key `ild_screen`, which no record reads)."""
     op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
@@ -200,7 +202,7 @@ def ild_screen(policy: diagnosis.IldPolicy) -> dict[str, str]:
     }
 
 
-def ild_candidates(policy: diagnosis.IldPolicy) -> dict[str, str]:
+def ild_candidates(policy: IldPolicy) -> dict[str, str]:
     """The ranks ild_screen may name and more (key `ild_candidates`): its floors without the W1 one, so
     that the pace round need not read every rank's W1 (a third of the screen's series); ild_screen is
     asked of them only when there are any."""
@@ -214,7 +216,7 @@ def ild_candidates(policy: diagnosis.IldPolicy) -> dict[str, str]:
 
 
 # The same from the cumulative step and collective times: every rank (asked when not every rank exports
-# straggler windows; see diagnosis.judged_by_windows).
+# straggler windows; see straggler_rules.judged_by_windows).
 CUMULATIVE_QUERIES = {
     "flare_step_duration_seconds_sum": (
         "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
@@ -271,8 +273,8 @@ def from_prometheus(
     timeout: float = 10.0,
     detail_for: Callable[[Snapshot], Iterable[int]] | None = None,
     hang_seconds: float | None = None,
-    ild: diagnosis.IldPolicy | None = None,
-    stragglers: diagnosis.StragglerPolicy | None = None,
+    ild: IldPolicy | None = None,
+    stragglers: StragglerPolicy | None = None,
     canary_view: bool = False,
 ) -> Snapshot:
     """A Snapshot of one run from the Prometheus at `server` (its base URL, or a promql.Connection where it
@@ -309,8 +311,8 @@ def from_prometheus(
         snapshot = _hang_groups_round(fetch, faults, series, hang_seconds, ahead)
     named = sorted(set(detail_for(snapshot)))
     if not named:  # nothing gone or hung: the rules weigh every rank's pace
-        stragglers = stragglers or diagnosis.StragglerPolicy()
-        snapshot = _pace_rounds(prometheus, snapshot, ild or diagnosis.IldPolicy(), stragglers)
+        stragglers = stragglers or StragglerPolicy()
+        snapshot = _pace_rounds(prometheus, snapshot, ild or IldPolicy(), stragglers)
     read = _canary_round(fetch, snapshot, failing, canary_view)
     if read is not snapshot or not named:  # the verdicts of the pace or of the canary read since
         snapshot = read
@@ -488,11 +490,11 @@ def _late_scrapes(
     snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Fetch, hang_seconds: float
 ) -> bool:
     """Asks the scrape times that could be late (late_scrape_queries) in `groups` of their members below
-    the group's top, the only ranks a late scrape leaves unjudged (diagnosis.below_top): at a hang, the few
+    the group's top, the only ranks a late scrape leaves unjudged (hang_rules.below_top): at a hang, the few
     behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
     numbers). 1 query; none where no member is below the top or nothing is in flight. True where some were
     late: `series` holds them."""
-    below = sorted({rank for group in groups for rank in diagnosis.below_top(snapshot, group)})
+    below = sorted({rank for group in groups for rank in hang_rules.below_top(snapshot, group)})
     queries = late_scrape_queries(series, groups, hang_seconds)
     if not below or not queries:
         return False
@@ -506,8 +508,8 @@ def late_scrape_queries(
 ) -> dict[str, str]:
     """The query of the scrape times of the issued numbers in `groups` that could be late: those scraped at
     or before the newest start in `groups` that `series` hold, or before the oldest start + `hang_seconds`
-    (when its group became hung: diagnosis.GroupHang.judges); none where nothing is in flight in them. Each
-    number's group decides (records.group_fields, diagnosis); the late scrapes are few, a row each."""
+    (when its group became hung: hang_rules.GroupHang.judges); none where nothing is in flight in them. Each
+    number's group decides (records.group_fields, hang_rules); the late scrapes are few, a row each."""
     groups = set(groups)
     starts = [started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups]
     if not starts:
@@ -520,8 +522,8 @@ def late_scrape_queries(
 def _pace_rounds(
     prometheus: PrometheusRun,
     faults: Snapshot,
-    ild: diagnosis.IldPolicy,
-    stragglers: diagnosis.StragglerPolicy,
+    ild: IldPolicy,
+    stragglers: StragglerPolicy,
 ) -> Snapshot:
     """`faults` with every rank's pace, where no rank is gone or hung (the rules weigh stragglers and ILD
     only then), in the rounds the rules need: the last straggler windows (_recent_pace_round), the ILD drift
@@ -533,9 +535,9 @@ def _pace_rounds(
     snapshot = with_pace(faults, pace)
     if summary is not None:
         snapshot = snapshot.replaced(True, window_summary=summary)
-    elif not diagnosis.decided_by_last_windows(snapshot, stragglers):
+    elif not straggler_rules.decided_by_last_windows(snapshot, stragglers):
         snapshot = _older_windows_round(prometheus.fetch, faults, pace, stragglers)
-    if not diagnosis.judged_by_windows(snapshot):
+    if not straggler_rules.judged_by_windows(snapshot):
         snapshot = _cumulative_round(prometheus.fetch, faults, pace)
     return snapshot
 
@@ -543,18 +545,18 @@ def _pace_rounds(
 def _recent_pace_round(
     prometheus: PrometheusRun,
     faults: Snapshot,
-    ild: diagnosis.IldPolicy,
-    stragglers: diagnosis.StragglerPolicy,
-) -> tuple[diagnosis.WindowSummary | None, dict[str, Series]]:
+    ild: IldPolicy,
+    stragglers: StragglerPolicy,
+) -> tuple[WindowSummary | None, dict[str, Series]]:
     """Every rank's pace as the rules weigh it first, and the summary of its windows that stands for them
     (None where none is read): the last straggler windows (PACE_QUERIES and the recent part of
     recent_windows, 7 queries) and the ranks whose ILD drift could count as shifted (ild_candidates,
     1 query), at once. Beyond LEAVE_ONE_OUT_RANKS, what the recording rules say of every rank's windows
     (_window_summary) in their place where it stands for them, the candidates asked meanwhile."""
     recent, _ = recent_windows(stragglers)
-    if faults.ranks_seen <= diagnosis.LEAVE_ONE_OUT_RANKS:
+    if faults.ranks_seen <= straggler_rules.LEAVE_ONE_OUT_RANKS:
         return None, prometheus.fetch(PACE_QUERIES | recent | ild_candidates(ild))
-    summary: diagnosis.WindowSummary | None = None
+    summary: WindowSummary | None = None
     with ThreadPoolExecutor(max_workers=1) as pool:
         screened = pool.submit(prometheus.fetch, ild_candidates(ild))
         summarised = _window_summary(prometheus.answers, prometheus.fetch, faults, stragglers)
@@ -570,11 +572,11 @@ def _window_summary(
     answers: Answers,
     fetch: Fetch,
     faults: Snapshot,
-    policy: diagnosis.StragglerPolicy,
-) -> tuple[diagnosis.WindowSummary, dict[str, Series]] | None:
+    policy: StragglerPolicy,
+) -> tuple[WindowSummary, dict[str, Series]] | None:
     """What Prometheus's recording rules say of every rank's straggler windows, and the windows of the ranks
     they could name, all as of the rules' last evaluation; None where the figures do not stand for every
-    live rank's windows (diagnosis.WindowSummary): no rules, not every live rank with each of the windows
+    live rank's windows (WindowSummary): no rules, not every live rank with each of the windows
     and a best step time, windows not closed alike, a job-wide slowdown, more ranks to name than a
     selector names. 3 queries (the evaluation time, then the figures and the ranks they could name), and
     PACE_QUERIES (5 queries) of those ranks where there are any."""
@@ -614,13 +616,13 @@ def _window_summary(
     if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
         return None
     newest = int(last)
-    summary = diagnosis.WindowSummary(
+    summary = WindowSummary(
         tuple(range(newest - policy.hold_windows + 1, newest + 1)), faults.ranks_seen, per_window, pooled, at
     )
     return summary, (fetch(PACE_QUERIES, candidates, at=at) if candidates else {})
 
 
-def _ild_round(fetch: Fetch, pace: dict[str, Series], ild: diagnosis.IldPolicy) -> None:
+def _ild_round(fetch: Fetch, pace: dict[str, Series], ild: IldPolicy) -> None:
     """Every rank's ILD drift (ILD_QUERIES, 3 queries), added to `pace`, where a candidate of the recent pace
     round (its `ild_candidates`, taken out) could count as shifted under `ild` (ild_screen, 1 query of the
     candidates): its peers' medians decide. Most of the time no rank is a candidate and nothing is asked."""
@@ -630,11 +632,11 @@ def _ild_round(fetch: Fetch, pace: dict[str, Series], ild: diagnosis.IldPolicy) 
 
 
 def _older_windows_round(
-    fetch: Fetch, faults: Snapshot, pace: dict[str, Series], stragglers: diagnosis.StragglerPolicy
+    fetch: Fetch, faults: Snapshot, pace: dict[str, Series], stragglers: StragglerPolicy
 ) -> Snapshot:
     """`faults` with the pace read and every rank's older straggler windows (the older part of
     recent_windows, 2 queries), added to `pace`: asked where the last windows do not decide
-    (diagnosis.decided_by_last_windows)."""
+    (straggler_rules.decided_by_last_windows)."""
     _, older = recent_windows(stragglers)
     _extend(pace, fetch(older))
     return with_pace(faults, pace)
@@ -643,7 +645,7 @@ def _older_windows_round(
 def _cumulative_round(fetch: Fetch, faults: Snapshot, pace: dict[str, Series]) -> Snapshot:
     """`faults` with the pace read and every rank's cumulative step and collective times
     (CUMULATIVE_QUERIES, 2 queries), added to `pace`: asked where not every rank exports straggler windows
-    (diagnosis.judged_by_windows)."""
+    (straggler_rules.judged_by_windows)."""
     pace.update(fetch(CUMULATIVE_QUERIES))
     return with_pace(faults, pace)
 

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .. import spec
-from . import canary, diagnosis
-from .diagnosis import GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
+from . import canary
 from .host_load import HOST_LOAD_METRICS, HostLoadState
+from .rule_types import GROUP_INDEX_FIELDS, GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
 ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
@@ -339,7 +339,7 @@ def with_fields(snapshot: Snapshot, found: Mapping[int, Mapping[str, Any]]) -> S
         rank: _replaced(record, found[rank]) if rank in found else record
         for rank, record in snapshot.ranks.items()
     }
-    groups_kept = not any(diagnosis.GROUP_INDEX_FIELDS.intersection(fields) for fields in found.values())
+    groups_kept = not any(GROUP_INDEX_FIELDS.intersection(fields) for fields in found.values())
     return snapshot.replaced(groups_kept, ranks=ranks)
 
 

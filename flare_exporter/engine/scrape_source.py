@@ -8,8 +8,8 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from . import scrape
-from .diagnosis import Snapshot
 from .records import SNAPSHOT_METRICS, Liveness, Series, build_snapshot, one_run
+from .rule_types import Snapshot
 from .targets import Target
 
 

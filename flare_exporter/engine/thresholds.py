@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from .. import config as config_module
 from . import prometheus_source, promql
-from .diagnosis import Snapshot
 from .records import HANG_THRESHOLD
+from .rule_types import Snapshot
 
 # Where the threshold came from: JSON key hang_seconds_from
 FLAG, ENVIRONMENT, CONFIG = config_module.FLAG, config_module.ENVIRONMENT, config_module.CONFIG_FILE

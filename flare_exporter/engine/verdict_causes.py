@@ -24,7 +24,7 @@ from .. import causes
 
 
 class Culprit(Protocol):
-    """What the cause rules read of a culprit's record (diagnosis.RankRecord)."""
+    """What the cause rules read of a culprit's record (rule_types.RankRecord)."""
 
     @property
     def exception(self) -> str: ...

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..group_roles import group_role
-from . import diagnosis, wait_for
-from .diagnosis import Snapshot, Verdict
+from . import hang_rules, straggler_rules, wait_for
+from .host_load import WARNING
+from .rule_types import InFlight, RankRecord, Snapshot, Verdict, age_of
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def ranks_view(
     return rows, lines
 
 
-def _rank_row(snapshot: Snapshot, record: diagnosis.RankRecord, problems: list[str]) -> dict[str, Any]:
+def _rank_row(snapshot: Snapshot, record: RankRecord, problems: list[str]) -> dict[str, Any]:
     flight_group, flight = _oldest_in_flight(record)
     return {
         "rank": record.rank,
@@ -88,7 +89,7 @@ def _rank_row(snapshot: Snapshot, record: diagnosis.RankRecord, problems: list[s
         "up": record.up,
         "down_reason": record.down_reason or (f"exception {record.exception}" if record.exception else None),
         "steps": record.steps,
-        "heartbeat_age_seconds": diagnosis.age_of(snapshot, record.heartbeat),
+        "heartbeat_age_seconds": age_of(snapshot, record.heartbeat),
         "in_flight": None
         if flight is None
         else {
@@ -96,7 +97,7 @@ def _rank_row(snapshot: Snapshot, record: diagnosis.RankRecord, problems: list[s
             "op": flight.op,
             "seq": flight.seq,
             "state": flight.state,
-            "age_seconds": diagnosis.age_of(snapshot, flight.started_at),
+            "age_seconds": age_of(snapshot, flight.started_at),
         },
         "activity": record.activity or None,
         "frames": record.frames or None,
@@ -118,8 +119,8 @@ def rank_problems(
             found[record.rank].append("dying")
         if record.activity and record.activity != "collective":  # one waiting in a collective waits on others
             found[record.rank].append("stalled")
-    for hang in diagnosis.hung_groups(snapshot, hang_seconds):
-        for rank in diagnosis.below_top(snapshot, hang.name):
+    for hang in hang_rules.hung_groups(snapshot, hang_seconds):
+        for rank in hang_rules.below_top(snapshot, hang.name):
             found[rank].append(f"behind:{hang.name}")
     for verdict in verdicts:
         for rank in verdict.ranks:
@@ -129,11 +130,11 @@ def rank_problems(
 
 
 def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, Any]], list[str]]:
-    hung = {hang.name for hang in diagnosis.hung_groups(snapshot, hang_seconds)}
+    hung = {hang.name for hang in hang_rules.hung_groups(snapshot, hang_seconds)}
     names = sorted({name for record in snapshot.ranks.values() for name in record.groups})
     rows: list[dict[str, Any]] = []
     for name in names:
-        members = diagnosis.members_of(snapshot, name)
+        members = hang_rules.members_of(snapshot, name)
         live = [
             snapshot.ranks[r] for r in members if snapshot.ranks[r].up and name in snapshot.ranks[r].groups
         ]
@@ -182,9 +183,7 @@ def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, A
     return rows, lines
 
 
-def _point_to_point_rows(
-    snapshot: Snapshot, group: str, live: list[diagnosis.RankRecord]
-) -> list[dict[str, Any]]:
+def _point_to_point_rows(snapshot: Snapshot, group: str, live: list[RankRecord]) -> list[dict[str, Any]]:
     """Each live member's oldest send or receive in flight in `group` per direction and peer, and whether
     it waits for its peer (the peer has not issued the matching op: wait_for.point_to_point_edges)."""
     rows = []
@@ -207,7 +206,7 @@ def _point_to_point_rows(
 
 
 def stragglers_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
-    scores = diagnosis.straggler_scores(snapshot)
+    scores = straggler_rules.straggler_scores(snapshot)
     rows = [
         {"rank": rank, **{key: round(value, 6) for key, value in row.items()}} for rank, row in scores.items()
     ]
@@ -229,13 +228,13 @@ def format_verdicts(verdicts: list[Verdict]) -> list[str]:
     for verdict in verdicts:
         culprits = f"rank {_ranks(list(verdict.ranks))}" if verdict.ranks else "no single rank"
         group = f" [group {verdict.group}]" if verdict.group else ""
-        warning = "WARNING " if verdict.severity == diagnosis.WARNING else ""
+        warning = "WARNING " if verdict.severity == WARNING else ""
         head = f"{warning}{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
         lines.append(f"{head}: {verdict.summary}")
     return lines
 
 
-def _oldest_in_flight(record: diagnosis.RankRecord) -> tuple[str, diagnosis.InFlight | None]:
+def _oldest_in_flight(record: RankRecord) -> tuple[str, InFlight | None]:
     flights = [
         (state.in_flight.started_at, name, state.in_flight)
         for name, state in record.groups.items()
