@@ -608,8 +608,8 @@ def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ran
 
 
 def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot | None:
-    """What sources.from_prometheus makes of Prometheus's figures (rules.straggler_summary_rules) over
-    `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
+    """What sources.from_prometheus makes of Prometheus's figures (straggler_rules.straggler_summary_rules)
+    over `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
     (sources.summary_candidates); None where the figures do not stand for every rank's windows."""
     windows = sorted(records[0].step_windows)[-policy.hold_windows :]
     steps = {r.rank: [r.step_windows[w] for w in windows] for r in records}

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json, queries_sent
 
-from flare_exporter import spec
+from flare_exporter import record_names, spec
 from flare_exporter.engine import cli, diagnosis, prometheus_source, promql, records, sources, thresholds
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import rule_model, rules_render
 
 HANG_SECONDS = 30.0
 
@@ -72,7 +72,9 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
             vc.write_file_sd(targets, run, server.targets(), ranks)
             built.append((Cluster(run, ranks, straggler, hung, server, hung_pages), later))
         rules_file = work / "flare.rules.yml"
-        rules_file.write_text(rules.render(rules.Thresholds(hang_seconds=HANG_SECONDS, slow_interval="")))
+        rules_file.write_text(
+            rules_render.render(rule_model.Thresholds(hang_seconds=HANG_SECONDS, slow_interval=""))
+        )
         with PrometheusProcess(str(work / "prometheus"), targets, rule_files=[str(rules_file)]) as prometheus:
             for cluster, later in built:
                 await_count(prometheus, f'count(flare_rank_info{{run="{cluster.run}"}})', cluster.ranks)
@@ -83,7 +85,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
             # the rules' figures over the pages every rank serves now: every rank's last window, the same
             huge = built[2][0]
             (last,) = prometheus.query(f'max(flare_straggler_last_window{{run="{huge.run}"}})')
-            figure = f'{rules.LAST_WINDOW}:min{{run="{huge.run}"}} == {last["value"][1]}'
+            figure = f'{record_names.LAST_WINDOW}:min{{run="{huge.run}"}} == {last["value"][1]}'
             await_count(prometheus, f"count({figure})", 1)
             yield Clusters(prometheus, *(cluster for cluster, _ in built))
 
@@ -144,8 +146,8 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
 
 def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_windows(clusters, monkeypatch):
     """With more ranks than one median serves (diagnosis.LEAVE_ONE_OUT_RANKS), the straggler rules weigh
-    Prometheus's figures of every rank's windows (rules.straggler_summary_rules) and the windows of the
-    ranks the figures could name: the same verdict as every rank's windows, in as many queries whatever
+    Prometheus's figures of every rank's windows (straggler_rules.straggler_summary_rules) and the windows of
+    the ranks the figures could name: the same verdict as every rank's windows, in as many queries whatever
     the number of ranks, none of them over every rank's windows."""
     cluster = clusters.huge
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
@@ -904,17 +906,18 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
 
 
 SUMMARY_RANKS = diagnosis.LEAVE_ONE_OUT_RANKS + 4
-# rules.straggler_summary_rules's figures for a run whose every rank closed window 12 and has 10 to 12
+# The figures of straggler_rules.straggler_summary_rules for a run whose every rank closed window 12 and
+# has 10 to 12
 FIGURES = {
-    **{(f"{rules.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
-    **{(f"{rules.WINDOW_SHARE}:mad", str(ago)): 0.01 for ago in range(3)},
-    **{(rules.WINDOW_RANKS, str(ago)): SUMMARY_RANKS for ago in range(3)},
-    (f"{rules.POOLED_SHARE}:median", ""): 0.4,
-    (f"{rules.POOLED_SHARE}:mad", ""): 0.01,
-    (rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS,
-    (f"{rules.LAST_WINDOW}:min", ""): 12,
-    (f"{rules.LAST_WINDOW}:max", ""): 12,
-    (rules.SUMMARY_AT, ""): 1.2,
+    **{(f"{record_names.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
+    **{(f"{record_names.WINDOW_SHARE}:mad", str(ago)): 0.01 for ago in range(3)},
+    **{(record_names.WINDOW_RANKS, str(ago)): SUMMARY_RANKS for ago in range(3)},
+    (f"{record_names.POOLED_SHARE}:median", ""): 0.4,
+    (f"{record_names.POOLED_SHARE}:mad", ""): 0.01,
+    (record_names.BEST_STEP_RANKS, ""): SUMMARY_RANKS,
+    (f"{record_names.LAST_WINDOW}:min", ""): 12,
+    (f"{record_names.LAST_WINDOW}:max", ""): 12,
+    (record_names.SUMMARY_AT, ""): 1.2,
 }
 
 
@@ -929,11 +932,14 @@ def as_answer(figures: dict[tuple[str, str], float]) -> list[dict]:
     "changed, stands",
     [
         ({}, True),
-        ({(f"{rules.LAST_WINDOW}:min", ""): 11}, False),  # a rank has not closed window 12
-        ({(rules.WINDOW_RANKS, "2"): SUMMARY_RANKS - 1}, False),  # one without 10
-        ({(rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS - 1}, False),  # one without its best
-        ({(rules.SUMMARY_AT, ""): 1.5}, False),  # every rank 1.5x its best: the job-wide verdict lists each
-        ({(f"{rules.POOLED_SHARE}:mad", ""): None}, False),  # not evaluated yet
+        ({(f"{record_names.LAST_WINDOW}:min", ""): 11}, False),  # a rank has not closed window 12
+        ({(record_names.WINDOW_RANKS, "2"): SUMMARY_RANKS - 1}, False),  # one without 10
+        ({(record_names.BEST_STEP_RANKS, ""): SUMMARY_RANKS - 1}, False),  # one without its best
+        (
+            {(record_names.SUMMARY_AT, ""): 1.5},
+            False,
+        ),  # every rank 1.5x its best: the job-wide verdict lists each
+        ({(f"{record_names.POOLED_SHARE}:mad", ""): None}, False),  # not evaluated yet
     ],
 )
 def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(changed, stands):

@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import spec
-from ..mixin import rules
+from .. import record_names, spec
+from ..durations import duration_seconds
 from . import canary, diagnosis, promql
 from .diagnosis import Snapshot
 from .host_load import HOST_LOAD_METRICS
@@ -164,9 +164,9 @@ def recent_windows(policy: diagnosis.StragglerPolicy) -> tuple[dict[str, str], d
 
 
 # At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
-# (rules.straggler_summary_rules; diagnosis.WindowSummary), read in place of them where it stands for them:
-# the time of the rules' last evaluation, then the figures at that time and the ranks that could be named.
-SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({rules.SUMMARY_AT}{{sel}}))"}
+# (record_names.py; diagnosis.WindowSummary), read in place of them where it stands for them: the time of
+# the rules' last evaluation, then the figures at that time and the ranks that could be named.
+SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({record_names.SUMMARY_AT}{{sel}}))"}
 SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
 SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
 
@@ -174,7 +174,7 @@ SUMMARY_SLACK = 0.999  # the screen's distance below the median, against roundin
 def summary_candidates(policy: diagnosis.StragglerPolicy) -> str:
     """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
     and min_wait_gap of the step; diagnosis.WindowScores.stands_out) that the rules could name them."""
-    pooled, figure = rules.SUMMARY_POOLED, rules.POOLED_SHARE
+    pooled, figure = record_names.SUMMARY_POOLED, record_names.POOLED_SHARE
     spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {diagnosis.MIN_SHARE_SPREAD!r})"
     distance = (
         f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
@@ -589,11 +589,11 @@ def _window_summary(
         for item in found
     }
     agos = [str(ago) for ago in reversed(range(policy.hold_windows))]  # the oldest window first
-    counts = [figures.get((rules.WINDOW_RANKS, ago)) for ago in agos]
-    counts.append(figures.get((rules.BEST_STEP_RANKS, "")))
-    first = figures.get((f"{rules.LAST_WINDOW}:min", ""))
-    last = figures.get((f"{rules.LAST_WINDOW}:max", ""))
-    slowest = figures.get((rules.SUMMARY_AT, ""))
+    counts = [figures.get((record_names.WINDOW_RANKS, ago)) for ago in agos]
+    counts.append(figures.get((record_names.BEST_STEP_RANKS, "")))
+    first = figures.get((f"{record_names.LAST_WINDOW}:min", ""))
+    last = figures.get((f"{record_names.LAST_WINDOW}:max", ""))
+    slowest = figures.get((record_names.SUMMARY_AT, ""))
     candidates = sorted({int(item["metric"]["rank"]) for item in named if "rank" in item["metric"]})
     if (
         any(count != faults.ranks_seen for count in counts)
@@ -609,8 +609,8 @@ def _window_summary(
         median, mad = (figures.get((f"{prefix}:{stat}", ago), math.nan) for stat in ("median", "mad"))
         return median, 1.4826 * mad
 
-    per_window = tuple(robust(rules.WINDOW_SHARE, ago) for ago in agos)
-    pooled = robust(rules.POOLED_SHARE)
+    per_window = tuple(robust(record_names.WINDOW_SHARE, ago) for ago in agos)
+    pooled = robust(record_names.POOLED_SHARE)
     if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
         return None
     newest = int(last)
@@ -691,7 +691,7 @@ def the_run(server: Prometheus, window: str, timeout: float, now: float) -> str:
     where it names other than one run (it may name runs scraped before the window), the query decides: 1
     request, or 2."""
     where = f"Prometheus at {promql.connection(server).url}"
-    start = now - rules.duration_seconds(window, "flag --window")
+    start = now - duration_seconds(window, "flag --window")
     named = promql.label_values(server, "run", "flare_rank_info", start, now, timeout)
     if len(named) == 1 and named[0]:
         return named[0]
