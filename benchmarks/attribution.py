@@ -21,9 +21,9 @@ seconds. Once it is ready and holds flare_rank_info for every rank, the benchmar
   `flare_exporter.engine.cli.main(["diagnose", "--prometheus", URL, "--hang-seconds", "60", "--json"])`,
   `--repeats` times, and its two parts alone: sources.from_prometheus (the queries) and diagnosis.diagnose
   (the engine);
-- the whole command: `python -m flare_exporter.engine.cli diagnose ...` as a subprocess,
+- the whole command: `python -m flare_exporter.cli diagnose ...` as a subprocess,
   `--subprocess-repeats`
-  times (interpreter start-up and imports included), and `python -c "import flare_exporter.engine.cli"` alone.
+  times (interpreter start-up and imports included), and `python -c "import flare_exporter.cli"` alone.
 
 The in-process times share this process, and so the GIL, with the server's thread (about 500 scrapes a
 second at 1,024 ranks): they come out slower than the whole command less its start-up.
@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         metavar="N",
-        help="whole-command runs, python -m flare_exporter.engine.cli (default 3)",
+        help="whole-command runs, python -m flare_exporter.cli (default 3)",
     )
     parser.add_argument(
         "--scrape-interval",
@@ -442,16 +442,14 @@ def time_commands(
     window = (time.perf_counter(), time.process_time(), process_cpu(prometheus.process.pid))
     for index in range(args.subprocess_repeats):
         elapsed, code, output, cpu_seconds = command(
-            ["-m", "flare_exporter.engine.cli", *cli_args], SUBPROCESS_TIMEOUT_S
+            ["-m", "flare_exporter.cli", *cli_args], SUBPROCESS_TIMEOUT_S
         )
         check_verdict(code, output, args.ranks, args.culprit, f"subprocess run {index + 1}")
         whole.append(elapsed)
         whole_cpu.append(cpu_seconds)
-        elapsed, code, output, _ = command(["-c", "import flare_exporter.engine.cli"], SUBPROCESS_TIMEOUT_S)
+        elapsed, code, output, _ = command(["-c", "import flare_exporter.cli"], SUBPROCESS_TIMEOUT_S)
         if code != 0:
-            raise BenchError(
-                f"python -c 'import flare_exporter.engine.cli' exited with {code}: {one_line(output)}"
-            )
+            raise BenchError(f"python -c 'import flare_exporter.cli' exited with {code}: {one_line(output)}")
         startup.append(elapsed)
     times.update(whole_command=whole, whole_command_cpu=whole_cpu, startup_alone=startup)
     background: dict[str, float] = {"load_average_1m": os.getloadavg()[0]}
@@ -460,11 +458,8 @@ def time_commands(
         background["server_cpus"] = (time.process_time() - window[1]) / span
         background["prometheus_cpus"] = (process_cpu(prometheus.process.pid) - window[2]) / span
         cpu = f"CPU time (user + sys): median {_seconds(statistics.median(whole_cpu))}"
-        print(
-            _row("whole command", f"python -m flare_exporter.engine.cli, {len(whole)} runs", whole)
-            + f"; {cpu}"
-        )
-        print(_row("  start-up", "python -c 'import flare_exporter.engine.cli'", startup))
+        print(_row("whole command", f"python -m flare_exporter.cli, {len(whole)} runs", whole) + f"; {cpu}")
+        print(_row("  start-up", "python -c 'import flare_exporter.cli'", startup))
         print(
             f"  busy meanwhile: Prometheus {background['prometheus_cpus']:.2f} CPUs, the simulated ranks' "
             f"server {background['server_cpus']:.2f} CPUs; load average {background['load_average_1m']:.2f} "

@@ -63,9 +63,7 @@ def installed_env() -> dict[str, str]:
     if env.pop("PYTHONDONTWRITEBYTECODE", "") or sys.dont_write_bytecode:
         env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="flare-bench-bytecode-")
         atexit.register(shutil.rmtree, env["PYTHONPYCACHEPREFIX"], ignore_errors=True)
-        subprocess.run(
-            [sys.executable, "-c", "import flare_exporter.engine.cli"], cwd=REPO, env=env, check=True
-        )
+        subprocess.run([sys.executable, "-c", "import flare_exporter.cli"], cwd=REPO, env=env, check=True)
     return env
 
 

@@ -106,7 +106,7 @@ class Ranks:
 
 def diagnose(targets_dir: str, phase: str, rank: int, repeats: int) -> dict[str, Any]:
     """`flare diagnose --targets` as a command, `repeats` times: wall and CPU seconds, verdict checked."""
-    argv = ["-m", "flare_exporter.engine.cli", "diagnose", "--targets", targets_dir, "--json"]
+    argv = ["-m", "flare_exporter.cli", "diagnose", "--targets", targets_dir, "--json"]
     argv += ["--hang-seconds", "60", "--run", RUN]
     walls, cpus, summary = [], [], ""
     for index in range(repeats):

@@ -9,7 +9,7 @@ the exporter's ILD state attached to the optimizer step hook: host-dispatch samp
 last `--window` sampled steps, timed by `--timer` (native: the RecordFunction observer, built if needed;
 python: the dispatch mode). After
 every step the timing manager drains (a real rank drains every few seconds and on each scrape; draining per
-step measures detection in steps) and the engine's per-rank rule (ild_rules.ild_shifted, with the healthy
+step measures detection in steps) and the engine's per-rank rule (ild_verdicts.ild_shifted, with the healthy
 peers' median W1 and per-op shift taken from the healthy run: healthy peers) says whether the rank's
 host-dispatch latency has shifted.
 
@@ -108,7 +108,7 @@ class Trainer:
 
 def run(args: argparse.Namespace, delay: float, healthy_steps: int, peers):  # type: ignore[no-untyped-def]
     """Train warm-up + baseline steps, then `healthy_steps` with `delay` per op; the drift after each."""
-    from flare_exporter.engine.ild_rules import IldDrift, ild_shifted
+    from flare_exporter.engine.ild_verdicts import IldDrift, ild_shifted
     from flare_exporter.policies import IldPolicy
 
     policy = IldPolicy(op_shift_seconds=args.op_shift_ns * 1e-9) if args.op_shift_ns else IldPolicy()
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cpp_recorder.load = lambda: None  # the exporter's dispatch-mode windows
 
-    from flare_exporter.engine.ild_rules import IldPeers
+    from flare_exporter.engine.ild_verdicts import IldPeers
 
     drifts, fired, times, ops = run(args, 0.0, args.healthy_steps, IldPeers(None, None))
     healthy_w1 = [current[1] for current, _ in drifts if current is not None]

@@ -18,7 +18,7 @@ rank, discovered by a real Prometheus through one file_sd file and scraped every
 
 Each step waits on Prometheus's API, not on a clock. Then `flare diagnose --prometheus URL --run RUN --json`
 runs `--repeats` times in this process (cli.main: wall and CPU time; the server is gone, so the CPU is the
-CLI's own, its query threads included) and as many times as a command (`python -m flare_exporter.engine.cli`,
+CLI's own, its query threads included) and as many times as a command (`python -m flare_exporter.cli`,
 start-up included: wall time, and CPU time from rusage), in turns. The in-process runs also time their
 parts: the live round that finds no rank up, the history round (history_source: its queries, and the last
 words built from the answers), the rules and report (post_mortem, report), the rest (arguments, JSON out);
@@ -271,9 +271,9 @@ def diagnose_in_process(
 
 
 def diagnose_command(args: argparse.Namespace, cli_args: list[str], runs: dict[str, Any], where: str) -> None:
-    """`python -m flare_exporter.engine.cli` once, its verdict checked: its wall and CPU seconds into
+    """`python -m flare_exporter.cli` once, its verdict checked: its wall and CPU seconds into
     `runs`."""
-    elapsed, code, output, cpu = command(["-m", "flare_exporter.engine.cli", *cli_args], COMMAND_TIMEOUT_S)
+    elapsed, code, output, cpu = command(["-m", "flare_exporter.cli", *cli_args], COMMAND_TIMEOUT_S)
     check_verdict(code, output, args, where)
     runs["wall"].append(elapsed)
     runs["cpu"].append(cpu)
@@ -336,7 +336,7 @@ def print_table(in_process_runs: dict[str, Any], commands: dict[str, Any]) -> No
     )
     for mode, runs in (
         ("in-process (cli.main)", in_process_runs),
-        ("command (python -m ...engine.cli)", commands),
+        ("command (python -m flare_exporter.cli)", commands),
     ):
         wall, cpu = stats(runs["wall"]), stats(runs["cpu"])
         figures = [_seconds(s[key]) for s in (wall, cpu) for key in ("median", "min", "max")]

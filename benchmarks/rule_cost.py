@@ -40,10 +40,11 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from flare_exporter.durations import duration_seconds  # noqa: E402
 from flare_exporter.engine import promql  # noqa: E402
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for  # noqa: E402
 from flare_exporter.local.testing import virtual_cluster as vc  # noqa: E402
-from flare_exporter.mixin import rules  # noqa: E402
+from flare_exporter.mixin import rule_model, rules_render  # noqa: E402
 
 RUN = "bench-rules"
 EVALUATIONS = 3  # of every group over the later pages before the targets go
@@ -55,20 +56,18 @@ def rules_file(args: argparse.Namespace, directory: Path) -> Path:
     scrape interval, the slow ones too."""
     if args.rules:
         return Path(args.rules)
-    thresholds = rules.Thresholds(scrape_interval_seconds=args.scrape_interval, slow_interval="")
+    thresholds = rule_model.Thresholds(scrape_interval_seconds=args.scrape_interval, slow_interval="")
     path = directory / "flare.rules.yml"
-    path.write_text(rules.render(thresholds.with_for("0s")))
+    path.write_text(rules_render.render(thresholds.with_for("0s")))
     return path
 
 
 def shipped_intervals() -> dict[str, float]:
     """Each group's interval as `flare rules` ships them (the fast ones: the default scrape interval)."""
-    document = yaml.safe_load(rules.render(rules.Thresholds()))
-    default = rules.Thresholds().scrape_interval_seconds
+    document = yaml.safe_load(rules_render.render(rule_model.Thresholds()))
+    default = rule_model.Thresholds().scrape_interval_seconds
     return {
-        group["name"]: rules.duration_seconds(group["interval"], "interval")
-        if "interval" in group
-        else default
+        group["name"]: duration_seconds(group["interval"], "interval") if "interval" in group else default
         for group in document["groups"]
     }
 

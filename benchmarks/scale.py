@@ -13,8 +13,8 @@ in this process, and listed in one file_sd file as the ranks write theirs.
 The stores (benchmarks/scale_stores.py), one after the other (--store both, the default: Prometheus
 first), each scraping a fresh server of the same rendered pages (so that the rank the first store saw die
 answers again), with the project's rules
-(`rules.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`: every alert without its `for:`,
-the slow signals' groups evaluated every minute as they ship), paging a real Alertmanager with the
+(`rules_render.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`: every alert without its
+`for:`, the slow signals' groups evaluated every minute as they ship), paging a real Alertmanager with the
 example configuration, which pages a webhook receiver here:
 
 - prometheus: one Prometheus scraping every rank and evaluating the rules (alertmanager.AlertingStack);
@@ -73,7 +73,7 @@ from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402 
 from flare_exporter.engine import cli, promql
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
-from flare_exporter.mixin.rules import LAST_WINDOW
+from flare_exporter.record_names import LAST_WINDOW
 
 RUN = "bench-scale"
 PROMETHEUS_GOAL_S = 1.0  # via the store, at 6,144 ranks
@@ -241,8 +241,8 @@ def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
 
 
 def as_subprocess(argv: list[str]) -> tuple[float, int, str, float]:
-    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.engine.cli ARGV`."""
-    return command(["-m", "flare_exporter.engine.cli", *argv], CLI_TIMEOUT_S)
+    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.cli ARGV`."""
+    return command(["-m", "flare_exporter.cli", *argv], CLI_TIMEOUT_S)
 
 
 def attribution(run: StoreRun, phase: str) -> dict[str, Any]:
@@ -362,8 +362,8 @@ def await_every_rank(run: StoreRun, timeout: float) -> None:
 
 
 def await_straggler_figures(run: StoreRun, timeout: float) -> float:
-    """Seconds until the rules' straggler figures (rules.straggler_summary_rules), which `flare diagnose`
-    reads in place of every rank's windows, are of the windows every rank serves now."""
+    """Seconds until the rules' straggler figures (straggler_rules.straggler_summary_rules), which `flare
+    diagnose` reads in place of every rank's windows, are of the windows every rank serves now."""
     started = time.monotonic()
     (last,) = run.query(f'max(flare_straggler_last_window{{run="{RUN}"}})')
     figure = f'{LAST_WINDOW}:min{{run="{RUN}"}} == {last["value"][1]}'

@@ -566,6 +566,23 @@ def load(
     return config
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the thresholds that `flare diagnose` and `flare rules` share (see engine_config)."""
+    parser.add_argument(
+        "--hang-seconds", default=None, help="hang threshold (default: FLARE_HANG_SECONDS, 300)"
+    )
+    parser.add_argument(
+        "--ild-op-shift-seconds",
+        default=None,
+        help="per-op shift that counts as an ILD regression (default: FLARE_ILD_OP_SHIFT_SECONDS, 4e-7)",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> Config:
+    """The config, the engine's thresholds from add_engine_arguments' flags over FLARE_* over the file."""
+    return load({"hang_seconds": args.hang_seconds, "ild_op_shift_seconds": args.ild_op_shift_seconds})
+
+
 # Where a setting was told (told_by)
 FLAG, ENVIRONMENT, CONFIG_FILE = "flag", "environment", "config"
 

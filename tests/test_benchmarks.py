@@ -885,7 +885,7 @@ def test_rule_cost_measures_every_rule_of_every_group_on_a_quiet_prometheus(tmp_
     rules answer with series: the recorded series they read were there at the time asked."""
     import yaml
 
-    from flare_exporter.mixin import rules
+    from flare_exporter.mixin import rule_model, rules_render
 
     out = tmp_path / "cost.json"
     done = run_benchmark(
@@ -893,7 +893,7 @@ def test_rule_cost_measures_every_rule_of_every_group_on_a_quiet_prometheus(tmp_
     )
     assert done.returncode == 0, done.stderr[-2000:]
     groups = json.loads(out.read_text())["groups"]
-    document = yaml.safe_load(rules.render(rules.Thresholds()))
+    document = yaml.safe_load(rules_render.render(rule_model.Thresholds()))
     assert set(groups) == {group["name"] for group in document["groups"]}
     for group in document["groups"]:
         measured = groups[group["name"]]

@@ -119,7 +119,7 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 def test_start_up_imports_no_torch_yaml_or_prometheus_client():
     # `flare diagnose` at thousands of ranks must answer in about a second, start-up included
     names = ("torch", "yaml", "prometheus_client")
-    code = f"import sys, flare_exporter.engine.cli; print(sorted(set({names!r}) & set(sys.modules)))"
+    code = f"import sys, flare_exporter.cli; print(sorted(set({names!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 

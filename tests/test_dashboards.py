@@ -164,7 +164,7 @@ def test_every_numeric_panel_has_a_unit_and_a_panel_without_one_fails():
 def test_selector_is_anded_into_every_query_of_flare_series(tmp_path, capsys):
     """--selector (as `flare rules --selector` takes it) lands in every selector of flare's own series, in the
     panels and the variables, before the view's own $selector; one Prometheus would not parse exits 2."""
-    selector = "cluster='eu-1'"  # as rules.check_selector writes it
+    selector = "cluster='eu-1'"  # as label_matchers.check_selector writes it
     assert dashboards.main(["--selector", "{cluster = 'eu-1'}", "--out", str(tmp_path)]) == 0
     scoped = 0
     for path in tmp_path.glob("*.json"):

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from flare_exporter.engine import cli
-from flare_exporter.mixin import rules
+from flare_exporter import cli
+from flare_exporter.durations import duration_seconds
+from flare_exporter.mixin import rules, rules_render
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -207,7 +208,7 @@ def test_the_podmonitor_scrapes_as_the_rules_expect():
     sanitized = re.sub(r"[^a-zA-Z0-9_]", "_", JOB_NAME_LABEL)
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["path"] == "/metrics" and endpoint["honorLabels"] is True
-        assert rules.duration_seconds(endpoint["interval"], "interval") == scrape_interval
+        assert duration_seconds(endpoint["interval"], "interval") == scrape_interval
         assert {
             "sourceLabels": [f"__meta_kubernetes_pod_label_{sanitized}"],
             "targetLabel": "run",
@@ -257,7 +258,7 @@ def _prometheus_rule() -> dict[str, Any]:
         "app.kubernetes.io/part-of=flare",
     )
     assert code == 0, err
-    assert out.startswith(rules.PROMETHEUS_RULE_HEADER)
+    assert out.startswith(rules_render.PROMETHEUS_RULE_HEADER)
     return yaml.safe_load(out)
 
 

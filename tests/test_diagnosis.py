@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from flare_exporter import causes
 from flare_exporter.engine.diagnosis import diagnose
-from flare_exporter.engine.hang_rules import follow_chain
-from flare_exporter.engine.ild_rules import IldDrift, IldPeers, ild_shifted
+from flare_exporter.engine.hang_verdicts import follow_chain
+from flare_exporter.engine.ild_verdicts import IldDrift, IldPeers, ild_shifted
 from flare_exporter.engine.rule_types import (
     KINDS,
     GpuState,
@@ -25,7 +25,7 @@ from flare_exporter.engine.rule_types import (
     Verdict,
     WindowSummary,
 )
-from flare_exporter.engine.straggler_rules import (
+from flare_exporter.engine.straggler_verdicts import (
     LEAVE_ONE_OUT_RANKS,
     decided_by_last_windows,
     hardware_reasons,
@@ -607,8 +607,8 @@ def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ran
 
 
 def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot | None:
-    """What sources.from_prometheus makes of Prometheus's figures (rules.straggler_summary_rules) over
-    `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
+    """What sources.from_prometheus makes of Prometheus's figures (straggler_rules.straggler_summary_rules)
+    over `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
     (sources.summary_candidates); None where the figures do not stand for every rank's windows."""
     windows = sorted(records[0].step_windows)[-policy.hold_windows :]
     steps = {r.rank: [r.step_windows[w] for w in windows] for r in records}

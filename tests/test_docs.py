@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from flare_exporter.engine import cli
+from flare_exporter import cli
 from flare_exporter.mixin import reference_tables
 
 ROOT = Path(__file__).parent.parent

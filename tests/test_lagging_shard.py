@@ -22,7 +22,7 @@ from conftest import flare_json
 from flare_exporter.config import Config
 from flare_exporter.local.prometheus import PrometheusProcess, scrape_config, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import rule_model, rules_render
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -54,8 +54,8 @@ def scraped_at(prometheus: PrometheusProcess, rank: int) -> float:
 def test_a_rank_whose_scrapes_lag_is_not_paged_as_the_culprit(tmp_path: Path) -> None:
     _, before, hung = vc.render_phases(WORLD, RUN, None, STUCK, config=Config(hang_seconds=HANG_SECONDS))
     rule_file = tmp_path / "flare.rules.yml"
-    thresholds = rules.Thresholds(scrape_interval_seconds=1.0, slow_interval="").with_for("0s")
-    rule_file.write_text(rules.render(thresholds))  # told no threshold: the run's own 4 s
+    thresholds = rule_model.Thresholds(scrape_interval_seconds=1.0, slow_interval="").with_for("0s")
+    rule_file.write_text(rules_render.render(thresholds))  # told no threshold: the run's own 4 s
     fast, lagging = str(tmp_path / "fast"), str(tmp_path / "lagging")
     lagging_job = {**scrape_config(lagging, LAGGING_INTERVAL), "job_name": "flare-lagging"}
     with vc.ClusterServer(before) as cluster:

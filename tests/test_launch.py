@@ -175,7 +175,7 @@ def test_attach_from_code_and_a_failing_hook_never_breaks_training():
     assert result.stderr.count("collective_hook failed") == 1
 
 
-@pytest.mark.parametrize("module", ["flare_exporter.launch", "flare_exporter.engine.cli"])
+@pytest.mark.parametrize("module", ["flare_exporter.launch", "flare_exporter.cli"])
 def test_every_entry_point_prints_its_help(module):
     done = subprocess.run(
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
@@ -185,7 +185,7 @@ def test_every_entry_point_prints_its_help(module):
 
 def test_flare_says_its_version():
     done = subprocess.run(
-        [sys.executable, "-m", "flare_exporter.engine.cli", "--version"],
+        [sys.executable, "-m", "flare_exporter.cli", "--version"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,4 +1,6 @@
-"""The package's layout: no import cycles, and the rank wing loads nothing of the other wings.
+"""The package's layout: no import cycles, the rank wing loads nothing of the other wings, and the engine
+nothing of the mixin or local wings (the `flare` command puts the engine's and the mixin's commands
+together above both: flare_exporter/cli.py).
 
 The graph counts every import the code makes: at the top of a module, inside a function, and under
 `if TYPE_CHECKING:` (a cycle hidden by typing is still a cycle a reader has to untangle).
@@ -17,6 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "flare_exporter"
 RANK_MAY_NOT_IMPORT = ("engine", "mixin", "local")
+# wing -> the wings it may not import: a training process loads only the rank wing; `flare diagnose` reads
+# the recording rules' names and the config the mixin shares with it from outside the mixin
+MAY_NOT_IMPORT = {"rank": RANK_MAY_NOT_IMPORT, "engine": ("mixin", "local")}
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
@@ -94,14 +99,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def wing_violations(graph: dict[str, set[str]], package: str = PACKAGE) -> list[str]:
-    """`a -> b` for every import from the rank wing into a wing a training process must not load."""
-    rank = f"{package}.rank"
-    forbidden = tuple(f"{package}.{wing}" for wing in RANK_MAY_NOT_IMPORT)
+def wing_violations(graph: dict[str, set[str]], package: str = PACKAGE, wing: str = "rank") -> list[str]:
+    """`a -> b` for every import from `wing` into a wing it may not import (MAY_NOT_IMPORT)."""
+    prefix = f"{package}.{wing}"
+    forbidden = tuple(f"{package}.{other}" for other in MAY_NOT_IMPORT[wing])
     return sorted(
         f"{module} -> {target}"
         for module, targets in graph.items()
-        if module == rank or module.startswith(rank + ".")
+        if module == prefix or module.startswith(prefix + ".")
         for target in targets
         if target.startswith(forbidden)
     )
@@ -113,6 +118,10 @@ def test_the_package_has_no_import_cycle():
 
 def test_the_rank_wing_imports_nothing_of_the_engine_mixin_or_local_wings():
     assert wing_violations(import_graph(REPO)) == []
+
+
+def test_the_engine_imports_nothing_of_the_mixin_or_local_wings():
+    assert wing_violations(import_graph(REPO), wing="engine") == []
 
 
 def test_every_wing_exists_and_holds_modules():
@@ -158,6 +167,29 @@ def test_the_checker_finds_a_rank_module_importing_another_wing(tmp_path):
     graph = import_graph(tmp_path, "pkg")
     assert wing_violations(graph, "pkg") == ["pkg.rank.hook -> pkg.engine.rules"]
     assert cycles(graph) == [["pkg.engine.rules", "pkg.rank.hook"]]
+
+
+def test_the_checker_finds_an_engine_module_importing_the_mixin_or_local(tmp_path):
+    _write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "config.py": "",
+            "engine/__init__.py": "",
+            "engine/cli.py": "from .. import config\nfrom ..mixin import rules\n",
+            "engine/sources.py": "def late():\n    from ..local.prometheus import wait_for\n",
+            "engine/views.py": "import typing\nif typing.TYPE_CHECKING:\n    from ..mixin.rules import X\n",
+            "mixin/__init__.py": "",
+            "mixin/rules.py": "X = 1\n",
+            "local/__init__.py": "",
+            "local/prometheus.py": "",
+        },
+    )
+    assert wing_violations(import_graph(tmp_path, "pkg"), "pkg", "engine") == [
+        "pkg.engine.cli -> pkg.mixin.rules",
+        "pkg.engine.sources -> pkg.local.prometheus",
+        "pkg.engine.views -> pkg.mixin.rules",
+    ]
 
 
 @pytest.mark.process

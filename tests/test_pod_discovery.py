@@ -22,7 +22,7 @@ from conftest import flare_json
 from flare_exporter.local.jobs import free_port, free_port_block
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.workloads import train_ddp
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import rule_model, rules_render
 from flare_exporter.mixin.dashboards import model
 
 pytestmark = [
@@ -100,9 +100,9 @@ def test_a_killed_rank_whose_pod_is_dropped_is_paged_and_diagnosed(tmp_path):
     base_port = free_port_block(RANKS)
     addresses = [f"127.0.0.1:{base_port + rank}" for rank in range(RANKS)]
     write_targets(sd_dir, [address for rank, address in enumerate(addresses) if rank != UNDISCOVERED])
-    thresholds = rules.Thresholds(scrape_interval_seconds=1.0, slow_interval="").with_for("0s")
+    thresholds = rule_model.Thresholds(scrape_interval_seconds=1.0, slow_interval="").with_for("0s")
     rule_file = tmp_path / "flare.rules.yml"
-    rule_file.write_text(rules.render(thresholds))
+    rule_file.write_text(rules_render.render(thresholds))
     server = PrometheusProcess(str(tmp_path / "prometheus"), str(sd_dir), "1s", rule_files=[str(rule_file)])
     processes: list[subprocess.Popen] = []
     with server:

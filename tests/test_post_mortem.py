@@ -30,7 +30,7 @@ from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import free_port, free_port_block
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.workloads import train_ddp
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import rule_model, rules_render
 
 pytestmark = [
     pytest.mark.multirank,
@@ -84,10 +84,10 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("post-mortem")
     targets = work / "targets"
     targets.mkdir()
-    thresholds = rules.Thresholds(scrape_interval_seconds=1.0, dead_run_window=WINDOW, slow_interval="")
+    thresholds = rule_model.Thresholds(scrape_interval_seconds=1.0, dead_run_window=WINDOW, slow_interval="")
     thresholds = thresholds.with_for("0s")
     rule_file = work / "flare.rules.yml"
-    rule_file.write_text(rules.render(thresholds))
+    rule_file.write_text(rules_render.render(thresholds))
     server = PrometheusProcess(str(work / "prometheus"), str(targets), "1s", rule_files=[str(rule_file)])
     with server:
         server.wait_ready()

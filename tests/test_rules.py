@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flare_exporter.engine import cli
+from flare_exporter import cli
+from flare_exporter.durations import duration_seconds
+from flare_exporter.engine.cli import EXIT_USAGE
 from flare_exporter.local.alertmanager import EXAMPLE_CONFIG
-from flare_exporter.mixin import dashboards, rules
+from flare_exporter.mixin import dashboards, rules, rules_render
 
 ALERTS = Path(__file__).resolve().parents[1] / "alerts"
 RULES_FILE = ALERTS / "flare.rules.yml"
@@ -60,7 +62,7 @@ def test_promtool_unit_tests_pass():
 
 
 def _seconds(text: str) -> float:
-    return rules.duration_seconds(text, "test")
+    return duration_seconds(text, "test")
 
 
 def test_every_alert_is_unit_tested_firing_and_one_interval_before_it_fires():
@@ -100,7 +102,7 @@ def test_unit_tests_evaluate_recording_rules_first_and_every_group():
 
 
 def test_the_culprit_alerts_are_alerts_that_name_a_rank():
-    document = rules.rules_document(rules.Thresholds())
+    document = rules_render.rules_document(rules.Thresholds())
     summaries = {rule["alert"]: rule["annotations"]["summary"] for rule in alert_rules(document)}
     assert all("{{ $labels.rank }}" in summaries[alert] for alert in rules.CULPRIT_ALERTS)
     assert "{{ $labels.rank }}" not in summaries["FlareCollectiveHang"]
@@ -111,7 +113,7 @@ def test_every_alert_has_severity_annotations_and_a_runbook_section():
         re.sub(r"[^a-z0-9-]", "", heading.lower().replace(" ", "-"))
         for heading in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.M)
     }
-    for rule in alert_rules(rules.rules_document(rules.Thresholds())):
+    for rule in alert_rules(rules_render.rules_document(rules.Thresholds())):
         assert rule["labels"]["severity"] in ("critical", "warning")
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
@@ -120,15 +122,18 @@ def test_every_alert_has_severity_annotations_and_a_runbook_section():
 
 
 def test_rules_name_only_metrics_the_spec_defines():
-    document = rules.rules_document(rules.Thresholds())
-    assert rules.unknown_metrics(document) == set()
+    document = rules_render.rules_document(rules.Thresholds())
+    assert rules_render.unknown_metrics(document) == set()
     document["groups"][1]["rules"][0]["expr"] += " or flare_no_such_metric_total"
     document["groups"][0]["rules"][0]["expr"] += " or run:flare_undefined:rate5m"
-    assert rules.unknown_metrics(document) == {"flare_no_such_metric_total", "run:flare_undefined:rate5m"}
+    assert rules_render.unknown_metrics(document) == {
+        "flare_no_such_metric_total",
+        "run:flare_undefined:rate5m",
+    }
 
 
 def test_recording_rules_follow_level_metric_operation():
-    for group in rules.rules_document(rules.Thresholds())["groups"]:
+    for group in rules_render.rules_document(rules.Thresholds())["groups"]:
         for rule in group["rules"]:
             if "record" in rule:
                 level, metric, operation = rule["record"].split(":")
@@ -166,7 +171,7 @@ def test_slow_signals_are_evaluated_every_slow_interval_and_the_rest_at_every_ev
 def test_a_rule_reads_no_recording_of_a_slower_or_later_group():
     """The slow group's recordings are up to a minute old between its evaluations: only the alerts of the
     same group (evaluated right after them, in order) read them; every group may read the fast recordings."""
-    document = rules.rules_document(rules.Thresholds())
+    document = rules_render.rules_document(rules.Thresholds())
     fast = {
         rule["record"]
         for group in document["groups"]
@@ -178,7 +183,7 @@ def test_a_rule_reads_no_recording_of_a_slower_or_later_group():
     for group in document["groups"]:
         readable = set(fast)
         for rule in group["rules"]:
-            assert set(rules.RECORDED.findall(rule["expr"])) <= readable, (group["name"], rule)
+            assert set(rules_render.RECORDED.findall(rule["expr"])) <= readable, (group["name"], rule)
             if "record" in rule and "interval" in group:
                 readable.add(rule["record"])
 
@@ -273,7 +278,7 @@ QUOTED_NAMES = {'"cluster"="eu-1"'}
 @pytest.mark.parametrize("selector, message", BAD_SELECTORS.items())
 def test_a_selector_prometheus_would_reject_is_a_one_line_error(selector, message):
     code, out, err = flare_rules("--selector", selector)
-    assert code == cli.EXIT_USAGE and out == ""
+    assert code == EXIT_USAGE and out == ""
     assert err.startswith("flare: flag --selector: ") and err.count("\n") == 1, err
     assert message in err
 
@@ -314,7 +319,7 @@ def test_promtool_rejects_what_the_selector_check_rejects(selector, tmp_path):
     "text, seconds", [("0s", 0), ("15s", 15), ("5m", 300), ("1h30m", 5400), ("1m500ms", 60.5), ("2d", 172800)]
 )
 def test_prometheus_durations_are_read_as_prometheus_reads_them(text, seconds):
-    assert rules.duration_seconds(text, "flag --window") == seconds
+    assert duration_seconds(text, "flag --window") == seconds
 
 
 @pytest.mark.parametrize(
@@ -339,7 +344,7 @@ def test_prometheus_durations_are_read_as_prometheus_reads_them(text, seconds):
 )
 def test_bad_arguments_are_one_line_errors(args, message):
     code, out, err = flare_rules(*args)
-    assert code == cli.EXIT_USAGE and out == ""
+    assert code == EXIT_USAGE and out == ""
     assert message in err and err.strip().count("\n") <= 2  # argparse adds its usage line
 
 
@@ -349,7 +354,7 @@ def test_alertmanager_example_is_valid_and_names_real_alerts():
     assert result.returncode == 0, result.stdout + result.stderr
     config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     assert config["route"]["group_by"] == ["run"]
-    names = {rule["alert"] for rule in alert_rules(rules.rules_document(rules.Thresholds()))}
+    names = {rule["alert"] for rule in alert_rules(rules_render.rules_document(rules.Thresholds()))}
     for inhibit in config["inhibit_rules"]:
         for matcher in inhibit["source_matchers"] + inhibit["target_matchers"]:
             if matcher.startswith("alertname"):
@@ -360,7 +365,9 @@ def test_alertmanager_example_is_valid_and_names_real_alerts():
 def test_dashboard_urls_open_generated_dashboards():
     generated = {dashboard.path for dashboard in dashboards.dashboards()}
     assert set(rules.DASHBOARD_PATHS.values()) <= generated
-    for rule in alert_rules(rules.rules_document(rules.Thresholds(grafana_url="https://grafana.example"))):
+    for rule in alert_rules(
+        rules_render.rules_document(rules.Thresholds(grafana_url="https://grafana.example"))
+    ):
         url = rule["annotations"]["dashboard_url"]
         assert url.startswith("https://grafana.example/d/") and "var-run={{ $labels.run }}" in url
         for name in re.findall(r"var-(\w+)=", url):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import flare_json, queries_sent
 
-from flare_exporter import policies, spec
+from flare_exporter import policies, record_names, spec
 from flare_exporter.engine import (
     cli,
     diagnosis,
@@ -27,12 +27,12 @@ from flare_exporter.engine import (
     records,
     rule_types,
     sources,
-    straggler_rules,
+    straggler_verdicts,
     thresholds,
 )
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import rule_model, rules_render
 
 HANG_SECONDS = 30.0
 
@@ -52,7 +52,7 @@ class Clusters:
     prometheus: PrometheusProcess
     small: Cluster
     large: Cluster
-    # more ranks than straggler_rules.LEAVE_ONE_OUT_RANKS: the rules' straggler figures stand in
+    # more ranks than straggler_verdicts.LEAVE_ONE_OUT_RANKS: the rules' straggler figures stand in
     huge: Cluster
 
 
@@ -83,7 +83,9 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
             vc.write_file_sd(targets, run, server.targets(), ranks)
             built.append((Cluster(run, ranks, straggler, hung, server, hung_pages), later))
         rules_file = work / "flare.rules.yml"
-        rules_file.write_text(rules.render(rules.Thresholds(hang_seconds=HANG_SECONDS, slow_interval="")))
+        rules_file.write_text(
+            rules_render.render(rule_model.Thresholds(hang_seconds=HANG_SECONDS, slow_interval=""))
+        )
         with PrometheusProcess(str(work / "prometheus"), targets, rule_files=[str(rules_file)]) as prometheus:
             for cluster, later in built:
                 await_count(prometheus, f'count(flare_rank_info{{run="{cluster.run}"}})', cluster.ranks)
@@ -94,7 +96,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
             # the rules' figures over the pages every rank serves now: every rank's last window, the same
             huge = built[2][0]
             (last,) = prometheus.query(f'max(flare_straggler_last_window{{run="{huge.run}"}})')
-            figure = f'{rules.LAST_WINDOW}:min{{run="{huge.run}"}} == {last["value"][1]}'
+            figure = f'{record_names.LAST_WINDOW}:min{{run="{huge.run}"}} == {last["value"][1]}'
             await_count(prometheus, f"count({figure})", 1)
             yield Clusters(prometheus, *(cluster for cluster, _ in built))
 
@@ -154,10 +156,10 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
 
 
 def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_windows(clusters, monkeypatch):
-    """With more ranks than one median serves (straggler_rules.LEAVE_ONE_OUT_RANKS), the straggler rules weigh
-    Prometheus's figures of every rank's windows (rules.straggler_summary_rules) and the windows of the
-    ranks the figures could name: the same verdict as every rank's windows, in as many queries whatever
-    the number of ranks, none of them over every rank's windows."""
+    """With more ranks than one median serves (straggler_verdicts.LEAVE_ONE_OUT_RANKS), the straggler rules
+    weigh Prometheus's figures of every rank's windows (mixin straggler_rules.straggler_summary_rules) and the
+    windows of the ranks the figures could name: the same verdict as every rank's windows, in as many queries
+    whatever the number of ranks, none of them over every rank's windows."""
     cluster = clusters.huge
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
     summary = snapshot.window_summary
@@ -571,9 +573,11 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         if not ild_shifted:  # not read: the rules find no drift, and no shift in none
             fields = tuple(field for field in fields if not field.startswith("ild_"))
             assert all(record.ild_ks == {} for record in snapshot.ranks.values())
-    windows, _ = straggler_rules.window_scores(everything, policies.StragglerPolicy())
+    windows, _ = straggler_verdicts.window_scores(everything, policies.StragglerPolicy())
     if fault == "straggler":  # the last three, of every rank alike: the rounds read no older one
-        assert straggler_rules.window_scores(snapshot, policies.StragglerPolicy())[0] == windows == [7, 8, 9]
+        assert (
+            straggler_verdicts.window_scores(snapshot, policies.StragglerPolicy())[0] == windows == [7, 8, 9]
+        )
         assert all(set(record.step_windows) == {7, 8, 9} for record in snapshot.ranks.values())
     for rank, record in snapshot.ranks.items():
         full = everything.ranks[rank]
@@ -914,18 +918,19 @@ def test_groups_are_named_to_prometheus_exactly(clusters):
     assert found == {name: counts[name] for name in picked if name in counts}
 
 
-SUMMARY_RANKS = straggler_rules.LEAVE_ONE_OUT_RANKS + 4
-# rules.straggler_summary_rules's figures for a run whose every rank closed window 12 and has 10 to 12
+SUMMARY_RANKS = straggler_verdicts.LEAVE_ONE_OUT_RANKS + 4
+# The figures of the mixin's straggler_rules.straggler_summary_rules for a run whose every rank closed window
+# 12 and has 10 to 12
 FIGURES = {
-    **{(f"{rules.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
-    **{(f"{rules.WINDOW_SHARE}:mad", str(ago)): 0.01 for ago in range(3)},
-    **{(rules.WINDOW_RANKS, str(ago)): SUMMARY_RANKS for ago in range(3)},
-    (f"{rules.POOLED_SHARE}:median", ""): 0.4,
-    (f"{rules.POOLED_SHARE}:mad", ""): 0.01,
-    (rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS,
-    (f"{rules.LAST_WINDOW}:min", ""): 12,
-    (f"{rules.LAST_WINDOW}:max", ""): 12,
-    (rules.SUMMARY_AT, ""): 1.2,
+    **{(f"{record_names.WINDOW_SHARE}:median", str(ago)): 0.4 for ago in range(3)},
+    **{(f"{record_names.WINDOW_SHARE}:mad", str(ago)): 0.01 for ago in range(3)},
+    **{(record_names.WINDOW_RANKS, str(ago)): SUMMARY_RANKS for ago in range(3)},
+    (f"{record_names.POOLED_SHARE}:median", ""): 0.4,
+    (f"{record_names.POOLED_SHARE}:mad", ""): 0.01,
+    (record_names.BEST_STEP_RANKS, ""): SUMMARY_RANKS,
+    (f"{record_names.LAST_WINDOW}:min", ""): 12,
+    (f"{record_names.LAST_WINDOW}:max", ""): 12,
+    (record_names.SUMMARY_AT, ""): 1.2,
 }
 
 
@@ -940,11 +945,14 @@ def as_answer(figures: dict[tuple[str, str], float]) -> list[dict]:
     "changed, stands",
     [
         ({}, True),
-        ({(f"{rules.LAST_WINDOW}:min", ""): 11}, False),  # a rank has not closed window 12
-        ({(rules.WINDOW_RANKS, "2"): SUMMARY_RANKS - 1}, False),  # one without 10
-        ({(rules.BEST_STEP_RANKS, ""): SUMMARY_RANKS - 1}, False),  # one without its best
-        ({(rules.SUMMARY_AT, ""): 1.5}, False),  # every rank 1.5x its best: the job-wide verdict lists each
-        ({(f"{rules.POOLED_SHARE}:mad", ""): None}, False),  # not evaluated yet
+        ({(f"{record_names.LAST_WINDOW}:min", ""): 11}, False),  # a rank has not closed window 12
+        ({(record_names.WINDOW_RANKS, "2"): SUMMARY_RANKS - 1}, False),  # one without 10
+        ({(record_names.BEST_STEP_RANKS, ""): SUMMARY_RANKS - 1}, False),  # one without its best
+        (
+            {(record_names.SUMMARY_AT, ""): 1.5},
+            False,
+        ),  # every rank 1.5x its best: the job-wide verdict lists each
+        ({(f"{record_names.POOLED_SHARE}:mad", ""): None}, False),  # not evaluated yet
     ],
 )
 def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(changed, stands):

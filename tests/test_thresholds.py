@@ -19,12 +19,13 @@ import pytest
 import yaml
 from conftest import flare_json, queries_sent
 
+from flare_exporter import cli
 from flare_exporter.config import Config
-from flare_exporter.engine import cli, records, scrape, thresholds
+from flare_exporter.engine import records, scrape, thresholds
 from flare_exporter.engine.rule_types import Snapshot
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
-from flare_exporter.mixin import rules
+from flare_exporter.mixin import collective_rules
 
 RUN_THRESHOLD = 4.0
 WORLD, HUNG = 4, 2
@@ -233,8 +234,8 @@ def hang_expr(text: str) -> str:
 
 def test_rules_told_no_threshold_judge_each_run_by_its_own():
     text = flare_rules()
-    assert rules.RUN_HANG_THRESHOLD in hang_expr(text)
-    assert f"record: {rules.RUN_HANG_THRESHOLD}" in text
+    assert collective_rules.RUN_HANG_THRESHOLD in hang_expr(text)
+    assert f"record: {collective_rules.RUN_HANG_THRESHOLD}" in text
 
 
 @pytest.mark.parametrize("how", ["flag", "environment", "config"])
@@ -249,4 +250,4 @@ def test_rules_told_a_threshold_use_it_for_every_run(how, tmp_path, monkeypatch)
         monkeypatch.setenv("FLARE_CONFIG", str(tmp_path / "flare.yml"))
     text = flare_rules(*args)
     assert hang_expr(text) == "run_group:flare_collective_in_flight:max_age_seconds >= 60"
-    assert rules.RUN_HANG_THRESHOLD not in text
+    assert collective_rules.RUN_HANG_THRESHOLD not in text

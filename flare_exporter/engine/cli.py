@@ -12,6 +12,7 @@
     flare perf       (--prometheus URL | --targets FILE|DIR) [--run RUN] [--window 5m] [--json]
                            where each rank's step time goes: phases, bottleneck class, MFU, seconds lost
     flare rules [--for D] [--selector M] [--scrape-interval D]   the Prometheus rules for this config
+                           (mixin/rules_cli.py: flare_exporter/cli.py adds it to the engine's commands)
     flare mcp [--transport stdio|http] [--host 127.0.0.1] [--port N] [--token-file FILE] [--allow-dir DIR]
               [--allow-profile] [--prometheus URL and its credentials' flags] [--targets ...] [--incidents]
                            diagnose, ranks, hang, stragglers, canary, perf and report as read-only tools
@@ -45,13 +46,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from .. import __version__
 from .. import config as config_module
-from ..mixin import rules
+from ..durations import duration_seconds
 from ..policies import IldPolicy
 from . import (
     canary_view,
@@ -115,9 +116,22 @@ COMMANDS: dict[str, tuple[str, Callable[[Verdict], bool]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Command:
+    """A command of `flare` that another wing provides (the mixin's `flare rules`, which flare_exporter/cli.py
+    adds): its name, help line and description, what adds its flags, and what runs it (its exit code)."""
+
+    name: str
+    help: str
+    description: str | None
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
 def build_parser(
-    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser, added: Sequence[Command] = ()
 ) -> argparse.ArgumentParser:
+    """The parser of `flare`: the engine's commands, and the `added` ones before `flare mcp`."""
     parser = parser_class(prog="flare", description="Which rank, and why? Diagnose a training job.")
     parser.add_argument("--version", action="version", version=f"flare {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # a short usage line
@@ -137,7 +151,7 @@ def build_parser(
         _add_post_mortem_arguments(command)
         command.add_argument("--run", default="", help="the run to diagnose (needed when several are seen)")
         command.add_argument("--json", action="store_true", help="print one JSON object for programs")
-        rules.add_engine_arguments(command)
+        config_module.add_engine_arguments(command)
         command.add_argument(
             "--timeout", type=float, default=5.0, help="seconds per scrape or query (default 5)"
         )
@@ -163,10 +177,8 @@ def build_parser(
     targets_actions = targets_command.add_subparsers(dest="action", required=True)
     prune_help = "remove the target and incident files of runs that ended (e.g. in a Slurm epilog)"
     prune.add_arguments(targets_actions.add_parser("prune", help=prune_help, description=prune_help))
-    rules_command = commands.add_parser(
-        "rules", help="print the Prometheus recording and alert rules", description=rules.__doc__
-    )
-    rules.add_arguments(rules_command)
+    for other in added:
+        other.add_arguments(commands.add_parser(other.name, help=other.help, description=other.description))
     _add_mcp_command(commands)
     return parser
 
@@ -293,7 +305,7 @@ def _add_report_command(commands: Any) -> None:
     )
     command.add_argument("--incidents", metavar="DIR", help="the directory of the ranks' incident files")
     command.add_argument("--flight-recorder", metavar="DIR", help=FLIGHT_RECORDER_HELP)
-    rules.add_engine_arguments(command)  # --hang-seconds: how flight-recorder dumps are judged
+    config_module.add_engine_arguments(command)  # --hang-seconds: how flight-recorder dumps are judged
     command.add_argument("--run", default="", help="the run (needed when several are seen)")
     command.add_argument("--window", default="10m", help="Prometheus lookback before --at (default 10m)")
     _add_post_mortem_arguments(command)
@@ -372,16 +384,18 @@ def _detail_for(command: str, hang_seconds: float, ild: IldPolicy) -> Callable[[
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, added: Sequence[Command] = ()) -> int:
+    """`flare ARGV`, with the `added` commands (flare_exporter/cli.py's main: the `flare` console script)."""
+    parser = build_parser(added=added)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit:
         return EXIT_USAGE if exit.code else EXIT_OK
     if args.command == "targets":
         return prune.main(args)
-    if args.command == "rules":
-        return rules.main(args)
+    for other in added:
+        if args.command == other.name:
+            return other.run(args)
     if args.command == "mcp":
         return _serve_mcp(args)
     if args.command == "profile":
@@ -447,7 +461,7 @@ def _perf(args: argparse.Namespace) -> Answer:
     """`flare perf`: each rank's step breakdown (perf_command.py); exit code 0 (it judges nothing)."""
     if not 0 < args.timeout <= 3600:
         raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
-    rules.duration_seconds(args.window, "flag --window")
+    duration_seconds(args.window, "flag --window")
     result, text = perf_command.answer(args, _prometheus_connection(args), _client(args))
     return Answer(EXIT_OK, result, text)
 
@@ -554,7 +568,7 @@ def _answer(args: argparse.Namespace) -> Answer:
             return _report(args)
         if args.command == "perf":
             return _perf(args)
-        config = rules.engine_config(args)
+        config = config_module.engine_config(args)
         ild = IldPolicy(op_shift_seconds=config.ild_op_shift_seconds)
         _check_common(args)
         if args.incidents or args.at is not None:
@@ -597,7 +611,7 @@ def _check_common(args: argparse.Namespace) -> None:
     secured Prometheus is not (args.prometheus_connection: how to ask --prometheus)."""
     if not 0 < args.timeout <= 3600:  # also refuses nan
         raise config_module.ConfigError(f"flag --timeout: {args.timeout!r} must be in (0, 3600] seconds")
-    rules.duration_seconds(args.window, "flag --window")
+    duration_seconds(args.window, "flag --window")
     args.at = parse_time(args.at) if isinstance(args.at, str) else args.at
     args.prometheus_connection = _prometheus_connection(args)
 
@@ -697,7 +711,7 @@ def _report(args: argparse.Namespace) -> Answer:
         )
     _check_common(args)
     if args.flight_recorder:
-        hang = thresholds.configured(rules.engine_config(args).hang_seconds, thresholds.told(args))
+        hang = thresholds.configured(config_module.engine_config(args).hang_seconds, thresholds.told(args))
         others = [_dead_run(args)] if args.prometheus or args.targets or args.incidents else []
         found = flight_recorder.incident_report(args.flight_recorder, args.run, hang, others)
     else:
@@ -749,5 +763,5 @@ def _snapshot_answer(
     return Answer(EXIT_ANOMALY if pages else EXIT_OK, result, text)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the engine's commands alone; all of `flare`'s: python -m flare_exporter.cli
     sys.exit(main())

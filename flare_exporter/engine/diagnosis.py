@@ -29,8 +29,8 @@ After hangs and deaths, beside stragglers: it masks neither.
 No rank is presumed healthy: decisions go by the evidence and by majority.
 
 Here: diagnose(), which applies the rules in that order, and the rules on gone ranks, the canary and hosts.
-The others by concern: hang_rules.py (2 to 4), straggler_rules.py, ild_rules.py; what they read and write
-(Snapshot, RankRecord, Verdict) in rule_types.py.
+The others by concern: hang_verdicts.py (2 to 4), straggler_verdicts.py, ild_verdicts.py; what they read and
+write (Snapshot, RankRecord, Verdict) in rule_types.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..policies import HostLoadPolicy, IldPolicy, StragglerPolicy
 from .canary import canary_faults
 from .canary import evidence as canary_evidence
 from .canary import summary as canary_summary
-from .hang_rules import (
+from .hang_verdicts import (
     GroupHang,
     explain_hang,
     hung_groups,
@@ -51,9 +51,9 @@ from .hang_rules import (
     waits_on_gone,
 )
 from .host_load import WARNING, judged_with_host_load
-from .ild_rules import ild_verdicts
+from .ild_verdicts import ild_verdicts
 from .rule_types import KINDS, RankRecord, Snapshot, Verdict, age_of, rank_list
-from .straggler_rules import straggler_verdicts
+from .straggler_verdicts import straggler_verdicts
 from .verdict_causes import cause_of
 
 
@@ -176,7 +176,7 @@ class HangReads(NamedTuple):
 
 def what_hang_rules_read(snapshot: Snapshot, hang_seconds: float) -> HangReads:
     """The groups whose members' issued numbers the hang rules read: each hung group, and every group a
-    rank on a hang's chain waits in (hang_rules.follow_chain). A source that reads every member's number in
+    rank on a hang's chain waits in (hang_verdicts.follow_chain). A source that reads every member's number in
     each of these, and only these, gives the hang verdicts of the whole snapshot; on less, the chains found
     name the groups to read next.
 

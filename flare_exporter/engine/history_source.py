@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-from ..mixin import rules
+from ..durations import duration_seconds
 from . import prometheus_source, promql
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
 from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields, per_rank
@@ -69,7 +69,7 @@ def dead_run_from_prometheus(
     """Every rank's last word of `run` (the one run seen within `window`, if not given) as of `at` (now),
     from the Prometheus at `server` (its base URL, or a promql.Connection where it is secured)."""
     now = time.time() if at is None else at
-    seconds = rules.duration_seconds(window, "flag --window")
+    seconds = duration_seconds(window, "flag --window")
     connection = promql.connection(server)
     run = run or prometheus_source.the_run(connection, window, timeout, now)
     prometheus = prometheus_source.PrometheusRun(

@@ -2,7 +2,7 @@
 
 Each rank exports its host's CPU pressure now and when it closed its best straggler window, the host's run
 queue and usable CPUs, and its training thread's share of a CPU (rank/host_load.py). A host is busy where
-HostLoadPolicy says so. Then, among the straggler verdicts (straggler_rules.straggler_verdicts):
+HostLoadPolicy says so. Then, among the straggler verdicts (straggler_verdicts.straggler_verdicts):
 
 - a slowdown every rank of the busy hosts shares (the job-wide verdict, or stragglers that are all the
   ranks of their hosts) is the hosts' load: a warning, domain host (one host) or job, cause

@@ -10,7 +10,7 @@ Prometheus scraped of it (history_source.py), or the incident file it wrote (inc
 2. Else the ranks gone without a word (no exception, no termination signal, no normal exit) while others
    left one -> `rank_down`, cause node_failure (killed, frozen, host lost). Several of them on one host (or
    switch, rack) -> `host_fault`, the shared domain.
-3. Else the collectives each rank had in flight at the end, judged as a live hang is (hang_rules.py): ranks
+3. Else the collectives each rank had in flight at the end, judged as a live hang is (hang_verdicts.py): ranks
    behind their group's highest issued number, or the same number with another op or size ->
    `hang` or `mismatch` (collective_mismatch).
    Only where some rank failed (a timeout, a reset): a run that ended normally was last scraped at
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import causes
-from .hang_rules import explain_hang, hung_groups, point_to_point_verdicts
+from .hang_verdicts import explain_hang, hung_groups, point_to_point_verdicts
 from .rule_types import GroupState, InFlight, RankRecord, Snapshot, Verdict
 
 TOPOLOGY_DOMAINS = ("host", "switch", "rack")  # the shared fault domains, narrowest first

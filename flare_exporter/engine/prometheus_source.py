@@ -16,10 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import spec
-from ..mixin import rules
+from .. import record_names, spec
+from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
-from . import canary, diagnosis, hang_rules, promql, straggler_rules
+from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
 from .host_load import HOST_LOAD_METRICS
 from .promql import Prometheus
 from .records import (
@@ -155,7 +155,7 @@ WINDOW_METRICS = ("flare_straggler_window_step_seconds", "flare_straggler_window
 def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
     """The straggler windows' queries in two parts: each rank's last `hold_windows` (label ago below it),
     which the rules read when every rank closed the same last window
-    (straggler_rules.decided_by_last_windows), and the older ones, read only when they do not: a quarter of
+    (straggler_verdicts.decided_by_last_windows), and the older ones, read only when they do not: a quarter of
     the pace round's series at 6,144 ranks."""
     recent = "|".join(str(ago) for ago in range(policy.hold_windows))
 
@@ -166,18 +166,19 @@ def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, s
 
 
 # At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
-# (rules.straggler_summary_rules; WindowSummary), read in place of them where it stands for them:
-# the time of the rules' last evaluation, then the figures at that time and the ranks that could be named.
-SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({rules.SUMMARY_AT}{{sel}}))"}
+# (record_names.py; WindowSummary), read in place of them where it stands for them: the time of the
+# rules' last evaluation, then the figures at that time and the ranks that could be named.
+SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({record_names.SUMMARY_AT}{{sel}}))"}
 SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
 SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
 
 
 def summary_candidates(policy: StragglerPolicy) -> str:
     """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
-    and min_wait_gap of the step; straggler_rules.WindowScores.stands_out) that the rules could name them."""
-    pooled, figure = rules.SUMMARY_POOLED, rules.POOLED_SHARE
-    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {straggler_rules.MIN_SHARE_SPREAD!r})"
+    and min_wait_gap of the step; straggler_verdicts.WindowScores.stands_out) that the rules could name
+    them."""
+    pooled, figure = record_names.SUMMARY_POOLED, record_names.POOLED_SHARE
+    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {straggler_verdicts.MIN_SHARE_SPREAD!r})"
     distance = (
         f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
     )
@@ -216,7 +217,7 @@ def ild_candidates(policy: IldPolicy) -> dict[str, str]:
 
 
 # The same from the cumulative step and collective times: every rank (asked when not every rank exports
-# straggler windows; see straggler_rules.judged_by_windows).
+# straggler windows; see straggler_verdicts.judged_by_windows).
 CUMULATIVE_QUERIES = {
     "flare_step_duration_seconds_sum": (
         "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
@@ -490,11 +491,11 @@ def _late_scrapes(
     snapshot: Snapshot, series: dict[str, Series], groups: set[str], fetch: Fetch, hang_seconds: float
 ) -> bool:
     """Asks the scrape times that could be late (late_scrape_queries) in `groups` of their members below
-    the group's top, the only ranks a late scrape leaves unjudged (hang_rules.below_top): at a hang, the few
-    behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
+    the group's top, the only ranks a late scrape leaves unjudged (hang_verdicts.below_top): at a hang, the
+    few behind instead of every member (at thousands of ranks a query Prometheus spends as long on as on the
     numbers). 1 query; none where no member is below the top or nothing is in flight. True where some were
     late: `series` holds them."""
-    below = sorted({rank for group in groups for rank in hang_rules.below_top(snapshot, group)})
+    below = sorted({rank for group in groups for rank in hang_verdicts.below_top(snapshot, group)})
     queries = late_scrape_queries(series, groups, hang_seconds)
     if not below or not queries:
         return False
@@ -508,8 +509,9 @@ def late_scrape_queries(
 ) -> dict[str, str]:
     """The query of the scrape times of the issued numbers in `groups` that could be late: those scraped at
     or before the newest start in `groups` that `series` hold, or before the oldest start + `hang_seconds`
-    (when its group became hung: hang_rules.GroupHang.judges); none where nothing is in flight in them. Each
-    number's group decides (records.group_fields, hang_rules); the late scrapes are few, a row each."""
+    (when its group became hung: hang_verdicts.GroupHang.judges); none where nothing is in flight in them.
+    Each number's group decides (records.group_fields, hang_verdicts); the late scrapes are few, a row
+    each."""
     groups = set(groups)
     starts = [started for labels, started in series.get(FLIGHT_STARTED, []) if labels["group"] in groups]
     if not starts:
@@ -535,9 +537,9 @@ def _pace_rounds(
     snapshot = with_pace(faults, pace)
     if summary is not None:
         snapshot = snapshot.replaced(True, window_summary=summary)
-    elif not straggler_rules.decided_by_last_windows(snapshot, stragglers):
+    elif not straggler_verdicts.decided_by_last_windows(snapshot, stragglers):
         snapshot = _older_windows_round(prometheus.fetch, faults, pace, stragglers)
-    if not straggler_rules.judged_by_windows(snapshot):
+    if not straggler_verdicts.judged_by_windows(snapshot):
         snapshot = _cumulative_round(prometheus.fetch, faults, pace)
     return snapshot
 
@@ -554,7 +556,7 @@ def _recent_pace_round(
     1 query), at once. Beyond LEAVE_ONE_OUT_RANKS, what the recording rules say of every rank's windows
     (_window_summary) in their place where it stands for them, the candidates asked meanwhile."""
     recent, _ = recent_windows(stragglers)
-    if faults.ranks_seen <= straggler_rules.LEAVE_ONE_OUT_RANKS:
+    if faults.ranks_seen <= straggler_verdicts.LEAVE_ONE_OUT_RANKS:
         return None, prometheus.fetch(PACE_QUERIES | recent | ild_candidates(ild))
     summary: WindowSummary | None = None
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -591,11 +593,11 @@ def _window_summary(
         for item in found
     }
     agos = [str(ago) for ago in reversed(range(policy.hold_windows))]  # the oldest window first
-    counts = [figures.get((rules.WINDOW_RANKS, ago)) for ago in agos]
-    counts.append(figures.get((rules.BEST_STEP_RANKS, "")))
-    first = figures.get((f"{rules.LAST_WINDOW}:min", ""))
-    last = figures.get((f"{rules.LAST_WINDOW}:max", ""))
-    slowest = figures.get((rules.SUMMARY_AT, ""))
+    counts = [figures.get((record_names.WINDOW_RANKS, ago)) for ago in agos]
+    counts.append(figures.get((record_names.BEST_STEP_RANKS, "")))
+    first = figures.get((f"{record_names.LAST_WINDOW}:min", ""))
+    last = figures.get((f"{record_names.LAST_WINDOW}:max", ""))
+    slowest = figures.get((record_names.SUMMARY_AT, ""))
     candidates = sorted({int(item["metric"]["rank"]) for item in named if "rank" in item["metric"]})
     if (
         any(count != faults.ranks_seen for count in counts)
@@ -611,8 +613,8 @@ def _window_summary(
         median, mad = (figures.get((f"{prefix}:{stat}", ago), math.nan) for stat in ("median", "mad"))
         return median, 1.4826 * mad
 
-    per_window = tuple(robust(rules.WINDOW_SHARE, ago) for ago in agos)
-    pooled = robust(rules.POOLED_SHARE)
+    per_window = tuple(robust(record_names.WINDOW_SHARE, ago) for ago in agos)
+    pooled = robust(record_names.POOLED_SHARE)
     if any(math.isnan(value) for figure in (*per_window, pooled) for value in figure):
         return None
     newest = int(last)
@@ -636,7 +638,7 @@ def _older_windows_round(
 ) -> Snapshot:
     """`faults` with the pace read and every rank's older straggler windows (the older part of
     recent_windows, 2 queries), added to `pace`: asked where the last windows do not decide
-    (straggler_rules.decided_by_last_windows)."""
+    (straggler_verdicts.decided_by_last_windows)."""
     _, older = recent_windows(stragglers)
     _extend(pace, fetch(older))
     return with_pace(faults, pace)
@@ -645,7 +647,7 @@ def _older_windows_round(
 def _cumulative_round(fetch: Fetch, faults: Snapshot, pace: dict[str, Series]) -> Snapshot:
     """`faults` with the pace read and every rank's cumulative step and collective times
     (CUMULATIVE_QUERIES, 2 queries), added to `pace`: asked where not every rank exports straggler windows
-    (straggler_rules.judged_by_windows)."""
+    (straggler_verdicts.judged_by_windows)."""
     pace.update(fetch(CUMULATIVE_QUERIES))
     return with_pace(faults, pace)
 
@@ -693,7 +695,7 @@ def the_run(server: Prometheus, window: str, timeout: float, now: float) -> str:
     where it names other than one run (it may name runs scraped before the window), the query decides: 1
     request, or 2."""
     where = f"Prometheus at {promql.connection(server).url}"
-    start = now - rules.duration_seconds(window, "flag --window")
+    start = now - duration_seconds(window, "flag --window")
     named = promql.label_values(server, "run", "flare_rank_info", start, now, timeout)
     if len(named) == 1 and named[0]:
         return named[0]

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import config as config_module
-from ..mixin.rules import duration_seconds
+from ..durations import duration_seconds
 from . import incident_source, scrape
 from .targets import Target, TargetsError, read_targets
 

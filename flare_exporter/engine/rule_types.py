@@ -1,7 +1,7 @@
 """The types the rules engine reads and writes: a Snapshot of every rank's RankRecord in, Verdicts out.
 
-The rules (diagnosis.py, hang_rules.py, straggler_rules.py, ild_rules.py) read these and nothing else; a
-source (sources.py) builds them. Plain data, no rules: this module imports none of them.
+The rules (diagnosis.py, hang_verdicts.py, straggler_verdicts.py, ild_verdicts.py) read these and nothing
+else; a source (sources.py) builds them. Plain data, no rules: this module imports none of them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GroupState(NamedTuple):
     seen_before_stall: bool = False
     # When its issued number was scraped (Unix seconds; None where the source says not: a direct scrape is
     # fresh). A number scraped before its group was hung is not judged either
-    # (hang_rules.GroupHang.hung_since).
+    # (hang_verdicts.GroupHang.hung_since).
     seen_at: float | None = None
     p2p: PointToPoint | None = None  # its sends and receives, where it made any
 
@@ -120,7 +120,7 @@ class WindowSummary:
     deviation) of their wait shares in each window and over the windows together. The ranks that could be
     named (whose wait share over the windows lies far enough below the median) come with their windows.
     It stands for every live rank's windows only where one median serves every rank (more than
-    straggler_rules.LEAVE_ONE_OUT_RANKS) and no rank is `job_slowdown` slower than its own best in every
+    straggler_verdicts.LEAVE_ONE_OUT_RANKS) and no rank is `job_slowdown` slower than its own best in every
     window (the job-wide verdict lists every rank)."""
 
     windows: tuple[int, ...]  # oldest first
@@ -151,7 +151,7 @@ class Snapshot:
 
     @cached_property
     def members(self) -> dict[str, tuple[int, ...]]:
-        """Group -> its ranks (see hang_rules.members_of), indexed once: rules ask per group; groups grow
+        """Group -> its ranks (see hang_verdicts.members_of), indexed once: rules ask per group; groups grow
         with ranks."""
         found: dict[str, list[int]] = {}
         for record in sorted(self.ranks.values(), key=lambda r: r.rank):

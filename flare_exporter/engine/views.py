@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..group_roles import group_role
-from . import hang_rules, straggler_rules, wait_for
+from . import hang_verdicts, straggler_verdicts, wait_for
 from .host_load import WARNING
 from .rule_types import InFlight, RankRecord, Snapshot, Verdict, age_of
 
@@ -119,8 +119,8 @@ def rank_problems(
             found[record.rank].append("dying")
         if record.activity and record.activity != "collective":  # one waiting in a collective waits on others
             found[record.rank].append("stalled")
-    for hang in hang_rules.hung_groups(snapshot, hang_seconds):
-        for rank in hang_rules.below_top(snapshot, hang.name):
+    for hang in hang_verdicts.hung_groups(snapshot, hang_seconds):
+        for rank in hang_verdicts.below_top(snapshot, hang.name):
             found[rank].append(f"behind:{hang.name}")
     for verdict in verdicts:
         for rank in verdict.ranks:
@@ -130,11 +130,11 @@ def rank_problems(
 
 
 def hang_view(snapshot: Snapshot, hang_seconds: float) -> tuple[list[dict[str, Any]], list[str]]:
-    hung = {hang.name for hang in hang_rules.hung_groups(snapshot, hang_seconds)}
+    hung = {hang.name for hang in hang_verdicts.hung_groups(snapshot, hang_seconds)}
     names = sorted({name for record in snapshot.ranks.values() for name in record.groups})
     rows: list[dict[str, Any]] = []
     for name in names:
-        members = hang_rules.members_of(snapshot, name)
+        members = hang_verdicts.members_of(snapshot, name)
         live = [
             snapshot.ranks[r] for r in members if snapshot.ranks[r].up and name in snapshot.ranks[r].groups
         ]
@@ -206,7 +206,7 @@ def _point_to_point_rows(snapshot: Snapshot, group: str, live: list[RankRecord])
 
 
 def stragglers_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
-    scores = straggler_rules.straggler_scores(snapshot)
+    scores = straggler_verdicts.straggler_scores(snapshot)
     rows = [
         {"rank": rank, **{key: round(value, 6) for key, value in row.items()}} for rank, row in scores.items()
     ]

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-# rule_types.py defines what it reads (hang_rules.py uses this module): a Snapshot (its ranks, live_states and
-# members) and a RankRecord (its rank, gone and groups: GroupState with in_flight and p2p, a PointToPoint).
+# rule_types.py defines what it reads (hang_verdicts.py uses this module): a Snapshot (its ranks, live_states
+# and members) and a RankRecord (its rank, gone and groups: GroupState with in_flight and p2p, a
+# PointToPoint).
 Snapshot = Any
 RankRecord = Any
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ..mixin import rules
+from ..mixin import rule_model, rules_render
 from .prometheus import PrometheusProcess, ServerProcess
 from .prometheus import find_binary as find_prometheus
 
@@ -112,13 +112,13 @@ class AlertingStack:
         for_: str = "0s",
         slow_interval: str = "",
     ) -> None:
-        thresholds = rules.Thresholds(
+        thresholds = rule_model.Thresholds(
             hang_seconds=hang_seconds, scrape_interval_seconds=scrape_seconds, slow_interval=slow_interval
         )
         rules_file = os.path.join(work_dir, "flare.rules.yml")
         os.makedirs(work_dir, exist_ok=True)
         with open(rules_file, "w") as out:
-            out.write(rules.render(thresholds.with_for(for_)))
+            out.write(rules_render.render(thresholds.with_for(for_)))
         self.pages = WebhookReceiver()
         self.alertmanager = AlertmanagerProcess(
             os.path.join(work_dir, "alertmanager"), local_config(self.pages.url, wait=f"{scrape_seconds}s")

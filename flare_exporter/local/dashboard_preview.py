@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import promql
-from ..mixin import dashboards, rules
+from ..mixin import dashboards, rule_model, rules_render
 from .jobs import ObservedJob
 from .prometheus import PrometheusProcess, wait_for
 from .workloads import train_ddp
@@ -94,14 +94,14 @@ class FaultyJob:
 @contextmanager
 def faulty_job(work_dir: str, run: str = RUN) -> Iterator[FaultyJob]:
     """The job described above and a Prometheus (1 s scrapes) evaluating the rules for it."""
-    thresholds = rules.Thresholds(
+    thresholds = rule_model.Thresholds(
         hang_seconds=HANG_SECONDS,
         scrape_interval_seconds=1,
         slow_interval="",  # the slow rules at once too
     ).with_for("0s")
     rules_file = os.path.join(work_dir, "flare.rules.yml")
     with open(rules_file, "w") as out:
-        out.write(rules.render(thresholds))
+        out.write(rules_render.render(thresholds))
     hosts = {rank: {"FLARE_HOST": f"node-{rank // 2}"} for rank in range(RANKS)}
     # sw_power_cap on the straggler's GPU: a throttle reason shows, and its canary fails gpu_clock_ok
     hosts[STRAGGLER_RANK]["FLARE_FAKE_NVML_CLOCK_EVENTS"] = "0x4"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..engine import promql
-from ..mixin import rules
+from ..mixin import rule_model, rules_render
 from .alertmanager import AlertmanagerProcess, WebhookReceiver, local_config
 from .alertmanager import find_binary as find_alertmanager
 from .prometheus import ServerProcess, scrape_config, wait_for
@@ -210,13 +210,13 @@ class ShardedStack:
         latency_offset: str = "1s",
     ) -> None:
         interval = f"{scrape_seconds}s"
-        thresholds = rules.Thresholds(
+        thresholds = rule_model.Thresholds(
             hang_seconds=hang_seconds, scrape_interval_seconds=scrape_seconds, slow_interval=slow_interval
         )
         os.makedirs(work_dir, exist_ok=True)
         self.rule_file = os.path.join(work_dir, "flare.rules.yml")
         with open(self.rule_file, "w") as out:
-            out.write(rules.render(thresholds.with_for(for_)))
+            out.write(rules_render.render(thresholds.with_for(for_)))
         self.pages = WebhookReceiver()
         self.servers: list[ServerProcess] = []
         paging = local_config(self.pages.url, wait=interval)

@@ -3,8 +3,8 @@
 Per run and host, the median of its ranks' readings (flare_host_*, rank/host_load.py), whether the host is
 busy by HostLoadPolicy, and the least slowdown of its ranks against their own best. FlareHostBusy fires where
 every rank of a busy host is job_slowdown slower than its own best: the host's load, not a rank's fault.
-FlareJobSlowdown (rules.straggler_alerts) stays quiet where every host of the run is busy (BUSY_EVERYWHERE):
-its slowdown is the hosts' then.
+FlareJobSlowdown (straggler_rules.straggler_alerts) stays quiet where every host of the run is busy
+(BUSY_EVERYWHERE): its slowdown is the hosts' then.
 """
 
 from __future__ import annotations

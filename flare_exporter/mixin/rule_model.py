@@ -1,6 +1,7 @@
 """What every rule of flare's mixin is made of: the thresholds (the mixin's config), a recording rule, an
 alert, the dashboards an alert links to, and the selectors every expression uses. The rule modules (rules.py,
-and those of an instrument: canary_rules.py, perf_rules.py) build on these; rules.py gathers them in groups.
+and each family's: collective_rules.py, straggler_rules.py, canary_rules.py, ...) build on these; rules.py
+gathers them in groups.
 Runs where the mixin is generated (`flare rules`, the dashboards).
 """
 

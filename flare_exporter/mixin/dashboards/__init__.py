@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import ConfigError
-from .. import rules
+from ..label_matchers import check_selector
 from .build import all_json, build, render, typed_round_trip
 from .catalog import dashboards
 from .checks import (
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        selector = rules.check_selector(args.selector)
+        selector = check_selector(args.selector)
     except ConfigError as error:
         print(f"flare: {error}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ TAG = "flare"
 
 def all_json(selector: str = "") -> dict[str, dict[str, Any]]:
     """{file name: JSON model} of every dashboard, each linked to the others; `selector` (label matchers,
-    as rules.check_selector returns them) ANDed into every query of flare's own series."""
+    as label_matchers.check_selector returns them) ANDed into every query of flare's own series."""
     every = dashboards()
     return {
         f"{dashboard.uid}.json": build(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import spec
-from .. import rules
+from .. import rules_render
 from .catalog import dashboards
 from .metrics import PROMETHEUS_SERIES, RECORDED
 from .model import DATASOURCE, FIRING, FIRING_ALERTS, VARIABLES, Dashboard, K, slug, with_selector
@@ -30,7 +30,7 @@ def queries(model: Mapping[str, Any]) -> list[str]:
 
 def names_in(expr: str) -> set[str]:
     """The series an expression names: flare_ series, recording rules and anything before a `{`."""
-    return rules.names_in(expr) | set(METRIC_BEFORE_SELECTOR.findall(expr))
+    return rules_render.names_in(expr) | set(METRIC_BEFORE_SELECTOR.findall(expr))
 
 
 def unknown_metrics(models: Iterable[Mapping[str, Any]]) -> set[str]:

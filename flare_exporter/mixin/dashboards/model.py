@@ -148,8 +148,8 @@ def sel(*matchers: str, rank: str = 'rank=~"$rank"', scoped: bool = True) -> str
 
 
 def with_selector(expr: str, selector: str) -> str:
-    """`expr` with the label matchers `selector` (checked, as rules.check_selector returns them) ANDed into
-    every selector of flare's own series: written before the view's own extra matchers."""
+    """`expr` with the label matchers `selector` (checked, as label_matchers.check_selector returns them)
+    ANDed into every selector of flare's own series: written before the view's own extra matchers."""
     return expr.replace(SELECTOR, f"{selector}, {SELECTOR}") if selector else expr
 
 
