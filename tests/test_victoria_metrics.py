@@ -168,7 +168,13 @@ def share_targets(stack: ShardedStack, entries: list[dict], sd_dir: Path) -> lis
         scratch.write_text(json.dumps(salted))
         scratch.replace(sd_dir / "ranks.json")
         settled = functools.partial(shared, stack, expected, str(salt))
-        shares = wait_for(settled, 30, "the shards to discover the ranks")
+        # vmagent reads the file every second; on a busy host (CI, every core loaded) it took over 30 s
+        try:
+            shares = wait_for(settled, 120, "the shards to discover the ranks")
+        except TimeoutError:
+            pytest.fail(
+                f"salt {salt}: the shards never settled on {sorted(expected)}: {stack.scraped_by_shard()}"
+            )
         if all(shares):
             return shares
     pytest.fail(f"no salt of 8 spread {len(expected)} ranks over {SHARDS} shards: {stack.scraped_by_shard()}")

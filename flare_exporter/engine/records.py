@@ -389,6 +389,7 @@ SNAPSHOT_METRICS = frozenset(
         "flare_rank_stack_info",
         "flare_steps_total",
         *GPU_HEALTH_METRICS,
+        *HOST_LOAD_METRICS.values(),
         "flare_gpu_clock_event_active",
         HANG_THRESHOLD,
         *canary.METRICS,

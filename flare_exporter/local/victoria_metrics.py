@@ -41,10 +41,10 @@ def _binary(name: str, binary: str | None) -> str:
     return found
 
 
-def _get_json(url: str, path: str) -> Any:
+def _get_json(url: str, path: str, timeout: float = 2.0) -> Any:
     """The JSON at GET url+path; None where the server does not answer (yet) or answers no JSON."""
     try:
-        with promql.urlopen(url, path, timeout=2) as response:
+        with promql.urlopen(url, path, timeout=timeout) as response:
             return json.load(response)
     except (OSError, ValueError):
         return None
@@ -144,7 +144,7 @@ class VmagentProcess(ServerProcess):
 
     def targets(self) -> list[dict[str, Any]] | None:
         """The targets this member scrapes (the API's activeTargets); None where it does not answer."""
-        found = _get_json(self.url, "/api/v1/targets")
+        found = _get_json(self.url, "/api/v1/targets", timeout=10)  # a busy vmagent answers late, not never
         if not isinstance(found, dict) or found.get("status") != "success":
             return None
         return list(found["data"]["activeTargets"])
