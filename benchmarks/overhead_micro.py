@@ -263,7 +263,7 @@ def window_cost(extension: Any, every: int) -> dict[str, float]:
     opens on one step in `every` (ild_dispatch_every_steps)."""
     import torch
 
-    from flare_exporter import spec
+    from flare_exporter import label_values
 
     model = train_ddp.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -277,7 +277,7 @@ def window_cost(extension: Any, every: int) -> dict[str, float]:
 
     for _ in range(20):
         step()
-    bounds = list(spec.ISSUE_LATENCY_BUCKETS)
+    bounds = list(label_values.ISSUE_LATENCY_BUCKETS)
     extension.take(bounds)
     plain, windowed, ops = [], [], 0
     for index in range(2 * WINDOW_STEPS):

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.config import Config
 from flare_exporter.engine.scrape import parse
 from flare_exporter.local.testing import virtual_cluster as vc
@@ -94,7 +94,7 @@ def test_the_budget_counts_every_rendered_series():
     state.manager.stats[("world", "alltoall")] = CollectiveStats()
     state.manager.stats[("world", "alltoall")].durations.observe(0.01)
     after = len(parse(vc.render(state).decode()))
-    buckets = len(spec.COLLECTIVE_DURATION_BUCKETS) + 1
+    buckets = len(label_values.COLLECTIVE_DURATION_BUCKETS) + 1
     assert after - before >= buckets + 2  # buckets, +Inf, _sum, _count (and the bytes counter)
 
 
@@ -119,17 +119,17 @@ def test_no_label_holds_an_unbounded_value():
         | {
             floatToGoString(bound)
             for buckets in (
-                spec.COLLECTIVE_DURATION_BUCKETS,
-                spec.STEP_DURATION_BUCKETS,
-                spec.ISSUE_LATENCY_BUCKETS,
+                label_values.COLLECTIVE_DURATION_BUCKETS,
+                label_values.STEP_DURATION_BUCKETS,
+                label_values.ISSUE_LATENCY_BUCKETS,
             )
             for bound in buckets
         },
-        "op": set(spec.COLLECTIVE_OPS),
-        "role": set(spec.GROUP_ROLES),
-        "state": set(spec.IN_FLIGHT_STATES),
-        "activity": set(spec.ACTIVITIES),
-        "distribution": set(spec.ILD_DISTRIBUTIONS),
+        "op": set(label_values.COLLECTIVE_OPS),
+        "role": set(label_values.GROUP_ROLES),
+        "state": set(label_values.IN_FLIGHT_STATES),
+        "activity": set(label_values.ACTIVITIES),
+        "distribution": set(label_values.ILD_DISTRIBUTIONS),
         "ago": {str(ago) for ago in range(config.straggler_windows)},
         "reason": {name for name, _ in CLOCK_EVENT_REASONS},
     }

@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from flare_exporter import spec
+from flare_exporter import label_values, spec
 from flare_exporter.config import Config
 from flare_exporter.engine.scrape import parse
 from flare_exporter.local.prometheus import wait_for
@@ -284,7 +284,7 @@ def test_the_collector_never_calls_nvml():
 
 
 def test_the_slowdown_reasons_the_rules_report_are_clock_event_reasons():
-    assert set(spec.GPU_SLOWDOWN_REASONS) < {name for name, _ in gpu_health.CLOCK_EVENT_REASONS}
+    assert set(label_values.GPU_SLOWDOWN_REASONS) < {name for name, _ in gpu_health.CLOCK_EVENT_REASONS}
 
 
 def test_one_endpoint_shows_each_new_reading_and_event_and_builds_nothing_in_between():

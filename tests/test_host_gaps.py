@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import flare_json, ild_state, torch_extension
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.config import Config
 from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import ObservedJob
@@ -32,7 +32,7 @@ from flare_exporter.policies import BottleneckPolicy, IldPolicy
 from flare_exporter.rank import perf as rank_perf
 from flare_exporter.rank.perf import PerfMonitor, PhaseClock, StepMark, step_gaps
 
-BOUNDS = list(spec.ISSUE_LATENCY_BUCKETS)
+BOUNDS = list(label_values.ISSUE_LATENCY_BUCKETS)
 
 
 def gap_counts(taken) -> tuple[int, float]:

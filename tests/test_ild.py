@@ -11,7 +11,7 @@ import torch
 from conftest import ild_state, torch_extension
 from prometheus_client import generate_latest
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.engine.scrape import parse
 from flare_exporter.rank import cpp_recorder
 from flare_exporter.rank.attach import build_registry
@@ -19,7 +19,7 @@ from flare_exporter.rank.fake_device import FakeDevice
 from flare_exporter.rank.ild import Drift, bucket_points, drift
 from flare_exporter.rank.state import FlareState
 
-BOUNDS = spec.ISSUE_LATENCY_BUCKETS
+BOUNDS = label_values.ISSUE_LATENCY_BUCKETS
 
 
 def test_bucket_points_are_log_midpoints():

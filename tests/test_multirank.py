@@ -11,9 +11,9 @@ from conftest import RANKS, STEPS
 
 from flare_exporter.engine import rank_client, scrape, sources
 from flare_exporter.engine.targets import read_targets
+from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.workloads import train_ddp
-from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
 
 pytestmark = pytest.mark.multirank
 

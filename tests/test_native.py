@@ -19,7 +19,7 @@ from statistics import median
 
 import pytest
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.rank import shim
 
 REPO = Path(__file__).resolve().parent.parent
@@ -352,7 +352,7 @@ def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built
     assert sum(seen["kernel_counts"]) == kernels // every
     # the fake device's 2 ms: the mean, and most samples in the histogram bucket that holds 2 ms
     assert seen["kernel_sum"] / (kernels // every) == pytest.approx(EVENT_DELAY_NS / 1e9, rel=0.2)
-    bounds = spec.ISSUE_LATENCY_BUCKETS
+    bounds = label_values.ISSUE_LATENCY_BUCKETS
     bucket = next(index for index, bound in enumerate(bounds) if bound >= EVENT_DELAY_NS / 1e9)
     assert seen["kernel_counts"][bucket] >= 0.9 * (kernels // every)
     assert seen["groups"] == ["native"]
@@ -397,7 +397,7 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
 
 
 def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectives():
-    from flare_exporter import spec
+    from flare_exporter import label_values
     from flare_exporter.engine import sources
 
     series = {
@@ -405,7 +405,7 @@ def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectiv
         "flare_collective_duration_seconds_sum": [
             ({"rank": "0", "run": "r", "group": "world", "op": "allreduce"}, 2.0),
             ({"rank": "0", "run": "r", "group": "tp-1a2b", "op": "allgather"}, 1.0),
-            ({"rank": "0", "run": "r", "group": spec.NATIVE_GROUP, "op": "allreduce"}, 3.0),
+            ({"rank": "0", "run": "r", "group": label_values.NATIVE_GROUP, "op": "allreduce"}, 3.0),
         ],
     }
     snapshot = sources.build_snapshot(series, {0: sources.Liveness(True)}, 1000.0, "r")

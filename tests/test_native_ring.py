@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.config import Config
 from flare_exporter.rank import launch, shim
 from flare_exporter.rank.exporter_health import ExporterHealth
@@ -118,7 +118,7 @@ def test_step_at_counts_the_steps_completed_before_the_launch():
 
 def test_every_nccl_function_maps_to_a_spec_op():
     assert set(shim.NCCL_OPS) == set(shim.NCCL_APIS.values())
-    assert set(shim.NCCL_OPS.values()) <= set(spec.COLLECTIVE_OPS)
+    assert set(shim.NCCL_OPS.values()) <= set(label_values.COLLECTIVE_OPS)
 
 
 def test_the_reader_waits_for_the_file_then_reads_only_new_records(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import flare_json
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.config import Config
 from flare_exporter.engine import perf, scrape
 from flare_exporter.local.jobs import ObservedJob
@@ -351,7 +351,7 @@ def test_a_straggler_is_charged_its_delay_for_each_other_rank_and_the_healthy_ra
 
 
 def test_phase_label_values_are_the_specs():
-    assert set(spec.STEP_PHASES) >= {"data", "optimizer", "collective", "compute"}
+    assert set(label_values.STEP_PHASES) >= {"data", "optimizer", "collective", "compute"}
     assert math.isclose(analytic_flops(256, 64), 42_926_080)
 
 

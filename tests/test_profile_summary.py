@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.policies import BOTTLENECKS, ProfilePolicy
 from flare_exporter.rank import profile_summary
 from flare_exporter.rank.profile_summary import TraceError, classify, compare, is_communication, summarize
@@ -197,7 +197,7 @@ def test_gpu_trace_breakdown_is_the_hand_computed_one():
         "idle": pytest.approx(320 / 1880, abs=1e-6),
         "data": pytest.approx(80 / 1880, abs=1e-6),
     }
-    assert tuple(summary["shares"]) == spec.PROFILE_PARTS
+    assert tuple(summary["shares"]) == label_values.PROFILE_PARTS
 
 
 def test_gpu_trace_kernels_short_kernels_launch_delays_and_memory():

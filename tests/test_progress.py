@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import torch_extension
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.rank.exporter_health import ExporterHealth
 from flare_exporter.rank.progress import STEP_BOUNDARIES_KEPT, StepTracker, wall_time
 
@@ -51,7 +51,9 @@ def test_steps_of_the_first_optimizer_count_once_each(tracker: StepTracker):
     buckets, total = tracker.durations.snapshot()
     assert buckets[-1] == ("+Inf", 2)  # durations are gaps between steps
     assert 0 < total < after - before
-    assert [label for label, _ in buckets[:-1]] == [repr(bound) for bound in spec.STEP_DURATION_BUCKETS]
+    assert [label for label, _ in buckets[:-1]] == [
+        repr(bound) for bound in label_values.STEP_DURATION_BUCKETS
+    ]
     assert [step for step, _ in tracker.boundaries_after(0)] == [1, 2, 3]
     times = [at for _, at in tracker.boundaries_after(0)]
     assert times == sorted(times) and times[-1] == tracker.last_step_at

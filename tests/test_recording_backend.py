@@ -19,6 +19,7 @@ import torch.distributed as dist
 from conftest import torch_extension
 
 from flare_exporter.config import Config
+from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.exporter_health import ExporterHealth
@@ -28,7 +29,6 @@ from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import FutureTiming, NativeTiming, TimingManager
-from flare_exporter.spec import COLLECTIVE_DURATION_BUCKETS
 
 
 def on_both(call: Callable[[int], Any]) -> list[Any]:

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from flare_exporter import spec
+from flare_exporter import label_values, spec
 
 
 def make_spec(**overrides):
@@ -77,7 +77,7 @@ def test_counter_with_unit_keeps_unit_before_total():
     ("lowest", "highest", "per_decade"), [(1e-5, 100.0, 2), (1e-3, 1000.0, 2), (1.0, 1e4, 5)]
 )
 def test_log_buckets_are_log_spaced_and_cover_the_range(lowest, highest, per_decade):
-    bounds = spec.log_buckets(lowest, highest, per_decade)
+    bounds = label_values.log_buckets(lowest, highest, per_decade)
     assert bounds[0] == pytest.approx(lowest)
     assert bounds[-1] == pytest.approx(highest)
     assert all(low < high for low, high in pairwise(bounds))
@@ -88,10 +88,10 @@ def test_log_buckets_are_log_spaced_and_cover_the_range(lowest, highest, per_dec
 
 
 def test_spec_bucket_constants():
-    assert len(spec.COLLECTIVE_DURATION_BUCKETS) == 15
-    assert spec.COLLECTIVE_DURATION_BUCKETS[0] == pytest.approx(1e-5)
-    assert spec.COLLECTIVE_DURATION_BUCKETS[-1] == pytest.approx(100.0)
-    assert len(spec.STEP_DURATION_BUCKETS) == 13
+    assert len(label_values.COLLECTIVE_DURATION_BUCKETS) == 15
+    assert label_values.COLLECTIVE_DURATION_BUCKETS[0] == pytest.approx(1e-5)
+    assert label_values.COLLECTIVE_DURATION_BUCKETS[-1] == pytest.approx(100.0)
+    assert len(label_values.STEP_DURATION_BUCKETS) == 13
 
 
 def test_exposed_series_names_of_a_histogram():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import torch_extension
 
-from flare_exporter import spec
+from flare_exporter import label_values
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.rank.exporter_health import ExporterHealth
 from flare_exporter.rank.timing import (
@@ -267,7 +267,8 @@ def test_durations_use_the_spec_buckets():
     manager.complete(record)
     manager.drain()
     assert (
-        manager.stats[(record.group.name, "allreduce")].durations.bounds == spec.COLLECTIVE_DURATION_BUCKETS
+        manager.stats[(record.group.name, "allreduce")].durations.bounds
+        == label_values.COLLECTIVE_DURATION_BUCKETS
     )
 
 

@@ -8,9 +8,9 @@ checks it failed as the rank judged them (flare_canary_failed, flare_canary_drif
 the numbers again: it names what the ranks flagged.
 
 - A rank's checks in order: a failed preflight, a failed in-flight check, a drift; within one, the
-  measurements in spec.CANARY_MEASUREMENTS' order (a rank slow at compute reads slowly too: compute is its
-  cause; a slow mount on a rank that computes at the median's pace is named as storage_read). Each rank is
-  named for its first; the others are listed with it.
+  measurements in label_values.CANARY_MEASUREMENTS' order (a rank slow at compute reads slowly too:
+  compute is its cause; a slow mount on a rank that computes at the median's pace is named as
+  storage_read). Each rank is named for its first; the others are listed with it.
 - Bus bandwidth within a host (scope intra_host) is the link of that host's ranks: domain `link`, one fault
   per host. Across hosts (inter_host) the members of a canary group share one measurement: domain `link`,
   the ranks of the groups that failed together.
@@ -25,12 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .. import spec
+from .. import label_values, spec
 
 Key = tuple[str, str]  # (measurement, scope)
 Rows = Sequence[tuple[Mapping[str, str], float]]  # (labels, value) of one metric (records.Series)
 
-PREFLIGHT, IN_FLIGHT = spec.CANARY_PHASES
+PREFLIGHT, IN_FLIGHT = label_values.CANARY_PHASES
 DRIFT = "drift"
 CHECKS = (PREFLIGHT, IN_FLIGHT, DRIFT)  # the order a rank's failures are named in
 LINK_SCOPES = ("intra_host", "inter_host")
@@ -86,14 +86,14 @@ def canary_fields(series: Mapping[str, Rows]) -> dict[int, dict[str, Any]]:
         return found[int(labels["rank"])].setdefault(key, {"failed": ()})
 
     for labels, value in series.get("flare_canary_value", []):
-        if labels.get("phase") in spec.CANARY_PHASES:
+        if labels.get("phase") in label_values.CANARY_PHASES:
             reading(labels)[labels["phase"]] = value
     for labels, value in series.get("flare_canary_relative", []):
         reading(labels)["relative"] = value
     for labels, value in series.get("flare_canary_ewma_ratio", []):
         reading(labels)["ewma_ratio"] = value
     for labels, value in series.get("flare_canary_failed", []):
-        if value == 1 and labels.get("phase") in spec.CANARY_PHASES:
+        if value == 1 and labels.get("phase") in label_values.CANARY_PHASES:
             entry = reading(labels)
             entry["failed"] = tuple(sorted({*entry["failed"], labels["phase"]}, key=CHECKS.index))
     for labels, value in series.get("flare_canary_drift", []):
@@ -140,14 +140,14 @@ class Finding(NamedTuple):
 
 
 def _order(finding: Finding) -> tuple[int, int, int, str]:
-    scopes = spec.CANARY_SCOPES
+    scopes = label_values.CANARY_SCOPES
     scope = scopes.index(finding.scope) if finding.scope in scopes else len(scopes)
     return CHECKS.index(finding.check), measurement_order(finding.measurement), scope, finding.scope
 
 
 def measurement_order(measurement: str) -> int:
-    """Where `measurement` comes in spec.CANARY_MEASUREMENTS (an unknown one last)."""
-    known = spec.CANARY_MEASUREMENTS
+    """Where `measurement` comes in label_values.CANARY_MEASUREMENTS (an unknown one last)."""
+    known = label_values.CANARY_MEASUREMENTS
     return known.index(measurement) if measurement in known else len(known)
 
 

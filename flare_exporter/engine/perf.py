@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import spec
+from .. import label_values
 from ..policies import BottleneckPolicy
 from . import promql, scrape
 from .prometheus_source import matcher, the_run
@@ -82,8 +82,8 @@ class PerfRank:
 def records_from_series(series: Mapping[str, Series]) -> dict[int, PerfRank]:
     """Per rank, its PerfRank from series by metric name ((labels, value) lists), of one run."""
     hosts = {int(labels["rank"]): labels.get("host", "") for labels, _ in series.get("flare_rank_info", [])}
-    phases = _per_rank_and(series.get(PHASES, []), "phase", spec.STEP_PHASES)
-    roles = _per_rank_and(series.get(ROLES, []), "role", spec.GROUP_ROLES)
+    phases = _per_rank_and(series.get(PHASES, []), "phase", label_values.STEP_PHASES)
+    roles = _per_rank_and(series.get(ROLES, []), "role", label_values.GROUP_ROLES)
     values = {name: _per_rank(series.get(name, [])) for name in (STEPS, *GAUGES)}
     stages = stages_from_series(series)
     ranks = set(phases) | set(values[STEPS])
@@ -248,7 +248,7 @@ def perf_view(
 def role_shares(records: Iterable[PerfRank]) -> dict[str, float]:
     """The job's collective phase by group role, as shares of its step time (summed over the ranks), the
     largest first: as the flare.perf rules record it per run and role."""
-    step_seconds, by_role = 0.0, dict.fromkeys(spec.GROUP_ROLES, 0.0)
+    step_seconds, by_role = 0.0, dict.fromkeys(label_values.GROUP_ROLES, 0.0)
     for record in records:
         step_seconds += record.step_seconds
         for role, seconds in record.collective_by_role.items():
@@ -312,7 +312,7 @@ def _rounded(values: Mapping[Any, float]) -> dict[Any, float]:
 
 
 def _perf_lines(result: Mapping[str, Any]) -> list[str]:
-    shown = [phase for phase in spec.STEP_PHASES if phase != "transfer"]  # host: 0 where not measured
+    shown = [phase for phase in label_values.STEP_PHASES if phase != "transfer"]  # host: 0 where not measured
     lines = [
         f"job: {result['bottleneck'] or 'no steps accounted yet'} (policy v{result['policy_version']})",
         f"{'rank':>5} {'bottleneck':<20} {'step':>9} "

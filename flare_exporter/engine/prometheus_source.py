@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import record_names, spec
+from .. import label_values, record_names
 from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
 from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
@@ -767,7 +767,7 @@ def _answers(
 ) -> list[list[dict[str, Any]]]:
     """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
     values = {
-        "{sel_not_native}": f'{{{matchers}, group!="{spec.NATIVE_GROUP}"}}',
+        "{sel_not_native}": f'{{{matchers}, group!="{label_values.NATIVE_GROUP}"}}',
         "{sel": f"{{{matchers}",  # `{sel}`, or `{sel, more="matchers"}`
         "{window}": window,
     }

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .. import spec
+from .. import label_values
 from . import canary
 from .host_load import HOST_LOAD_METRICS, HostLoadState
 from .rule_types import GROUP_INDEX_FIELDS, GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
@@ -204,7 +204,7 @@ def per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
     one value where a query kept one series per rank (`max by (rank)`)."""
     values: dict[int, float] = defaultdict(float)
     for labels, value in series.get(name, []):
-        if labels.get("group") != spec.NATIVE_GROUP:  # the shim's view of collectives counted already
+        if labels.get("group") != label_values.NATIVE_GROUP:  # the shim's view of collectives counted already
             values[int(labels["rank"])] += value
     return dict(values)
 

@@ -10,8 +10,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from ..label_values import GPU_SLOWDOWN_REASONS
 from ..policies import StragglerPolicy
-from ..spec import GPU_SLOWDOWN_REASONS
 from .rule_types import GpuState, Snapshot, Verdict, rank_list
 
 

@@ -6,13 +6,13 @@ slowdowns in flare.slow_signals.
 
 from __future__ import annotations
 
-from .. import spec
+from .. import label_values
 from ..durations import duration_seconds
 from .rule_model import Alert, Recording, Thresholds, link, selector
 from .rule_model import with_host as _with_host
 
 # The clock event reasons that slow a GPU down (FlareRankStraggler's description names its GPU's).
-GPU_SLOWDOWN = "|".join(sorted(spec.GPU_SLOWDOWN_REASONS))
+GPU_SLOWDOWN = "|".join(sorted(label_values.GPU_SLOWDOWN_REASONS))
 
 
 def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:

@@ -14,7 +14,7 @@ its results, one group per host (ranks sharing a host) and, on several hosts, on
 
 The verdict (canary_verdict.judge) is computed on every rank from the same gathered results, so every rank
 agrees: `warn` logs it and exports flare_canary_*; `enforce` also ends every rank with exit status 75
-(spec.CANARY_EXIT_CODE), after one line naming the rank, its host and the measurement.
+(label_values.CANARY_EXIT_CODE), after one line naming the rank, its host and the measurement.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .. import spec
+from .. import label_values
 from ..config import Config
 from . import canary_measure as measure
 from . import process_group
@@ -56,7 +56,7 @@ from .identity import RankIdentity
 
 log = logging.getLogger("flare_exporter")
 
-PREFLIGHT, IN_FLIGHT = spec.CANARY_PHASES
+PREFLIGHT, IN_FLIGHT = label_values.CANARY_PHASES
 IN_FLIGHT_COMPUTE_SHARE = 0.1  # of canary_compute_seconds
 IN_FLIGHT_ITERATIONS = 2
 
@@ -335,7 +335,7 @@ class Canary:
                 print(
                     f"flare canary: preflight failed: {describe(primary)}; "
                     f"{confirmed(failures, self.confirm_runs)}{self._alone_text(primary)}; "
-                    f"exiting with status {spec.CANARY_EXIT_CODE}",
+                    f"exiting with status {label_values.CANARY_EXIT_CODE}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -343,7 +343,7 @@ class Canary:
             # (SIGABRT, "terminate called without an active exception") instead of exiting 75
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(spec.CANARY_EXIT_CODE)
+            os._exit(label_values.CANARY_EXIT_CODE)
         if speaks:
             log.warning(
                 "flare canary: preflight failed: %s; %s (canary=warn: training goes on)",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import spec
+from .. import label_values
 from .canary_verdict import bus_bandwidth
 
 CPU_GEMM_SIZE = 256  # float32; one GEMM takes a few ms on a core
@@ -160,6 +160,6 @@ def gpu_state(monitor: Any) -> dict[str, float]:
     if reading.pcie_link_width and reading.pcie_link_width_max:
         values["gpu_pcie_width"] = reading.pcie_link_width / reading.pcie_link_width_max
     if reading.clock_events:
-        slowed = any(reading.clock_events.get(reason) for reason in spec.GPU_SLOWDOWN_REASONS)
+        slowed = any(reading.clock_events.get(reason) for reason in label_values.GPU_SLOWDOWN_REASONS)
         values["gpu_clock_ok"] = 0.0 if slowed else 1.0
     return values

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .. import spec
+from .. import label_values
 
 # Measurements whose value is a throughput, compared with the job's median; the others (NVML's PCIe width
 # and clock state, ratios of their own maximum) meet only their absolute floor.
@@ -121,12 +121,12 @@ def rank_failures(result: RankResults, job_medians: Mapping[Key, float], policy:
 
 
 def judge(results: Sequence[RankResults], policy: Policy) -> list[Failure]:
-    """Every failure of every rank, the one to name first: in the order of spec.CANARY_MEASUREMENTS (a rank
-    slow at compute is slow at reading storage too: compute is its cause), then the lowest against its
-    floor, then the lowest rank."""
+    """Every failure of every rank, the one to name first: in the order of label_values.CANARY_MEASUREMENTS
+    (a rank slow at compute is slow at reading storage too: compute is its cause), then the lowest against
+    its floor, then the lowest rank."""
     job_medians = medians(results)
     failures = [failure for result in results for failure in rank_failures(result, job_medians, policy)]
-    order = {measurement: index for index, measurement in enumerate(spec.CANARY_MEASUREMENTS)}
+    order = {measurement: index for index, measurement in enumerate(label_values.CANARY_MEASUREMENTS)}
     return sorted(
         failures,
         key=lambda f: (order.get(f.measurement, len(order)), f.value / f.floor if f.floor else 0.0, f.rank),

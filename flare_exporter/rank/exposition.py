@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from .. import spec
+from .. import label_values
 from . import web_config
 from .collectors import Collector, Families
 from .exporter_health import ExporterHealth
@@ -378,10 +378,10 @@ def _profile_answer(profiler: Profiles, environ: dict, respond: Callable[..., An
         except (ValueError, KeyError):
             status, answer = 400, {"error": "steps (and of, with trigger=peer) must be whole numbers"}
         else:
-            if trigger in spec.PROFILE_ASKED_TRIGGERS:
+            if trigger in label_values.PROFILE_ASKED_TRIGGERS:
                 status, answer = profiler.request(steps, trigger, peer_of)
             else:
-                allowed = ", ".join(spec.PROFILE_ASKED_TRIGGERS)
+                allowed = ", ".join(label_values.PROFILE_ASKED_TRIGGERS)
                 status, answer = 400, {"error": f"trigger must be one of {allowed}"}
     else:
         respond("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, POST")])

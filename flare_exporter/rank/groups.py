@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..group_roles import group_role
-from ..spec import POINT_TO_POINT_OPS
+from ..label_values import POINT_TO_POINT_OPS
 from .exporter_health import ExporterHealth
 from .timing import CollectiveRecord, TimingBackend
 

@@ -40,7 +40,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
-from .. import spec
+from .. import label_values
 from ..config import Config
 from . import fake_device
 from .exporter_health import ExporterHealth
@@ -48,7 +48,7 @@ from .histogram import Histogram
 from .progress import StepTracker
 from .timing import EventBackend, TimingManager
 
-KERNEL_ISSUE, HOST_DISPATCH, HOST_GAP = spec.ILD_DISTRIBUTIONS
+KERNEL_ISSUE, HOST_DISPATCH, HOST_GAP = label_values.ILD_DISTRIBUTIONS
 
 
 def bucket_points(bounds: Sequence[float]) -> list[float]:
@@ -176,9 +176,9 @@ class IssueLatency:
 
     def __init__(self, distribution: str, config: Config) -> None:
         self.distribution = distribution
-        self.histogram = Histogram(spec.ISSUE_LATENCY_BUCKETS)
+        self.histogram = Histogram(label_values.ISSUE_LATENCY_BUCKETS)
         self.drift = Drift(
-            spec.ISSUE_LATENCY_BUCKETS,
+            label_values.ISSUE_LATENCY_BUCKETS,
             config.ild_warmup_steps,
             config.ild_baseline_steps,
             config.ild_window_steps,

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from .. import causes, spec
+from .. import causes, label_values
 from . import progress, stall
 from .atomic_files import file_name_part, write_json_atomically
 from .last_word import RaisedException, Termination, signal_sender, wait_for_last_word
@@ -189,7 +189,7 @@ def _point_to_point_document(state: Any, group: Any) -> dict[str, Any] | None:
     issued = dict(completed)
     oldest: dict[tuple[str, int], Any] = {}  # the oldest per (direction, peer)
     for record in flights:
-        key = (spec.point_to_point_direction(record.op), record.peer)
+        key = (label_values.point_to_point_direction(record.op), record.peer)
         issued[key] = issued.get(key, 0) + 1
         oldest.setdefault(key, record)
     return {
@@ -323,7 +323,7 @@ class IncidentWriter:
         sys.excepthook = self._excepthook
         if threading.current_thread() is not threading.main_thread():
             return
-        for name in spec.TERMINATION_SIGNALS:
+        for name in label_values.TERMINATION_SIGNALS:
             number = getattr(signal, name, None)
             if number is None:  # no SIGHUP on Windows
                 continue

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from .. import spec
+from .. import label_values
 from ..config import Config
 from .exporter_health import ExporterHealth
 
@@ -263,7 +263,7 @@ class PerfMonitor:
         self.flops_step = config.perf_flops_step
         self.device_name = device_name
         self.phase_seconds = dict.fromkeys(
-            spec.STEP_PHASES, 0.0
+            label_values.STEP_PHASES, 0.0
         )  # replaced whole at every step: readers copy
         self.collective_by_role: dict[str, float] = {}  # the collective phase by group role; replaced whole
         self.steps = 0
@@ -316,8 +316,8 @@ class PerfMonitor:
             if self.clock is not None and step > self._newest_mark:
                 return  # its end's mark is not there yet: the hook after the step counter's has not run
             self._pending.popleft()
-            bubble = by_role.get(spec.P2P_ROLE, 0.0)  # waits in sends and receives: the bubble phase
-            roles = {role: seconds for role, seconds in by_role.items() if role != spec.P2P_ROLE}
+            bubble = by_role.get(label_values.P2P_ROLE, 0.0)  # waits in sends and receives: the bubble phase
+            roles = {role: seconds for role, seconds in by_role.items() if role != label_values.P2P_ROLE}
             collective = self._account(step, step_seconds, exposed - bubble, bubble)
             self._account_roles(roles, exposed - bubble, collective)
 

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import spec
+from .. import label_values
 from ..policies import ProfilePolicy
 
 FORMAT = 1
@@ -391,7 +391,7 @@ def summarize(
     """The capture of `steps` steps in `trace` reduced to a JSON-able dict of at most MAX_SUMMARY_BYTES:
 
     - format, kind ("gpu" | "cpu"), steps (as asked), step_seconds (the mean step);
-    - shares: of the span, by spec.PROFILE_PARTS (compute, communication, exposed_communication, copy,
+    - shares: of the span, by label_values.PROFILE_PARTS (compute, communication, exposed_communication, copy,
       idle, data);
     - step: source ("ProfilerStep" | "span"), count, mean_seconds, max_seconds, total_seconds;
     - time: `<name>_seconds` for span, busy, idle, host_gap, compute, communication, copy,
@@ -471,13 +471,13 @@ def _time(breakdown: _Breakdown, data: list[Interval]) -> dict[str, Any]:
 
 
 def _shares(time_: Mapping[str, float], data_seconds: float) -> dict[str, float]:
-    """The parts of the span that the flare_profile_share_ratio metric exports (spec.PROFILE_PARTS)."""
+    """The parts of the span the flare_profile_share_ratio metric exports (label_values.PROFILE_PARTS)."""
     span = time_["span_seconds"]
     seconds = {
-        **{part: time_.get(f"{part}_seconds", 0.0) for part in spec.PROFILE_PARTS},
+        **{part: time_.get(f"{part}_seconds", 0.0) for part in label_values.PROFILE_PARTS},
         "data": data_seconds,
     }
-    return {part: round(seconds[part] / span, 6) if span > 0 else 0.0 for part in spec.PROFILE_PARTS}
+    return {part: round(seconds[part] / span, 6) if span > 0 else 0.0 for part in label_values.PROFILE_PARTS}
 
 
 def _step(events: _Events, span: Interval, steps: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import spec
+from .. import label_values
 from .atomic_files import file_name_part, write_json_atomically
 from .exporter_health import ExporterHealth
 
@@ -49,7 +49,7 @@ class Capture:
     steps: int
     requested_at: float
     state: str = "armed"  # armed | capturing | reducing | captured | failed
-    trigger: str = "asked"  # spec.PROFILE_TRIGGERS: what asked for it
+    trigger: str = "asked"  # label_values.PROFILE_TRIGGERS: what asked for it
     peer_of: int | None = None  # trigger peer: the rank whose own capture this one stands beside
     reason: Mapping[str, Any] = field(default_factory=dict)  # a trigger's evidence (the signal that fired)
     started_at: float | None = None
@@ -101,8 +101,8 @@ class Profiler:
         self.keep = keep
         self.max_trace_bytes = max_trace_bytes
         self.reducer = reducer
-        self.outcomes = dict.fromkeys(spec.PROFILE_OUTCOMES, 0)
-        self.armed = dict.fromkeys(spec.PROFILE_TRIGGERS, 0)
+        self.outcomes = dict.fromkeys(label_values.PROFILE_OUTCOMES, 0)
+        self.armed = dict.fromkeys(label_values.PROFILE_TRIGGERS, 0)
         self.refused = 0
         self.running: Capture | None = None
         self.last: Capture | None = None
@@ -134,12 +134,13 @@ class Profiler:
         peer_of: int | None = None,
         reason: Mapping[str, Any] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Arm a capture of `steps` steps for `trigger` (spec.PROFILE_TRIGGERS): (HTTP status, answer). 202
-        armed; 400 a bad step count or trigger; 409 one runs; 429 in the cooldown after the last."""
+        """Arm a capture of `steps` steps for `trigger` (label_values.PROFILE_TRIGGERS): (HTTP status,
+        answer). 202 armed; 400 a bad step count or trigger; 409 one runs; 429 in the cooldown after the
+        last."""
         if not 1 <= steps <= self.max_steps:
             return 400, {"error": f"steps must be between 1 and {self.max_steps} (profile_max_steps)"}
-        if trigger not in spec.PROFILE_TRIGGERS:
-            return 400, {"error": f"trigger must be one of {', '.join(spec.PROFILE_TRIGGERS)}"}
+        if trigger not in label_values.PROFILE_TRIGGERS:
+            return 400, {"error": f"trigger must be one of {', '.join(label_values.PROFILE_TRIGGERS)}"}
         with self._lock:
             now = time.time()
             if self.running is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import spec
+from .. import label_values
 from . import cpp_recorder
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
@@ -36,7 +36,7 @@ class StepTracker:
         self.health = health
         self.counter: Any = None  # the extension's StepCounter, once installed with it
         self._steps = 0
-        self._durations = Histogram(spec.STEP_DURATION_BUCKETS)
+        self._durations = Histogram(label_values.STEP_DURATION_BUCKETS)
         self._last_step_at = 0.0  # perf_counter time of the last step: step durations and the heartbeat
         self._boundaries: deque[tuple[int, float]] = deque(maxlen=STEP_BOUNDARIES_KEPT)
         self._listener: Callable[[int], Any] | None = None
@@ -54,7 +54,9 @@ class StepTracker:
         """The step hook: the extension's C function where it is built (and `native`), else `on_step`."""
         extension = cpp_recorder.load() if native and self.counter is None else None
         if extension is not None:
-            self.counter = extension.StepCounter(list(spec.STEP_DURATION_BUCKETS), STEP_BOUNDARIES_KEPT)
+            self.counter = extension.StepCounter(
+                list(label_values.STEP_DURATION_BUCKETS), STEP_BOUNDARIES_KEPT
+            )
             self.counter.set_listener(self._listener, self._every)
         return self.counter.hook if self.counter is not None else self.on_step  # type: ignore[no-any-return]
 
@@ -91,7 +93,7 @@ class StepTracker:
         if self.counter is None:
             return self._durations
         counts, total = self.counter.durations()
-        return Histogram(spec.STEP_DURATION_BUCKETS, counts, total)
+        return Histogram(label_values.STEP_DURATION_BUCKETS, counts, total)
 
     def boundaries_after(self, step: int) -> list[tuple[int, float]]:
         """(step, perf_counter time) of the kept steps (the last STEP_BOUNDARIES_KEPT) after `step`,

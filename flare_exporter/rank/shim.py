@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..spec import NATIVE_GROUP
+from ..label_values import NATIVE_GROUP
 from .exporter_health import ExporterHealth
 from .timing import CollectiveStats, TimingManager
 
@@ -62,7 +62,7 @@ NCCL_APIS = {
     21: "ncclSend",
     22: "ncclRecv",
 }
-NCCL_OPS = {  # NCCL function -> the op name spec.COLLECTIVE_OPS uses for it
+NCCL_OPS = {  # NCCL function -> the op name label_values.COLLECTIVE_OPS uses for it
     "ncclAllReduce": "allreduce",
     "ncclAllGather": "allgather",
     "ncclReduceScatter": "reduce_scatter",

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import spec
+from .. import label_values
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
 
@@ -106,7 +106,7 @@ class CollectiveRecord:
 
     @property
     def point_to_point(self) -> bool:
-        return self.op in spec.POINT_TO_POINT_OPS
+        return self.op in label_values.POINT_TO_POINT_OPS
 
 
 class CollectiveFailed(Exception):
@@ -119,7 +119,7 @@ class CollectiveStats:
     __slots__ = ("durations", "bytes_total")
 
     def __init__(self) -> None:
-        self.durations = Histogram(spec.COLLECTIVE_DURATION_BUCKETS)
+        self.durations = Histogram(label_values.COLLECTIVE_DURATION_BUCKETS)
         self.bytes_total = 0
 
 
@@ -143,10 +143,12 @@ class PointToPointStats:
         self.peers: dict[tuple[str, int, str], PeerCounts] = {}
 
     def add(self, group: str, op: str, peer: int, nbytes: int, duration: float) -> None:
-        direction = spec.point_to_point_direction(op)
+        direction = label_values.point_to_point_direction(op)
         histogram = self.durations.get((group, direction))
         if histogram is None:
-            histogram = self.durations[(group, direction)] = Histogram(spec.COLLECTIVE_DURATION_BUCKETS)
+            histogram = self.durations[(group, direction)] = Histogram(
+                label_values.COLLECTIVE_DURATION_BUCKETS
+            )
         histogram.observe(duration)
         counts = self.peers.get((group, peer, direction))
         if counts is None:
@@ -343,7 +345,8 @@ class TimingManager:
             self.point_to_point.add(
                 record.group.name, record.op, record.peer, record.nbytes, record.duration or 0.0
             )
-            self.finished.append((record.issued_at, record.duration or 0.0, spec.P2P_ROLE))  # the bubble
+            # the bubble
+            self.finished.append((record.issued_at, record.duration or 0.0, label_values.P2P_ROLE))
             return
         self.account(record.group, record.op, record.nbytes, record.seq, record.duration or 0.0)
 
@@ -359,7 +362,7 @@ class TimingManager:
         """Count `group`'s collectives that the recording backend counted per op (CollectiveLog.take's
         `counted`); under the drain lock."""
         for op, _, nbytes, seconds, buckets, last_seq in counted:
-            if op in spec.POINT_TO_POINT_OPS:  # counted per peer from the completed records
+            if op in label_values.POINT_TO_POINT_OPS:  # counted per peer from the completed records
                 continue
             stats = self._stats(group, op)
             durations = stats.durations
@@ -509,7 +512,7 @@ class NativeTiming(TimingBackend):
         completed; only the straggler windows see each one, in `finished`: (issued_at, seconds, role) tuples,
         built here, on the manager's thread.
         """
-        taken = self.log.take(spec.COLLECTIVE_DURATION_BUCKETS)
+        taken = self.log.take(label_values.COLLECTIVE_DURATION_BUCKETS)
         completed, counted, oldest, point_to_point, last_issued_seq, last_issued_at, dropped, failed = taken
         in_flight = group.in_flight  # the oldest record in flight at the last drain, at the front of pending
         seen = (in_flight.seq, in_flight.issued_at) if in_flight is not None else None
@@ -527,7 +530,8 @@ class NativeTiming(TimingBackend):
                     break
         role = group.role
         windowed = completed if followed < 0 else completed[:followed] + completed[followed + 1 :]
-        p2p_ops, p2p_role = spec.POINT_TO_POINT_OPS, spec.P2P_ROLE  # a send's or receive's wait: the bubble
+        # a send's or receive's wait: the bubble
+        p2p_ops, p2p_role = label_values.POINT_TO_POINT_OPS, label_values.P2P_ROLE
         manager.finished.extend([(d[0], d[1], p2p_role if d[2] in p2p_ops else role) for d in windowed])
         manager.account_counted(group, counted)
         self._take_point_to_point(group, completed, point_to_point)
@@ -546,7 +550,7 @@ class NativeTiming(TimingBackend):
         """Count the sends and receives among `completed` per peer; publish those `in_flight`."""
         stats = self.manager.point_to_point
         for _, seconds, op, nbytes, _, peer in completed:
-            if op in spec.POINT_TO_POINT_OPS:
+            if op in label_values.POINT_TO_POINT_OPS:
                 stats.add(group.name, op, group.peer_rank(peer), nbytes, seconds)
         group.point_to_point_in_flight(
             [

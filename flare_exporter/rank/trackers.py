@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import spec
+from .. import label_values
 from ..policies import BottleneckPolicy
 from .exporter_health import ExporterHealth
 
@@ -59,7 +59,7 @@ def capture_numbers(capture: Any) -> dict[str, float]:
     if isinstance(step := summary.get("step_seconds"), int | float):
         numbers["flare/profile/step_seconds"] = float(step)
     shares = summary.get("shares")
-    for part in spec.PROFILE_PARTS if isinstance(shares, Mapping) else ():
+    for part in label_values.PROFILE_PARTS if isinstance(shares, Mapping) else ():
         if isinstance(value := shares.get(part), int | float):
             numbers[f"flare/profile/share/{part}"] = float(value)
     return numbers

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from ... import spec
+from ... import label_values
 from .. import progress
 from ..state import FlareState
 from ..timing import CollectiveRecord
@@ -56,7 +56,7 @@ class CollectivesCollector:
         oldest: dict[tuple[str, int, str], CollectiveRecord] = {}  # per (group, peer, direction)
         for tracker in trackers:
             for record in list(tracker.p2p_in_flight):  # oldest first
-                key = (tracker.name, record.peer, spec.point_to_point_direction(record.op))
+                key = (tracker.name, record.peer, label_values.point_to_point_direction(record.op))
                 in_flight[key] = in_flight.get(key, 0) + 1
                 oldest.setdefault(key, record)
         issued = families.new("flare_p2p_issued_total")
@@ -65,7 +65,7 @@ class CollectivesCollector:
         peers = dict(stats.peers)
         for key in sorted(set(peers) | set(in_flight)):
             group, peer, direction = key
-            labels = families.labels(group, spec.peer_label(peer), direction)
+            labels = families.labels(group, label_values.peer_label(peer), direction)
             counts = peers.get(key)
             done = counts.completed if counts is not None else 0
             issued.add_metric(labels, done + in_flight.get(key, 0))
@@ -77,7 +77,7 @@ class CollectivesCollector:
         started = families.new("flare_p2p_in_flight_started_timestamp_seconds")
         nbytes = families.new("flare_p2p_in_flight_bytes")
         for (group, peer, direction), record in sorted(oldest.items()):
-            labels = families.labels(group, spec.peer_label(peer), direction)
+            labels = families.labels(group, label_values.peer_label(peer), direction)
             started.add_metric(labels, progress.wall_time(record.issued_at))
             nbytes.add_metric(labels, record.nbytes)
         return [issued, completed, sent, durations, started, nbytes]

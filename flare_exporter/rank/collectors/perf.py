@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from ... import spec
+from ... import label_values
 from ..state import FlareState
 from . import Families
 
@@ -53,6 +53,6 @@ class PerfCollector:
         `native`), at 0 until waited on, as the phases start at 0, so that Prometheus's increase() of a role
         spans the same samples as the phase's."""
         roles = {group.role for group in list(self.state.groups.values())} | set(waited)
-        for role in spec.GROUP_ROLES:
+        for role in label_values.GROUP_ROLES:
             if role in roles:
                 by_role.add_metric(families.labels(role), waited.get(role, 0.0))

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from ... import spec
+from ... import label_values
 from ..state import FlareState
 from . import Families
 
@@ -33,9 +33,9 @@ class ProfileCollector:
         if profiler is None:
             return found
         captures, armed, refused, ended, bottleneck, step, shares = found
-        for outcome in spec.PROFILE_OUTCOMES:
+        for outcome in label_values.PROFILE_OUTCOMES:
             captures.add_metric(families.labels(outcome), profiler.outcomes.get(outcome, 0))
-        for trigger in spec.PROFILE_TRIGGERS:
+        for trigger in label_values.PROFILE_TRIGGERS:
             armed.add_metric(families.labels(trigger), profiler.armed.get(trigger, 0))
         refused.add_metric(families.labels(), profiler.refused)
         last = profiler.last
@@ -53,11 +53,13 @@ class ProfileCollector:
 
 
 def shares_of(summary: Mapping[str, Any]) -> dict[str, float]:
-    """The summary's shares of the step time by part (spec.PROFILE_PARTS), where it has them."""
+    """The summary's shares of the step time by part (label_values.PROFILE_PARTS), where it has them."""
     found = summary.get("shares")
     if not isinstance(found, Mapping):
         return {}
-    return {part: value for part in spec.PROFILE_PARTS if (value := _number(found.get(part))) is not None}
+    return {
+        part: value for part in label_values.PROFILE_PARTS if (value := _number(found.get(part))) is not None
+    }
 
 
 def _number(value: Any) -> float | None:
