@@ -58,10 +58,11 @@ class HostLoadPolicy:
     """When a host was busy enough to explain a slowdown of its ranks (engine/host_load.py).
 
     Busy: some runnable task waited for a CPU for at least `cpu_pressure` of the last 10 s (PSI), and that
-    share rose by at least `pressure_rise` since the rank closed its best window (a job that crowds its own
-    cores has always done so: its slowdown is not the host's); where the kernel has no PSI, at least
-    `runnable_per_cpu` runnable tasks per CPU the rank may use. A host's figure is the median of its ranks'
-    readings. Versioned: a change of a threshold is a new `version`, which the verdict's evidence carries.
+    share rose by at least `pressure_rise` above its floor, the lowest the rank read as it closed its windows
+    (a job that crowds its own cores has always done so: its slowdown is not the host's); where the kernel
+    has no PSI, at least `runnable_per_cpu` runnable tasks per CPU the rank may use. A host's figure is the
+    median of its ranks' readings. Versioned: a change of a threshold is a new `version`, which the
+    verdict's evidence carries.
     """
 
     version: int = 1

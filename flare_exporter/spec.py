@@ -462,11 +462,12 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="Linux PSI's /proc/pressure/cpu some avg10; absent where the kernel has no PSI.",
     ),
     MetricSpec(
-        "flare_host_cpu_pressure_at_best_ratio",
+        "flare_host_cpu_pressure_floor_ratio",
         GAUGE,
         "",
-        "flare_host_cpu_pressure_ratio when the rank closed its best straggler window.",
-        detail="A slowdown since the best window with the pressure risen since: the host's load.",
+        "The lowest flare_host_cpu_pressure_ratio read as the rank closed its straggler windows.",
+        detail="The host at its quietest while the job ran: a slowdown with the pressure risen above it is "
+        "the host's load.",
     ),
     MetricSpec(
         "flare_host_runnable_tasks",

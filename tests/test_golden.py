@@ -134,7 +134,7 @@ def fixed_state() -> FlareState:
     state.perf = PerfMonitor(None, Config(model_flops_per_step=1e9, peak_flops=1e11))
     for step in (2, 3, 4):
         state.perf.on_step(step, 0.125, 0.04, {"world": 0.03, "tp": 0.01})
-    state.windows.best_host_pressure = 0.08
+    state.windows.host_pressure_floor = 0.08
     return state
 
 

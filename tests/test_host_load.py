@@ -76,14 +76,37 @@ def test_a_thread_that_ended_has_no_share():
     assert share.read() is None
 
 
+def test_the_pressure_floor_is_the_lowest_read_at_a_drain_that_closed_windows(monkeypatch):
+    """The floor is read once a drain, where a window closed, and only ever goes down."""
+    from test_stragglers import FakeSteps
+
+    from flare_exporter.rank import straggler_windows
+    from flare_exporter.rank.exporter_health import ExporterHealth
+
+    readings = iter([0.6, 0.4, 0.9, 0.2])
+    monkeypatch.setattr(straggler_windows, "cpu_pressure", lambda: next(readings))
+    steps = FakeSteps()
+    windows = straggler_windows.StepWindows(
+        steps, {}, ExporterHealth(), steps_per_window=1, kept=4, finished=[]
+    )
+    found = []
+    for step in range(1, 5):
+        steps.boundaries.append((step, float(step)))
+        windows.forget_finished()  # step 1 closes no window: no reading; then one a drain
+        found.append(windows.host_pressure_floor)
+    assert found == [None, 0.6, 0.4, 0.4]
+    windows.forget_finished()  # no new window: no reading (the iterator's 0.2 is left)
+    assert next(readings) == 0.2
+
+
 # ---------------------------------------------------------------------------------------------------------
 # what the engine makes of it
 
 BUSY = HostLoadState(
-    cpu_pressure=0.9, cpu_pressure_at_best=0.05, runnable_tasks=7, cpus=2, thread_cpu_ratio=0.3
+    cpu_pressure=0.9, cpu_pressure_floor=0.05, runnable_tasks=7, cpus=2, thread_cpu_ratio=0.3
 )
 QUIET = HostLoadState(
-    cpu_pressure=0.03, cpu_pressure_at_best=0.02, runnable_tasks=2, cpus=2, thread_cpu_ratio=0.9
+    cpu_pressure=0.03, cpu_pressure_floor=0.02, runnable_tasks=2, cpus=2, thread_cpu_ratio=0.9
 )
 SLOW = [1.7, 1.8, 1.7]  # every window 1.7x the rank's best
 
@@ -112,8 +135,8 @@ def test_a_job_wide_slowdown_over_busy_hosts_is_the_jobs_warning():
     "load",
     [
         QUIET,
-        # as busy as at the rank's best: a job that crowds its own cores did so all along
-        HostLoadState(cpu_pressure=0.9, cpu_pressure_at_best=0.85, runnable_tasks=7, cpus=2),
+        # as busy as at its floor: a job that crowds its own cores did so all along
+        HostLoadState(cpu_pressure=0.9, cpu_pressure_floor=0.85, runnable_tasks=7, cpus=2),
         # no PSI, and no more runnable tasks than CPUs
         HostLoadState(runnable_tasks=2, cpus=2),
     ],

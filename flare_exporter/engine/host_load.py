@@ -1,7 +1,7 @@
 """Slowdowns read together with what the ranks' hosts were doing (CLI engine; pure, no I/O).
 
-Each rank exports its host's CPU pressure now and when it closed its best straggler window, the host's run
-queue and usable CPUs, and its training thread's share of a CPU (rank/host_load.py). A host is busy where
+Each rank exports its host's CPU pressure now and its floor (the lowest read while the job ran), the host's
+run queue and usable CPUs, and its training thread's share of a CPU (rank/host_load.py). A host is busy where
 HostLoadPolicy says so. Then, among the straggler verdicts (straggler_verdicts.straggler_verdicts):
 
 - a slowdown every rank of the busy hosts shares (the job-wide verdict, or stragglers that are all the
@@ -31,7 +31,7 @@ class HostLoadState:
     """What a rank last exported of its host's load (flare_host_*, flare_training_thread_cpu_ratio)."""
 
     cpu_pressure: float | None = None
-    cpu_pressure_at_best: float | None = None
+    cpu_pressure_floor: float | None = None
     runnable_tasks: float | None = None
     cpus: float | None = None
     thread_cpu_ratio: float | None = None
@@ -40,7 +40,7 @@ class HostLoadState:
 # HostLoadState attribute -> the metric it is read from
 HOST_LOAD_METRICS = {
     "cpu_pressure": "flare_host_cpu_pressure_ratio",
-    "cpu_pressure_at_best": "flare_host_cpu_pressure_at_best_ratio",
+    "cpu_pressure_floor": "flare_host_cpu_pressure_floor_ratio",
     "runnable_tasks": "flare_host_runnable_tasks",
     "cpus": "flare_host_cpus",
     "thread_cpu_ratio": "flare_training_thread_cpu_ratio",
@@ -69,11 +69,11 @@ def _median(values: Iterable[float | None]) -> float | None:
 def _host_evidence(on_host: list[Any], policy: HostLoadPolicy) -> dict[str, Any]:
     loads = [record.host_load for record in on_host]
     pressure = _median(load.cpu_pressure for load in loads)
-    at_best = _median(load.cpu_pressure_at_best for load in loads)
+    floor = _median(load.cpu_pressure_floor for load in loads)
     runnable = _median(load.runnable_tasks for load in loads)
     cpus = _median(load.cpus for load in loads)
     if pressure is not None:
-        rose = at_best is None or pressure - at_best >= policy.pressure_rise
+        rose = floor is None or pressure - floor >= policy.pressure_rise
         busy = pressure >= policy.cpu_pressure and rose
     else:
         busy = runnable is not None and bool(cpus) and runnable / cpus >= policy.runnable_per_cpu  # type: ignore[operator]
@@ -81,7 +81,7 @@ def _host_evidence(on_host: list[Any], policy: HostLoadPolicy) -> dict[str, Any]
         "busy": busy,
         "ranks": sorted(record.rank for record in on_host),
         "cpu_pressure": pressure,
-        "cpu_pressure_at_best": at_best,
+        "cpu_pressure_floor": floor,
         "runnable_tasks": runnable,
         "cpus": cpus,
         "thread_cpu_ratio": {
@@ -97,10 +97,10 @@ def said(hosts: Mapping[str, Mapping[str, Any]]) -> str:
     """What the busy hosts' evidence says, in one clause."""
     parts = []
     for host, evidence in sorted(hosts.items()):
-        pressure, at_best = evidence["cpu_pressure"], evidence["cpu_pressure_at_best"]
+        pressure, floor = evidence["cpu_pressure"], evidence["cpu_pressure_floor"]
         if pressure is not None:
             load = f"a task waited for a CPU {pressure:.0%} of the last 10 s"
-            load += f" ({at_best:.0%} at the ranks' best)" if at_best is not None else ""
+            load += f" (at least {floor:.0%} all along)" if floor is not None else ""
         else:
             load = f"{evidence['runnable_tasks']:.0f} runnable tasks on {evidence['cpus']:.0f} CPUs"
         shares = list(evidence["thread_cpu_ratio"].values())

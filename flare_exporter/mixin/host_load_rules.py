@@ -28,14 +28,14 @@ def _per_host(rank_expr: str, how: str = "quantile by (run, host) (0.5,") -> str
 def host_load_recording_rules(t: Thresholds) -> list[Recording]:
     policy = HostLoadPolicy()
     s = selector(t)
-    pressure, at_best = (
+    pressure, floor = (
         "run_host:flare_host_cpu_pressure_ratio:median",
-        "run_host:flare_host_cpu_pressure_at_best_ratio:median",
+        "run_host:flare_host_cpu_pressure_floor_ratio:median",
     )
     per_cpu = "run_host:flare_host_runnable_per_cpu:median"
     return [
         Recording(pressure, _per_host(f"max by (run, rank) (flare_host_cpu_pressure_ratio{s})")),
-        Recording(at_best, _per_host(f"max by (run, rank) (flare_host_cpu_pressure_at_best_ratio{s})")),
+        Recording(floor, _per_host(f"max by (run, rank) (flare_host_cpu_pressure_floor_ratio{s})")),
         Recording(
             per_cpu,
             _per_host(
@@ -47,8 +47,8 @@ def host_load_recording_rules(t: Thresholds) -> list[Recording]:
         Recording(
             BUSY,
             f"(\n  {pressure} >= {policy.cpu_pressure:g}\n"
-            f"  and on (run, host) ({pressure} - on (run, host) {at_best} >= {policy.pressure_rise:g})\n)\n"
-            f"or ({pressure} >= {policy.cpu_pressure:g} unless on (run, host) {at_best})\n"
+            f"  and on (run, host) ({pressure} - on (run, host) {floor} >= {policy.pressure_rise:g})\n)\n"
+            f"or ({pressure} >= {policy.cpu_pressure:g} unless on (run, host) {floor})\n"
             f"or ({per_cpu} >= {policy.runnable_per_cpu:g} unless on (run, host) {pressure})",
         ),
         Recording(
@@ -68,8 +68,9 @@ def host_load_alerts(t: Thresholds) -> list[Alert]:
             "Host {{ $labels.host }} of run {{ $labels.run }} is busy: its ranks slowed alike",
             "Every rank of run {{ $labels.run }} on host {{ $labels.host }} takes at least "
             '{{ $value | printf "%.2f" }} times its own best step time, while the host\'s runnable tasks '
-            "wait for its CPUs more than at their best (`flare_host_cpu_pressure_ratio`): the host's load "
-            "(other processes, data workers, another job), not a rank's fault. Find what else runs there.",
+            "wait for its CPUs more than ever before in the run (`flare_host_cpu_pressure_ratio`): the "
+            "host's load (other processes, data workers, another job), not a rank's fault. Find what else "
+            "runs there.",
             "flarehostbusy",
             link("overview"),
         )

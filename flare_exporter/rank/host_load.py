@@ -4,7 +4,8 @@ A loaded host slows every rank on it: data-loader workers, checkpoint writers, l
 processes take the cores. The engine reads a slowdown together with these figures (engine/host_load.py):
 
 - CPU pressure: the share of the last 10 s in which some runnable task waited for a CPU (Linux PSI,
-  /proc/pressure/cpu "some avg10"); None where the kernel has no PSI (before 4.20, or turned off);
+  /proc/pressure/cpu "some avg10"); None where the kernel has no PSI (before 4.20, or turned off). Its
+  floor, the lowest read as the rank closed its straggler windows, is kept by straggler_windows.py;
 - runnable tasks: the host's run queue now (/proc/stat procs_running), beside the CPUs this rank may use
   (its affinity): the fallback where there is no PSI;
 - the training thread's share of a CPU (its CPU time over wall time) since the previous reading at least

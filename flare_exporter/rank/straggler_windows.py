@@ -174,7 +174,9 @@ class StepWindows:
         self._waits: list[tuple] = []  # (issued_at, duration, ...) of collectives of steps not complete yet
         self._last_step = 0
         self._last_boundary: float | None = None
-        self.best_host_pressure: float | None = None  # host_load.cpu_pressure() when the best window closed
+        # the lowest host_load.cpu_pressure() read when windows closed: the host at its quietest while the job
+        # ran (a job that crowds its own cores sets it; other load on the host raises the pressure above it)
+        self.host_pressure_floor: float | None = None
         # listener(step, step seconds, exposed collective seconds, the same by group role) for every
         # complete step (rank/perf.py)
         self.step_listeners: list[StepListener] = []
@@ -204,6 +206,7 @@ class StepWindows:
         oldest_unfinished = min((record.issued_at for record in still), default=math.inf)
         waits = sorted(self._waits)  # by issue time: each boundary takes the ones issued before it
         taken = 0
+        closed = None
         for step, at in boundaries:
             if step <= self._last_step:
                 continue
@@ -215,9 +218,7 @@ class StepWindows:
                 wait += waits[taken][1]
                 taken += 1
             if step == self._last_step + 1 and self._last_boundary is not None:
-                closed = self.ring.add_step(step, at - self._last_boundary, wait)
-                if closed is not None and closed.step_seconds == self.ring.best_step_seconds:
-                    self.best_host_pressure = cpu_pressure()  # how busy the host was at the rank's best
+                closed = self.ring.add_step(step, at - self._last_boundary, wait) or closed
                 if self.step_listeners:
                     by_role = exposed_by_role(waits[first:taken], self._last_boundary, at)
                     exposed = sum(by_role.values())
@@ -225,6 +226,13 @@ class StepWindows:
                         listener(step, at - self._last_boundary, exposed, by_role)
             self._last_step, self._last_boundary = step, at
         self._waits = waits[taken:]
+        if closed is not None:  # once a drain, where windows closed
+            self._lower_pressure_floor()
+
+    def _lower_pressure_floor(self) -> None:
+        pressure = cpu_pressure()
+        if pressure is not None and (self.host_pressure_floor is None or pressure < self.host_pressure_floor):
+            self.host_pressure_floor = pressure
 
     def _see_new_collectives(self) -> None:
         """Add the records queued since the last drain (pending only grows at the right between drains)."""

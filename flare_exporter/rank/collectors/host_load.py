@@ -1,4 +1,4 @@
-"""The host's CPU load, as now and as at the rank's best straggler window, and the training thread's share
+"""The host's CPU load, as now and at its lowest while the job ran, and the training thread's share
 of a CPU (rank/host_load.py), read at each scrape."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class HostLoadCollector:
     name = "host_load"
     metrics = (
         "flare_host_cpu_pressure_ratio",
-        "flare_host_cpu_pressure_at_best_ratio",
+        "flare_host_cpu_pressure_floor_ratio",
         "flare_host_runnable_tasks",
         "flare_host_cpus",
         "flare_training_thread_cpu_ratio",
@@ -28,8 +28,8 @@ class HostLoadCollector:
 
     def collect(self, families: Families) -> Iterable[Metric]:
         load = read_host_load(self.thread)
-        at_best = self.state.windows.best_host_pressure
-        values = (load.cpu_pressure, at_best, load.runnable_tasks, load.cpus, load.thread_cpu_ratio)
+        floor = self.state.windows.host_pressure_floor
+        values = (load.cpu_pressure, floor, load.runnable_tasks, load.cpus, load.thread_cpu_ratio)
         found = []
         for name, value in zip(self.metrics, values, strict=True):
             family = families.new(name)
