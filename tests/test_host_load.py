@@ -139,6 +139,8 @@ def test_a_job_wide_slowdown_over_busy_hosts_is_the_jobs_warning():
         HostLoadState(cpu_pressure=0.9, cpu_pressure_floor=0.85, runnable_tasks=7, cpus=2),
         # no PSI, and no more runnable tasks than CPUs
         HostLoadState(runnable_tasks=2, cpus=2),
+        # busy now, but no floor read yet (no window closed): no rise to tell
+        HostLoadState(cpu_pressure=0.9, runnable_tasks=7, cpus=2),
     ],
 )
 def test_a_job_wide_slowdown_on_a_host_that_did_not_get_busier_still_pages(load):
@@ -167,6 +169,15 @@ def test_the_stragglers_that_are_every_rank_of_a_busy_host_are_that_hosts_warnin
         host_load.WARNING,
     )
     assert verdict.evidence["slowed_ranks"] == [0, 1] and list(verdict.evidence["host_load"]) == ["node-0"]
+
+
+def test_a_straggler_whose_hosts_other_ranks_were_not_read_stays_a_straggler():
+    """At thousands of ranks the Prometheus source reads the host's load of the few ranks it could name: the
+    straggler's host mates, unread, still count as its host's ranks."""
+    records = [windowed(r, [0.40, 0.41, 0.39], host="node-a") for r in (0, 1, 3)]
+    records.append(windowed(2, [0.30, 0.31, 0.29], host="node-a", host_load=BUSY))
+    verdict = only(diag(*records))
+    assert (verdict.ranks, verdict.severity) == ((2,), "page") and "host_load" in verdict.evidence
 
 
 def test_a_straggler_alone_on_a_busy_host_stays_a_straggler_with_its_hosts_load():

@@ -73,7 +73,7 @@ def _host_evidence(on_host: list[Any], policy: HostLoadPolicy) -> dict[str, Any]
     runnable = _median(load.runnable_tasks for load in loads)
     cpus = _median(load.cpus for load in loads)
     if pressure is not None:
-        rose = floor is None or pressure - floor >= policy.pressure_rise
+        rose = floor is not None and pressure - floor >= policy.pressure_rise  # no floor: no rise to tell
         busy = pressure >= policy.cpu_pressure and rose
     else:
         busy = runnable is not None and bool(cpus) and runnable / cpus >= policy.runnable_per_cpu  # type: ignore[operator]
@@ -129,7 +129,9 @@ def _with_host_load(snapshot: Any, verdict: Any, hosts: Mapping[str, dict[str, A
     if not busy:
         return verdict
     evidence = {**verdict.evidence, "host_load": busy}
-    every_rank_of_them = set(ranks) == {rank for found in busy.values() for rank in found["ranks"]}
+    # every live rank of those hosts, read or not (a source may read the host's load of a few ranks only)
+    on_busy = {record.rank for record in snapshot.ranks.values() if record.host in busy and not record.gone}
+    every_rank_of_them = set(ranks) == on_busy
     if len(busy) < len(on) or not every_rank_of_them:  # a rank slower than its busy host's others: its own
         return dataclasses.replace(verdict, summary=f"{verdict.summary}; {said(busy)}", evidence=evidence)
     what = "every rank" if not verdict.ranks else f"ranks {', '.join(map(str, ranks))}, all of theirs,"

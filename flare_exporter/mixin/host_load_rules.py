@@ -48,7 +48,6 @@ def host_load_recording_rules(t: Thresholds) -> list[Recording]:
             BUSY,
             f"(\n  {pressure} >= {policy.cpu_pressure:g}\n"
             f"  and on (run, host) ({pressure} - on (run, host) {floor} >= {policy.pressure_rise:g})\n)\n"
-            f"or ({pressure} >= {policy.cpu_pressure:g} unless on (run, host) {floor})\n"
             f"or ({per_cpu} >= {policy.runnable_per_cpu:g} unless on (run, host) {pressure})",
         ),
         Recording(
