@@ -48,6 +48,7 @@ HANG_SECONDS = 3
 # that much (docs/scaling.md)
 STEP_SECONDS = 0.05
 FAULT_STEP = 300
+SALT = "__param_shard_salt"  # see share_targets
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,13 +158,17 @@ def rank_targets(file_sd_dir: Path) -> list[dict]:
 
 
 def share_targets(stack: ShardedStack, entries: list[dict], sd_dir: Path) -> list[set[str]]:
-    """The ranks' entries written where the shards discover them, each with a `__shard_salt` label, which the
-    shards drop from the series but hash with the target's other labels to pick the shard that scrapes it;
-    tried salt after salt until every shard scrapes some rank (with 4 ranks and 2 shards, 1 salt in 8 gives
-    one shard all of them). What each shard scrapes, once every rank is scraped by exactly one."""
+    """The ranks' entries written where the shards discover them, each with a `__param_shard_salt` label,
+    which the shards hash with the target's other labels to pick the shard that scrapes it; tried salt after
+    salt until every shard scrapes some rank (with 4 ranks and 2 shards, 1 salt in 8 gives one shard all of
+    them). What each shard scrapes, once every rank is scraped by exactly one.
+
+    The salt is a URL parameter (`/metrics?shard_salt=1`, which the ranks ignore) and not a bare `__` label:
+    vmagent keeps the scraper of a target whose scrape does not change, with the discovered labels of the
+    salt it was found with, so a target that stays on its shard would never show the new salt."""
     expected = {target for entry in entries for target in entry["targets"]}
     for salt in range(8):
-        salted = [{**entry, "labels": {**entry["labels"], "__shard_salt": str(salt)}} for entry in entries]
+        salted = [{**entry, "labels": {**entry["labels"], SALT: str(salt)}} for entry in entries]
         scratch = sd_dir / "ranks.json.tmp"
         scratch.write_text(json.dumps(salted))
         scratch.replace(sd_dir / "ranks.json")
@@ -184,7 +189,7 @@ def shared(stack: ShardedStack, expected: set[str], salt: str) -> list[set[str]]
     """What each shard scrapes, once the shards scrape every target of `expected` once, as discovered with
     `salt`; None before."""
     targets = [agent.targets() or [] for agent in stack.agents]
-    if any(target["discoveredLabels"].get("__shard_salt") != salt for share in targets for target in share):
+    if any(target["discoveredLabels"].get(SALT) != salt for share in targets for target in share):
         return None
     shares = [{target["labels"]["instance"] for target in share} for share in targets]
     together = set().union(*shares)
