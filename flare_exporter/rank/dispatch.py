@@ -50,8 +50,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from . import cpp_recorder
+from .device_events import EventBackend
 from .exporter_health import ExporterHealth
-from .timing import LAST_COMPLETION, EventBackend, TimingManager
+from .timing import LAST_COMPLETION, TimingManager
 
 MAX_SAMPLES = 16384  # per window; beyond it ops are counted as dropped (ild_dispatch_samples)
 WAIT_CHECKED_FROM_SECONDS = 20e-6  # shorter gaps are not checked for a collective's completion (a wait)
@@ -193,7 +194,7 @@ class DispatchSampler:
         """torch CUDA events once this process has initialised CUDA, else None (checked until then)."""
         if self._cuda_events is None and not self._cuda_checked:
             if _cuda_initialized():
-                from .timing import TorchCudaEvents
+                from .device_events import TorchCudaEvents
 
                 self._cuda_events = TorchCudaEvents(self.health, self.event_pool_size)
                 self._cuda_checked = True

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .device_events import EventBackend
 from .exporter_health import ExporterHealth
-from .timing import EventBackend
 
 Kernel = float | Callable[[], Any]
 LaunchHook = Callable[["FakeStream"], None]

@@ -43,10 +43,11 @@ from typing import Any
 from .. import label_values
 from ..config import Config
 from . import fake_device
+from .device_events import EventBackend
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
 from .progress import StepTracker
-from .timing import EventBackend, TimingManager
+from .timing import TimingManager
 
 KERNEL_ISSUE, HOST_DISPATCH, HOST_GAP = label_values.ILD_DISTRIBUTIONS
 
