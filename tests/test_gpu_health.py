@@ -178,7 +178,7 @@ def test_an_idle_reader_waits_for_events_until_its_next_read_and_stop_does_not_w
     assert monitor.open()
     monitor.start()
     wait_for(lambda: nvml.event_waits, 10, "the reader's first wait for events")
-    reads = nvml.calls.count("nvmlDeviceGetCurrentClocksEventReasons")
+    reads = nvml.calls["nvmlDeviceGetCurrentClocksEventReasons"]
     assert reads == 1 and len(nvml.event_waits) == 1
     assert nvml.event_waits[0] > 50_000  # one wait until the next read, a minute away: not slices of it
     stopping = time.monotonic()
@@ -187,7 +187,7 @@ def test_an_idle_reader_waits_for_events_until_its_next_read_and_stop_does_not_w
     nvml.raise_xid(nvml.devices[0], 79)  # the wait returns: the reader ends, without another read
     monitor._thread.join(10)
     assert not monitor._thread.is_alive()
-    assert nvml.calls.count("nvmlDeviceGetCurrentClocksEventReasons") == reads and len(nvml.event_waits) == 1
+    assert nvml.calls["nvmlDeviceGetCurrentClocksEventReasons"] == reads and len(nvml.event_waits) == 1
 
 
 def test_background_reads_follow_the_device():
@@ -277,10 +277,10 @@ def test_the_fake_module_by_name_fills_rank_info_with_the_ranks_gpu(monkeypatch)
 def test_the_collector_never_calls_nvml():
     nvml = FakeNvml([make_device(0)])
     state, _ = monitored(nvml)
-    calls = len(nvml.calls)
+    calls = nvml.calls.total()
     collector = GpuHealthCollector(state)
     list(collector.collect(Families(("1", "gpu"))))
-    assert len(nvml.calls) == calls
+    assert nvml.calls.total() == calls
 
 
 def test_the_slowdown_reasons_the_rules_report_are_clock_event_reasons():

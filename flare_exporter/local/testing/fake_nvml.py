@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,8 +119,9 @@ class FakeNvml:
         self.initialized = 0
         self.events: queue.Queue[EventData] = queue.Queue()
         self.registered: list[tuple[int, int]] = []  # (device index, event types)
-        self.calls: list[str] = []
-        self.event_waits: list[int] = []  # each nvmlEventSetWait's timeout, in ms
+        # counted, not listed: a GPU health reader polls it for as long as the rank lives
+        self.calls: Counter[str] = Counter()  # pynvml calls made, by function name
+        self.event_waits: deque[int] = deque(maxlen=1024)  # the last nvmlEventSetWait timeouts, in ms
 
     # -- what tests use to drive it
 
@@ -130,7 +132,7 @@ class FakeNvml:
     # -- pynvml's API
 
     def _device(self, handle: Any, name: str) -> FakeDevice:
-        self.calls.append(name)
+        self.calls[name] += 1
         if not self.initialized:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
         if not isinstance(handle, FakeDevice):
