@@ -33,10 +33,10 @@ What no single rank can know - which rank the others waited for - is left to the
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
+from time import perf_counter
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -149,13 +149,13 @@ class PhaseClock:
         def timed_next(iterator: Any) -> Any:
             if threading.get_ident() != clock._training_thread:
                 return original(iterator)
-            started = time.perf_counter()
+            started = perf_counter()
             windowed = clock.windowed
             gaps = clock.gap_seconds() if windowed else 0.0
             try:
                 return original(iterator)
             finally:
-                clock.data_seconds += time.perf_counter() - started
+                clock.data_seconds += perf_counter() - started
                 if windowed:
                     clock.phase_gap_seconds += clock.gap_seconds() - gaps
 
@@ -194,35 +194,38 @@ class PhaseClock:
             self.host_gaps = None
             return 0.0, -1
 
-    def _gaps_at(self, step: int) -> tuple[float, int]:
-        """The host gaps at the end of step `step`: read where a window closes or opens, else the last
-        reading (they move only inside windows)."""
-        every = self.window_every
-        if self.host_gaps is not None and (every == 1 or step % every in (0, 1)):
-            if torch_cuda_initialized():
-                self.host_gaps = None  # a GPU process: the phases say nothing of host gaps (module docstring)
-                self._gaps = (0.0, -1)
-            else:
-                self._gaps = self._host_gaps()
-        return self._gaps
+    def _read_gaps(self) -> None:
+        """Read the host gaps where a window closes or opens (they move only inside windows): `_gaps`."""
+        if torch_cuda_initialized():
+            self.host_gaps = None  # a GPU process: the phases say nothing of host gaps (module docstring)
+            self._gaps = (0.0, -1)
+        else:
+            self._gaps = self._host_gaps()
 
     def before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._optimizer_started = time.perf_counter()
+        self._optimizer_started = perf_counter()
         if self.windowed:
             self._optimizer_gaps = self.gap_seconds()
 
     def after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The step's end: its mark. Runs at every step on the training thread, so the common path is kept
+        to a few attribute reads (the optimizer's weak reference, the step count, one clock reading)."""
         try:
-            if not self._counts(optimizer):
+            counted = self._optimizer
+            if (counted is None or counted() is not optimizer) and not self._counts(optimizer):
                 return
             step = self.steps.steps
-            gaps, windows = self._gaps_at(step)
-            if self._optimizer_started:
-                self.optimizer_seconds += time.perf_counter() - self._optimizer_started
+            every = self.window_every
+            if self.host_gaps is not None and (every == 1 or step % every < 2):  # a window closes or opens
+                self._read_gaps()
+            gaps, windows = self._gaps
+            started = self._optimizer_started
+            if started:
+                self.optimizer_seconds += perf_counter() - started
                 if self.windowed:
                     self.phase_gap_seconds += gaps - self._optimizer_gaps
                 self._optimizer_started = 0.0
-            self.windowed = self.host_gaps is not None and step % self.window_every == 0
+            self.windowed = self.host_gaps is not None and step % every == 0
             self.marks.append(
                 (step, self.data_seconds, self.optimizer_seconds, gaps, self.phase_gap_seconds, windows)
             )
