@@ -9,9 +9,11 @@ the machine runs. Each run executes flare_exporter/local/workloads/train_ddp.py 
 (world size 1,
 so no peer's pace enters) under `valgrind --tool=callgrind --separate-threads=yes`, with instrumentation off
 until the rank is ready to train (`--start-after`: its first step waits for `callgrind_control -i on`),
-and reads each thread's instruction total when it exits. Each side runs twice, `--short` and `--long`
-steps; the difference divided by the difference in steps is the instructions per step of the training
-thread (start-up and exit cancel out) and of every other thread (gloo's; with the exporter, also its
+and reads each thread's instruction total when it exits: the training thread's up to the interpreter's
+exit (`--dump-before=Py_FinalizeEx`), whose garbage collections over the whole heap cost more the longer
+the run lasted in wall time (a fake NVML's call log once added 17 k a step). Each side runs twice, `--short`
+and `--long` steps; the difference divided by the difference in steps is the instructions per step of the
+training thread (start-up cancels out) and of every other thread (gloo's; with the exporter, also its
 timing manager, HTTP server, stall watcher and GPU health reader, which reads the fake NVML).
 
 - without: `python flare_exporter/local/workloads/train_ddp.py`
@@ -86,15 +88,19 @@ class RunError(RuntimeError):
 
 
 def thread_events(out_dir: Path, pid: int) -> dict[int, dict[str, int]]:
-    """Each thread's event totals (1: the main thread) from callgrind's per-thread output files: {"Ir": n}
-    alone, or every simulated event with --cache-sim."""
-    counts = {}
-    for path in out_dir.glob(f"cg.{pid}-*"):
+    """Each thread's event totals (1: the main thread, up to the interpreter's exit) from callgrind's
+    per-thread output files, the part dumped before Py_FinalizeEx (cg.PID.1-NN) and the rest (cg.PID-NN):
+    {"Ir": n} alone, or every simulated event with --cache-sim."""
+    counts: dict[int, dict[str, int]] = {}
+    for path in [*out_dir.glob(f"cg.{pid}.1-*"), *out_dir.glob(f"cg.{pid}-*")]:
         data = path.read_bytes()
         events, totals = EVENTS.search(data), TOTALS.search(data)
-        if events and totals:
-            names, values = events.group(1).decode().split(), map(int, totals.group(1).split())
-            counts[int(path.name.rsplit("-", 1)[1])] = dict(zip(names, values, strict=True))
+        thread = int(path.name.rsplit("-", 1)[1])
+        if not (events and totals) or (thread == 1 and ".1-" not in path.name and 1 in counts):
+            continue  # the training thread's exit is left out
+        names, values = events.group(1).decode().split(), map(int, totals.group(1).split())
+        part = dict(zip(names, values, strict=True))
+        counts[thread] = {name: counts.get(thread, {}).get(name, 0) + value for name, value in part.items()}
     return counts
 
 
@@ -168,6 +174,7 @@ def run(
         "--tool=callgrind",
         "--instr-atstart=no",
         "--separate-threads=yes",
+        "--dump-before=Py_FinalizeEx",  # the training thread is counted up to the interpreter's exit
         *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
         f"--callgrind-out-file={workdir}/cg.%p",
         sys.executable,

@@ -526,6 +526,17 @@ def test_callgrinds_per_thread_files_give_every_event_of_each_thread(tmp_path):
     assert instructions_of(thread_events(tmp_path, 43)) == {1: 5}  # instructions alone, without --cache-sim
 
 
+def test_the_training_thread_is_counted_up_to_the_interpreters_exit_and_the_others_whole(tmp_path):
+    from instructions import instructions_of, thread_events
+
+    (tmp_path / "cg.42.1-01").write_text("events: Ir\ntotals: 8000\n")  # dumped before Py_FinalizeEx
+    (tmp_path / "cg.42-01").write_text("events: Ir\ntotals: 3000\n")  # the exit: its heap's collections
+    (tmp_path / "cg.42.1-02").write_text("events: Ir\ntotals: 900\n")
+    (tmp_path / "cg.42-02").write_text("events: Ir\ntotals: 100\n")
+    (tmp_path / "cg.42-03").write_text("events: Ir\ntotals: 70\n")  # a thread that ended before the exit
+    assert instructions_of(thread_events(tmp_path, 42)) == {1: 8000, 2: 1000, 3: 70}
+
+
 def test_the_training_threads_simulated_events_per_step_weigh_l1_misses_and_mispredictions():
     from instructions import training_events_per_step
 
