@@ -7,7 +7,7 @@
 #   1. nvidia-smi summary            2. torch.cuda events (and flare's TorchCudaEvents)
 #   3. cupy events (CupyEvents)      4. build the native shim (make -C cuda_hooks)
 #   5. a torch CUDA workload (matmuls + NCCL all-reduce, world size 1) under LD_PRELOAD: the ring's records
-#   6. flare-run --native end to end: the kernel_issue histogram and the `native` collective statistics
+#   6. flare-run --shim end to end: the kernel_issue histogram and the `native` collective statistics
 #   7. NVML through flare_exporter.rank.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 #   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
@@ -160,7 +160,7 @@ sys.exit(0 if kernels and nccl else 1)
 EOF
 }
 
-flare_run_native() {
+flare_run_shim() {
     [ -f cuda_hooks/build/libflare_hooks.so ] || { echo "the shim is not built (part 4)"; exit 77; }
     "$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("torch sees no CUDA device")' || exit 77
     cat >"$WORK/train.py" <<'EOF'
@@ -189,7 +189,7 @@ dist.destroy_process_group()
 sys.exit(0 if shim.shim_loaded() and sum(kernel.counts) > 0 and stats else 1)
 EOF
     FLARE_SHIM_RING_DIR="$WORK" MASTER_ADDR=127.0.0.1 MASTER_PORT=29572 RANK=0 WORLD_SIZE=1 \
-        "$PY" -m flare_exporter.launch --native --port 0 "$WORK/train.py"
+        "$PY" -m flare_exporter.launch --shim --port 0 "$WORK/train.py"
 }
 
 nvml_health() {
@@ -270,7 +270,7 @@ part "2 torch.cuda events" torch_events
 part "3 cupy events" cupy_events
 part "4 build the native shim" build_shim
 part "5 shim under a torch CUDA + NCCL workload" shim_under_torch
-part "6 flare-run --native end to end" flare_run_native
+part "6 flare-run --shim end to end" flare_run_shim
 part "7 NVML via flare_exporter.rank.gpu_health" nvml_health
 part "8 the C step hook on CUDA: ILD windows back to the dispatch mode" c_step_hook_on_cuda
 part "9 the overhead benchmark on the GPU" overhead_on_gpu 480

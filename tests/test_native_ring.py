@@ -211,24 +211,15 @@ def test_shim_loaded_reads_the_process_maps(tmp_path):
     assert not shim.shim_loaded(str(tmp_path / "absent"))
 
 
-def test_native_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, monkeypatch, capsys):
+def test_shim_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(shim.LIBRARY_ENV, str(tmp_path / "missing" / shim.LIBRARY_NAME))
-    assert launch.main(["--native", str(tmp_path / "train.py")]) == 2
+    assert launch.main(["--shim", str(tmp_path / "train.py")]) == 2
     error = capsys.readouterr().err
     assert "make -C cuda_hooks" in error and str(tmp_path / "missing") in error
     assert len(error.strip().splitlines()) == 1
 
 
-def test_the_shim_library_is_found_in_the_checkout_or_where_either_variable_points(tmp_path):
+def test_the_shim_library_is_found_in_the_checkout_or_where_the_variable_points(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     assert shim.library_path({}) == repo / "cuda_hooks" / "build" / shim.LIBRARY_NAME
-    assert shim.library_path({"FLARE_NATIVE_LIB": str(tmp_path / "old.so")}) == tmp_path / "old.so"
-    both = {"FLARE_SHIM_LIB": str(tmp_path / "new.so"), "FLARE_NATIVE_LIB": str(tmp_path / "old.so")}
-    assert shim.library_path(both) == tmp_path / "new.so"
-
-
-def test_flare_run_takes_shim_and_its_old_name_native(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(shim.LIBRARY_ENV, str(tmp_path / "missing" / shim.LIBRARY_NAME))
-    for flag in ("--shim", "--native"):
-        assert launch.main([flag, str(tmp_path / "train.py")]) == 2
-        assert str(tmp_path / "missing") in capsys.readouterr().err
+    assert shim.library_path({"FLARE_SHIM_LIB": str(tmp_path / "new.so")}) == tmp_path / "new.so"

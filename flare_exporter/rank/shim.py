@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # ild and progress import torch; parsing a ring must not need
 
 LIBRARY_NAME = "libflare_hooks.so"
 LIBRARY_ENV = "FLARE_SHIM_LIB"
-OLD_LIBRARY_ENV = "FLARE_NATIVE_LIB"  # its name before the rename, still read
 RING_DIR_ENV = "FLARE_SHIM_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm"
 DROPPED_QUEUE = "native_ring"  # sampled calls the shim could not time (pool or queue full, errors)
@@ -199,9 +198,9 @@ def step_at(steps: Sequence[int], times: Sequence[float], seconds: float, curren
 
 
 def library_path(environ: Mapping[str, str] | None = None) -> Path:
-    """The shim's library: $FLARE_SHIM_LIB (or $FLARE_NATIVE_LIB), else cuda_hooks/build/ in the checkout."""
+    """The shim's library: $FLARE_SHIM_LIB, else cuda_hooks/build/ in the checkout."""
     environ = os.environ if environ is None else environ
-    configured = environ.get(LIBRARY_ENV) or environ.get(OLD_LIBRARY_ENV)
+    configured = environ.get(LIBRARY_ENV)
     if configured:
         return Path(configured)
     return Path(__file__).resolve().parents[2] / "cuda_hooks" / "build" / LIBRARY_NAME
