@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter.engine import cli, promql, rule_types, sources
+from flare_exporter.engine import cli, promql, rule_types, scrape_source
 from flare_exporter.engine.targets import Target, TargetsError, read_targets
 from flare_exporter.local.jobs import free_port
 from flare_exporter.local.prometheus import wait_for
@@ -143,7 +143,7 @@ def test_the_ild_op_shift_threshold_is_a_flag_of_diagnose(tmp_path, monkeypatch,
         for rank in range(4)
     ]
     snapshot = rule_types.Snapshot({record.rank: record for record in records}, 1e9, "r", 4)
-    monkeypatch.setattr(sources, "from_targets", lambda *args: snapshot)
+    monkeypatch.setattr(scrape_source, "from_targets", lambda *args: snapshot)
     monkeypatch.delenv("FLARE_ILD_OP_SHIFT_SECONDS", raising=False)
     (tmp_path / "t.txt").write_text("127.0.0.1:1\n")
     command = ["diagnose", "--targets", str(tmp_path / "t.txt"), "--json"]

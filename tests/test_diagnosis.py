@@ -597,7 +597,7 @@ _window = st.tuples(st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.02, 0.3
     ranks=[(12, HEALTHY, 1.0)] * 3 + [(12, [(2.0, 0.02)] * 3 + [(0.5, 0.02)], None)], hold=3
 )
 def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ranks, hold):
-    """sources.from_prometheus leaves the older windows unread when the last decide: so they must."""
+    """The Prometheus source leaves the older windows unread when the last decide: so they must."""
     policy = StragglerPolicy(hold_windows=hold)
     records = [exported(r, last, windows, best) for r, (last, windows, best) in enumerate(ranks)]
     recent = snapshot(*[last_windows(record, hold) for record in records])
@@ -607,9 +607,10 @@ def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ran
 
 
 def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot | None:
-    """What sources.from_prometheus makes of Prometheus's figures (straggler_rules.straggler_summary_rules)
-    over `records`, which closed the same windows: the figures, and the windows of the ranks the screen names
-    (sources.summary_candidates); None where the figures do not stand for every rank's windows."""
+    """What prometheus_source.from_prometheus makes of Prometheus's figures
+    (straggler_rules.straggler_summary_rules) over `records`, which closed the same windows: the figures,
+    and the windows of the ranks the screen names (prometheus_source.summary_candidates); None where the
+    figures do not stand for every rank's windows."""
     windows = sorted(records[0].step_windows)[-policy.hold_windows :]
     steps = {r.rank: [r.step_windows[w] for w in windows] for r in records}
     slowest = min(
@@ -652,8 +653,9 @@ def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot |
 def test_figures_for_every_rank_and_the_windows_of_the_ranks_they_name_give_the_same_verdicts(
     healthy, slow, stragglers, ranks, best
 ):
-    """At thousands of ranks, sources.from_prometheus gives the rules Prometheus's figures over every
-    rank's windows in place of them, with the windows of the ranks that could be named: the same verdicts."""
+    """At thousands of ranks, prometheus_source.from_prometheus gives the rules Prometheus's figures over
+    every rank's windows in place of them, with the windows of the ranks that could be named: the same
+    verdicts."""
     policy = StragglerPolicy()
     records = [
         exported(r, 12, (slow if r % 17 == 5 and r // 17 < stragglers else healthy)[::-1], best)
@@ -869,7 +871,7 @@ _drift_value = st.floats(min_value=-1e-3, max_value=1.0) | st.sampled_from([0.0,
     drift=IldDrift(0.2, 1e-3, None), peers=IldPeers(1e-6, None), policy=IldPolicy()
 )
 def test_a_drift_counts_as_shifted_only_at_or_above_the_policy_floors(drift, peers, policy):
-    """sources.from_prometheus reads no rank's drift when none reaches the floors: they must hold always."""
+    """The Prometheus source reads no rank's drift when none reaches the floors: they must hold always."""
     op_shift, ks, wasserstein = policy.floors()
     if ild_shifted(drift, peers, policy):
         reaches_op_shift = drift.op_shift is not None and drift.op_shift >= op_shift

@@ -23,7 +23,7 @@ import torch
 from conftest import one_rank_env
 
 from flare_exporter.config import Config
-from flare_exporter.engine import cli, diagnosis, rule_types, scrape, sources
+from flare_exporter.engine import cli, diagnosis, records, rule_types, scrape
 from flare_exporter.local.jobs import LocalJob, free_port, free_port_block
 from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
 from flare_exporter.local.workloads import train_ddp
@@ -328,11 +328,11 @@ def test_previous_process_exception_does_not_make_a_restarted_rank_gone():
         "flare_rank_exception_timestamp_seconds": [({"rank": "0", "run": "r"}, now - 60)],
         "flare_heartbeat_timestamp_seconds": [({"rank": "0", "run": "r"}, now - 1)],  # progress since
     }
-    restarted = sources.build_snapshot(series, {0: sources.Liveness(True)}, now, "r")
+    restarted = records.build_snapshot(series, {0: records.Liveness(True)}, now, "r")
     assert not restarted.ranks[0].gone and diagnosis.diagnose(restarted, 30) == []
     # a rank that is dying of it (lingering, no progress since) is gone
     series["flare_heartbeat_timestamp_seconds"] = [({"rank": "0", "run": "r"}, now - 90)]
-    dying = sources.build_snapshot(series, {0: sources.Liveness(True)}, now, "r")
+    dying = records.build_snapshot(series, {0: records.Liveness(True)}, now, "r")
     assert dying.ranks[0].gone and diagnosis.diagnose(dying, 30)[0].kind == "rank_down"
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from flare_exporter import config, spec
 from flare_exporter.config import Config, ConfigError
-from flare_exporter.engine import rank_client, scrape, sources
+from flare_exporter.engine import rank_client, records, scrape, scrape_source
 from flare_exporter.engine.targets import Target
 from flare_exporter.rank import web_config
 from flare_exporter.rank.web_config import WebConfigError
@@ -202,8 +202,8 @@ def test_snapshot_from_scraped_ranks(texts, run):
 
     with mock.patch.object(rank_client, "exchange_all", served):
         try:
-            snapshot = sources.from_targets(targets, run=run)
-        except sources.SourceError:
+            snapshot = scrape_source.from_targets(targets, run=run)
+        except records.SourceError:
             return
         finally:
             assert sorted(asked) == sorted(by_address)  # every text reached the parser, none the network

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterator
 import pytest
 from conftest import RANKS, STEPS
 
-from flare_exporter.engine import rank_client, scrape, sources
+from flare_exporter.engine import rank_client, records, scrape, scrape_source
 from flare_exporter.engine.targets import read_targets
 from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS
 from flare_exporter.local.prometheus import wait_for
@@ -122,10 +122,10 @@ def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_w
         everything = scrape.fetch(target)
         asked = scrape.parse(scrape.fetch(target, names=STABLE_ONCE_TRAINED))
         assert asked == [s for s in scrape.parse(everything) if s.name in STABLE_ONCE_TRAINED]
-        text = scrape.fetch(target, names=sources.SNAPSHOT_METRICS)
+        text = scrape.fetch(target, names=records.SNAPSHOT_METRICS)
         result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert {s.name for s in scrape.parse(text)} <= sources.SNAPSHOT_METRICS
+        assert {s.name for s in scrape.parse(text)} <= records.SNAPSHOT_METRICS
         assert len(text) * 3 < len(everything)  # no histogram buckets, no series the rules never read
     exchanged = rank_client.exchange_all
     asked_for = []
@@ -137,8 +137,8 @@ def test_a_rank_serves_only_the_samples_asked_for_and_a_direct_scrape_asks_for_w
         return exchanged(targets, timeout, workers, via, names)
 
     monkeypatch.setattr(rank_client, "exchange_all", recorded)
-    snapshot = sources.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
-    assert asked_for == [(RANKS, sources.SNAPSHOT_METRICS)] and snapshot.ranks_seen == RANKS
+    snapshot = scrape_source.from_targets(read_targets(ddp_job.file_sd_dir), "test-ddp")
+    assert asked_for == [(RANKS, records.SNAPSHOT_METRICS)] and snapshot.ranks_seen == RANKS
 
 
 @pytest.mark.prometheus

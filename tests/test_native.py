@@ -398,7 +398,7 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
 
 def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectives():
     from flare_exporter import label_values
-    from flare_exporter.engine import sources
+    from flare_exporter.engine import prometheus_source, records
 
     series = {
         "flare_rank_info": [({"rank": "0", "run": "r", "world_size": "1", "host": "h"}, 1.0)],
@@ -408,7 +408,7 @@ def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectiv
             ({"rank": "0", "run": "r", "group": label_values.NATIVE_GROUP, "op": "allreduce"}, 3.0),
         ],
     }
-    snapshot = sources.build_snapshot(series, {0: sources.Liveness(True)}, 1000.0, "r")
+    snapshot = records.build_snapshot(series, {0: records.Liveness(True)}, 1000.0, "r")
     assert snapshot.ranks[0].collective_seconds == 3.0  # world and tp, not the native 3 s again
-    query = sources.PROMETHEUS_QUERIES["flare_collective_duration_seconds_sum"]
+    query = prometheus_source.PROMETHEUS_QUERIES["flare_collective_duration_seconds_sum"]
     assert "{sel_not_native}" in query and "{sel}" not in query

@@ -26,7 +26,6 @@ from flare_exporter.engine import (
     promql,
     records,
     rule_types,
-    sources,
     straggler_verdicts,
     thresholds,
 )
@@ -102,13 +101,13 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
 
 
 def test_every_metric_a_snapshot_reads_is_in_the_spec_and_asked_of_prometheus():
-    assert sources.SNAPSHOT_METRICS - {"up"} <= spec.all_series_names()
+    assert records.SNAPSHOT_METRICS - {"up"} <= spec.all_series_names()
     # the run's hang threshold is asked on its own, before the snapshot (engine/thresholds.py)
-    queries = " ".join([*sources.PROMETHEUS_QUERIES.values(), thresholds.query("r", "5m")])
-    assert [name for name in sorted(sources.SNAPSHOT_METRICS) if name not in queries] == []
+    queries = " ".join([*prometheus_source.PROMETHEUS_QUERIES.values(), thresholds.query("r", "5m")])
+    assert [name for name in sorted(records.SNAPSHOT_METRICS) if name not in queries] == []
     # a direct scrape asks for and parses only those: no histogram buckets, no GPU series the rules never read
-    assert "flare_collective_duration_seconds_bucket" not in sources.SNAPSHOT_METRICS
-    assert "flare_gpu_power_watts" not in sources.SNAPSHOT_METRICS
+    assert "flare_collective_duration_seconds_bucket" not in records.SNAPSHOT_METRICS
+    assert "flare_gpu_power_watts" not in records.SNAPSHOT_METRICS
 
 
 def culprits(snapshot: rule_types.Snapshot) -> set[int]:
@@ -118,7 +117,7 @@ def culprits(snapshot: rule_types.Snapshot) -> set[int]:
 def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[rule_types.Snapshot, list[str]]:
     """from_prometheus with the rules naming the detailed ranks, and every query it sent (to Prometheus)."""
     with queries_sent(monkeypatch) as sent:
-        snapshot = sources.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
+        snapshot = prometheus_source.from_prometheus(url, run, detail_for=culprits, hang_seconds=HANG_SECONDS)
     return snapshot, sent
 
 
@@ -144,8 +143,8 @@ def test_as_many_queries_whatever_the_ranks_and_detail_only_of_the_named_ranks(c
         sent_by_run[cluster.run] = sent
         # faults and pace of every rank (no rank's ILD drift reaches IldPolicy's floors: not read), then the
         # detail of the straggler alone
-        state = len(sources.FAULT_QUERIES) + len(sources.PACE_QUERIES) + 1
-        assert len(sent) == state + len(sources.NAMED_DETAIL_QUERIES)
+        state = len(prometheus_source.FAULT_QUERIES) + len(prometheus_source.PACE_QUERIES) + 1
+        assert len(sent) == state + len(prometheus_source.NAMED_DETAIL_QUERIES)
         assert not any("rank=~" in expr for expr in sent[:state])
         assert all(f'rank=~"{cluster.straggler}"' in expr for expr in sent[state:])
         assert snapshot.ranks[cluster.straggler].gpu is not None
@@ -166,15 +165,17 @@ def test_beyond_leave_one_out_ranks_the_rules_figures_stand_in_for_every_ranks_w
     assert summary is not None and summary.ranks == cluster.ranks
     assert summary.at <= snapshot.now
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     assert everything.window_summary is None
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [cluster.straggler])]
     assert "hw_thermal_slowdown" in verdicts[0]["summary"]
     # faults; the figures' time; the figures and the ranks they name; those ranks' windows; the ILD
     # candidates; the straggler's detail
-    figures = 1 + 2 + len(sources.PACE_QUERIES) + 1
-    assert len(sent) == len(sources.FAULT_QUERIES) + figures + len(sources.NAMED_DETAIL_QUERIES)
+    figures = 1 + 2 + len(prometheus_source.PACE_QUERIES) + 1
+    assert len(sent) == len(prometheus_source.FAULT_QUERIES) + figures + len(
+        prometheus_source.NAMED_DETAIL_QUERIES
+    )
     windows = [expr for expr in sent if "flare_straggler_window_wait_seconds" in expr]
     assert len(windows) == 1 and f'rank=~"{cluster.straggler}"' in windows[0]
     # and the windows are those of the figures' time, not of now
@@ -185,7 +186,7 @@ def test_a_straggler_verdict_is_the_same_in_rounds_as_all_at_once_with_its_gpu_r
     cluster = clusters.large
     snapshot, _ = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
     in_rounds_verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     assert in_rounds_verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     # the throttled GPU, read in round 2 only, is in the verdict
     assert "hw_thermal_slowdown" in in_rounds_verdicts[0]["evidence"]["hardware"][str(cluster.straggler)]
@@ -202,13 +203,13 @@ def test_a_hang_names_the_culprit_with_its_frames_and_the_views_read_every_rank(
     await_count(clusters.prometheus, stack, 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
     # no pace round: a hang is found from the faults (and the groups, asked for because of the hang) alone
-    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.GROUP_QUERIES) + len(
-        sources.NAMED_DETAIL_QUERIES
+    assert len(sent) == len(prometheus_source.FAULT_QUERIES) + len(prometheus_source.GROUP_QUERIES) + len(
+        prometheus_source.NAMED_DETAIL_QUERIES
     )
     (verdict,) = diagnosis.diagnose(snapshot, HANG_SECONDS)
     assert (verdict.kind, verdict.ranks, verdict.group) == ("hang", (cluster.hung,), "world")
     assert "model.py:212 forward" in verdict.summary  # the stack sample, read in the detail round
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     (same,) = diagnosis.diagnose(everything, HANG_SECONDS)
     assert (same.kind, same.ranks, same.group) == (verdict.kind, verdict.ranks, verdict.group)
     assert without_ages(same.evidence["culprits"]) == without_ages(verdict.evidence["culprits"])
@@ -234,9 +235,9 @@ def test_a_dead_rank_is_the_same_verdict_in_rounds_as_all_at_once(clusters, monk
     cluster.server.kill(dead)
     await_count(clusters.prometheus, f'count(up{{run="{cluster.run}", rank="{dead}"}} == 0)', 1)
     snapshot, sent = in_rounds(clusters.prometheus.url, cluster.run, monkeypatch)
-    assert len(sent) == len(sources.FAULT_QUERIES) + len(sources.NAMED_DETAIL_QUERIES)
+    assert len(sent) == len(prometheus_source.FAULT_QUERIES) + len(prometheus_source.NAMED_DETAIL_QUERIES)
     in_rounds_verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     assert in_rounds_verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in in_rounds_verdicts] == [("rank_down", [dead])]
     assert "target down" in in_rounds_verdicts[0]["summary"]
@@ -264,7 +265,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
         ks=ks, partial_ks=ks, min_wasserstein_seconds=wasserstein, op_shift_seconds=op_shift
     )
     assert policy.floors() == floors
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     expected = set()
     for rank, record in everything.ranks.items():
         for distribution, drift_ks in record.ild_ks.items():
@@ -276,7 +277,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
                 expected.add(rank)
     matchers = f'run="{cluster.run}"'
     found = prometheus_source._fetch(
-        clusters.prometheus.url, sources.ild_screen(policy), matchers, "5m", 10.0, time.time()
+        clusters.prometheus.url, prometheus_source.ild_screen(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_screen", [])} == expected
     assert 0 < len(expected) < cluster.ranks or floors in ((1.0, 0.043, 1e-3), (0.0, 0.0, 0.0))
@@ -288,7 +289,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
         or any(drift_ks >= ks for drift_ks in record.ild_ks.values())
     }
     found = prometheus_source._fetch(
-        clusters.prometheus.url, sources.ild_candidates(policy), matchers, "5m", 10.0, time.time()
+        clusters.prometheus.url, prometheus_source.ild_candidates(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_candidates", [])} == candidates >= expected
     assert candidates != expected or floors != (1.0, 0.043, 1e-3)
@@ -298,10 +299,10 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
     """The pace round's straggler windows in two parts (the last hold_windows, then the older ones only
     when the rules would weigh them): together every window a rank exports, each in one part only."""
     cluster = clusters.large
-    everything = sources.from_prometheus(clusters.prometheus.url, cluster.run)
+    everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     matchers = f'run="{cluster.run}"'
     parts = []
-    for queries in sources.recent_windows(policies.StragglerPolicy()):
+    for queries in prometheus_source.recent_windows(policies.StragglerPolicy()):
         found = prometheus_source._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
         parts.append(
             {(labels["rank"], labels["ago"], name) for name, rows in found.items() for labels, _ in rows}
@@ -312,7 +313,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
         (str(rank), str(ago), name)
         for rank, record in everything.ranks.items()
         for ago in range(len(record.step_windows))
-        for name in sources.WINDOW_METRICS
+        for name in prometheus_source.WINDOW_METRICS
     }
     assert recent | older == windows and not recent & older
 
@@ -320,7 +321,10 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
 def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds(monkeypatch):
     sent: list[str] = []
     monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
-    queries = {**sources.CUMULATIVE_QUERIES, **sources.recent_windows(policies.StragglerPolicy())[0]}
+    queries = {
+        **prometheus_source.CUMULATIVE_QUERIES,
+        **prometheus_source.recent_windows(policies.StragglerPolicy())[0],
+    }
     prometheus_source._fetch(
         "http://x", queries, prometheus_source.matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
     )
@@ -408,9 +412,9 @@ def job(fault: str, ild_shifted: bool = True) -> dict[str, list]:
 
 
 def screened(everything: dict[str, list], ranks: set[str] | None, name: str) -> dict[str, list]:
-    """What Prometheus answers to sources.ild_screen (`name` "ild_screen", IldPolicy's floors) or to
-    sources.ild_candidates (the same without the W1 floor): a series per rank reaching them, of the ranks
-    named (all if None)."""
+    """What Prometheus answers to prometheus_source.ild_screen (`name` "ild_screen", IldPolicy's floors)
+    or to prometheus_source.ild_candidates (the same without the W1 floor): a series per rank reaching
+    them, of the ranks named (all if None)."""
     op_shift, ks, wasserstein = policies.IldPolicy().floors()
     if name == "ild_candidates":
         wasserstein = -math.inf
@@ -507,8 +511,8 @@ def read(record: rule_types.RankRecord, field: str, windows: Sequence[int] = ())
 
 FAULT_FIELDS = ("rank", "up", "down_reason", "host", "exception", "exception_at")
 # the faults round (prometheus_source._faults_round): every rank's starts, and at once its other faults
-STARTED_ROUND = ({sources.FLIGHT_STARTED}, None, None)
-OTHER_FAULTS_ROUND = (set(sources.FAULT_QUERIES) - {sources.FLIGHT_STARTED}, None, None)
+STARTED_ROUND = ({records.FLIGHT_STARTED}, None, None)
+OTHER_FAULTS_ROUND = (set(prometheus_source.FAULT_QUERIES) - {records.FLIGHT_STARTED}, None, None)
 
 
 def but(asked: list, at_once: list) -> list:
@@ -523,28 +527,34 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
     fake_prometheus, fault, ild_shifted
 ):
     fake_prometheus["job"] = job(fault, ild_shifted)
-    everything = sources.from_prometheus("http://x", "r")
+    everything = prometheus_source.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
-    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     named = {rank for verdict in verdicts for rank in verdict["ranks"]}
     # rank 3 restarted: its heartbeat, read in the progress round of the ranks that raised, says so
     assert not snapshot.ranks[3].gone and snapshot.ranks[3].heartbeat == NOW - 4
-    started, progress = STARTED_ROUND, (set(sources.PROGRESS_QUERIES), {"2", "3"}, None)
+    started, progress = STARTED_ROUND, (set(prometheus_source.PROGRESS_QUERIES), {"2", "3"}, None)
     asked = fake_prometheus["asked"]
     raised = {int(labels["rank"]) for labels, _ in fake_prometheus["job"]["flare_rank_exception_info"]}
     if fault == "hang":
         # faults, and the hung group's numbers once the starts say it waited for the threshold; progress of
         # 2 and 3, rank 1's groups, detail
-        gone = (set(sources.GONE_GROUP_QUERIES), {"1"}, None)
-        world = (set(sources.NUMBER_QUERIES), None, {"world"})  # rank 4, behind, waits in no other group
+        gone = (set(prometheus_source.GONE_GROUP_QUERIES), {"1"}, None)
+        world = (
+            set(prometheus_source.NUMBER_QUERIES),
+            None,
+            {"world"},
+        )  # rank 4, behind, waits in no other group
         assert asked.index(started) < asked.index(world)
         assert but(asked, [started, OTHER_FAULTS_ROUND, world]) == [
             progress,
             gone,
-            ({sources.ISSUED_AT}, {"4"}, {"world"}),  # could rank 4's number be from before the hang?
-            (set(sources.NAMED_DETAIL_QUERIES), {"1"}, None),
+            ({records.ISSUED_AT}, {"4"}, {"world"}),  # could rank 4's number be from before the hang?
+            (set(prometheus_source.NAMED_DETAIL_QUERIES), {"1"}, None),
         ]
         # rank 1 vanished, rank 2 raised after it; the world waits on them (rank 1 is in it: its past groups)
         assert [(v["kind"], v["ranks"], v["evidence"]["hung_groups"]) for v in verdicts] == [
@@ -555,11 +565,11 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
         fields = (*FAULT_FIELDS, "world")
     else:  # faults, progress of 3, (nothing in flight: no groups), pace, (drifts,) detail of 5
         pace, detail = (
-            (set(sources.PACE_QUERIES) | {"ild_candidates"}, None, None),
-            (set(sources.NAMED_DETAIL_QUERIES), {"5"}, None),
+            (set(prometheus_source.PACE_QUERIES) | {"ild_candidates"}, None, None),
+            (set(prometheus_source.NAMED_DETAIL_QUERIES), {"5"}, None),
         )
         # only where one could count: the screen of the candidates (rank 5), then every rank's drift
-        screen = [({"ild_screen"}, {"5"}, None), (set(sources.ILD_QUERIES), None, None)]
+        screen = [({"ild_screen"}, {"5"}, None), (set(prometheus_source.ILD_QUERIES), None, None)]
         assert but(asked, [started, OTHER_FAULTS_ROUND]) == [
             (progress[0], {"3"}, None),
             pace,
@@ -644,13 +654,15 @@ def test_older_straggler_windows_are_read_only_where_the_rules_would_weigh_them(
     fake_prometheus, changes, older_read
 ):
     fake_prometheus["job"] = with_windows(job("straggler", ild_shifted=False), **changes)
-    everything = sources.from_prometheus("http://x", "r")
+    everything = prometheus_source.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
-    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5])]
-    windows = set(sources.recent_windows(policies.StragglerPolicy())[1])
+    windows = set(prometheus_source.recent_windows(policies.StragglerPolicy())[1])
     asked = [names for names, _, _ in fake_prometheus["asked"]]
     assert (windows in asked) == older_read
     if older_read:  # then every window, as all at once
@@ -695,9 +707,11 @@ def chained_job() -> dict[str, list]:
 
 def test_a_hang_reads_the_groups_its_chain_leads_to_and_no_other(fake_prometheus):
     fake_prometheus["job"] = chained_job()
-    everything = sources.from_prometheus("http://x", "r")
+    everything = prometheus_source.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
-    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     # both groups are hung (in flight for 400 s); rank 3 is behind in the world and waits in pair-a, where
@@ -705,7 +719,9 @@ def test_a_hang_reads_the_groups_its_chain_leads_to_and_no_other(fake_prometheus
     kinds = [(v["kind"], v["ranks"], v["group"], v["evidence"].get("deadlock")) for v in verdicts]
     assert kinds == [("hang", [2, 3], "world", True)]  # one verdict for the culprits, every group it holds up
     assert verdicts[0]["evidence"]["groups"] == ["pair-a", "world"]
-    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.NUMBER_QUERIES)]
+    groups = [
+        asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(prometheus_source.NUMBER_QUERIES)
+    ]
     assert groups == [{"pair-a", "world"}]  # both hung: one round; pair-b's numbers never asked
     assert all("pair-b" not in record.groups for record in snapshot.ranks.values())
 
@@ -716,9 +732,11 @@ def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake
     # rank 3 waits in pair-a for a second only: that group is not hung, the world is
     job[started] = [(labels, NOW - 1 if labels["group"] == "pair-a" else at) for labels, at in job[started]]
     fake_prometheus["job"] = job
-    everything = sources.from_prometheus("http://x", "r")
+    everything = prometheus_source.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
-    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["group"]) for v in verdicts] == [("hang", "world")]
@@ -727,7 +745,9 @@ def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake
         ("world", 3, ["pair-a"]),
         ("pair-a", 2, ["world"]),
     ]
-    groups = [asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(sources.NUMBER_QUERIES)]
+    groups = [
+        asked[2] for asked in fake_prometheus["asked"] if asked[0] == set(prometheus_source.NUMBER_QUERIES)
+    ]
     assert groups == [{"world"}, {"pair-a"}]  # the hung group, then the group its chain leads to
 
 
@@ -768,18 +788,24 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
     number, bytes, state) is read in a round of its own, of the hung groups whose verdict weighs it: where
     no rank is behind, or most are. At a hang of thousands of ranks, most of what the ranks hold."""
     fake_prometheus["job"] = front_job(issued, nbytes, states)
-    everything = sources.from_prometheus("http://x", "r")
+    everything = prometheus_source.from_prometheus("http://x", "r")
     fake_prometheus["asked"].clear()
-    snapshot = sources.from_prometheus("http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS)
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [verdict]
     asked = fake_prometheus["asked"]
-    world = (set(sources.NUMBER_QUERIES), None, {"world"})  # asked in the faults round: the starts say hung
+    world = (
+        set(prometheus_source.NUMBER_QUERIES),
+        None,
+        {"world"},
+    )  # asked in the faults round: the starts say hung
     later = but(asked, [STARTED_ROUND, OTHER_FAULTS_ROUND, world])
-    flights = [names for names, _, _ in asked if set(sources.FLIGHT_QUERIES) & names]
-    assert flights == ([set(sources.FLIGHT_QUERIES)] if weighed else [])  # in a round of its own
-    assert ((set(sources.FLIGHT_QUERIES), None, {"world"}) in later) == weighed
+    flights = [names for names, _, _ in asked if set(prometheus_source.FLIGHT_QUERIES) & names]
+    assert flights == ([set(prometheus_source.FLIGHT_QUERIES)] if weighed else [])  # in a round of its own
+    assert ((set(prometheus_source.FLIGHT_QUERIES), None, {"world"}) in later) == weighed
     in_flight = {rank: record.groups["world"].in_flight for rank, record in snapshot.ranks.items()}
     assert all(flight is not None and flight.started_at == NOW - 400 for flight in in_flight.values())
     if not weighed:
@@ -787,18 +813,18 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
 
 
 def test_a_number_scraped_before_its_groups_newest_issue_is_late():
-    """GroupState.seen_before_stall from the issued numbers' scrape times (sources.ISSUED_AT) against the
+    """GroupState.seen_before_stall from the issued numbers' scrape times (records.ISSUED_AT) against the
     newest start of a collective in flight in the same group, on any rank: at it or before, late."""
     started = "flare_collective_in_flight_started_timestamp_seconds"
     job = series_of(
         *[("flare_collective_last_issued_seq", {"rank": r, "group": g}, 8.0) for r in range(3) for g in "ab"],
         (started, {"rank": 0, "group": "a"}, NOW - 50),
         (started, {"rank": 1, "group": "a"}, NOW - 40),  # group a's newest issue
-        (sources.ISSUED_AT, {"rank": 0, "group": "a"}, NOW - 45),  # before it
-        (sources.ISSUED_AT, {"rank": 1, "group": "a"}, NOW - 40),  # at it
-        (sources.ISSUED_AT, {"rank": 2, "group": "a"}, NOW - 39),  # after it
+        (records.ISSUED_AT, {"rank": 0, "group": "a"}, NOW - 45),  # before it
+        (records.ISSUED_AT, {"rank": 1, "group": "a"}, NOW - 40),  # at it
+        (records.ISSUED_AT, {"rank": 2, "group": "a"}, NOW - 39),  # after it
         *[
-            (sources.ISSUED_AT, {"rank": r, "group": "b"}, NOW - 100) for r in range(3)
+            (records.ISSUED_AT, {"rank": r, "group": "b"}, NOW - 100) for r in range(3)
         ],  # b: nothing in flight
     )
     groups = {rank: fields["groups"] for rank, fields in records.group_fields(job, NOW).items()}
@@ -814,7 +840,7 @@ def test_a_number_scraped_before_its_groups_newest_issue_is_late():
 def test_a_rounds_fields_keep_the_group_indexes_built_unless_they_change_the_groups():
     """records.with_fields: a round that adds fields other than a record's groups, up and exception
     (detail, pace) keeps the snapshot's group indexes as built; one that changes them builds them anew."""
-    started = sources.FLIGHT_STARTED
+    started = records.FLIGHT_STARTED
     job = series_of(
         *[("flare_rank_info", {"rank": rank, "host": "h", "world_size": "3"}, 1.0) for rank in range(3)],
         *[("up", {"rank": rank}, 1.0) for rank in range(3)],
@@ -845,7 +871,7 @@ def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung
         return prometheus_source._fetch("http://x", queries, 'run="r"' + named, "5m", 10.0, NOW)
 
     series, ahead = prometheus_source._faults_round(fetch, NOW, HANG_SECONDS)
-    assert {sources.FLIGHT_STARTED, "up", "flare_rank_info"} <= set(series)
+    assert {records.FLIGHT_STARTED, "up", "flare_rank_info"} <= set(series)
     assert ahead is not None and ahead.groups == {"world"}
     numbers = ahead.answers.result()["flare_collective_last_issued_seq"]
     assert {labels["rank"]: value for labels, value in numbers} == {"0": 8.0, "1": 8.0, "2": 8.0, "3": 7.0}
@@ -854,26 +880,26 @@ def test_the_faults_round_asks_the_numbers_of_the_groups_its_starts_say_are_hung
 
 
 def test_the_group_round_asks_the_scrape_times_of_only_the_numbers_that_could_be_late():
-    """sources.late_scrape_queries: the scrape times of the issued numbers scraped at or before the newest
-    start in the groups asked (a bound for each group's own, which _group_fields applies); none where
-    nothing is in flight in them."""
-    started = sources.FLIGHT_STARTED
+    """prometheus_source.late_scrape_queries: the scrape times of the issued numbers scraped at or before
+    the newest start in the groups asked (a bound for each group's own, which _group_fields applies); none
+    where nothing is in flight in them."""
+    started = records.FLIGHT_STARTED
     series = series_of(
         (started, {"rank": 0, "group": "a"}, NOW - 50),
         (started, {"rank": 1, "group": "a"}, NOW - 40.25),
         (started, {"rank": 0, "group": "b"}, NOW - 10),
     )
-    unfiltered = sources.GROUP_QUERIES[sources.ISSUED_AT]
-    assert sources.late_scrape_queries(series, {"a"}) == {
-        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 40.25!r}"
+    unfiltered = prometheus_source.GROUP_QUERIES[records.ISSUED_AT]
+    assert prometheus_source.late_scrape_queries(series, {"a"}) == {
+        records.ISSUED_AT: f"{unfiltered} <= {NOW - 40.25!r}"
     }
-    assert sources.late_scrape_queries(series, {"a", "b"}) == {
-        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 10!r}"
+    assert prometheus_source.late_scrape_queries(series, {"a", "b"}) == {
+        records.ISSUED_AT: f"{unfiltered} <= {NOW - 10!r}"
     }
-    assert sources.late_scrape_queries(series, {"c"}) == {}
+    assert prometheus_source.late_scrape_queries(series, {"c"}) == {}
     # and those scraped before the group was hung: its oldest start + the hang threshold, when later
-    assert sources.late_scrape_queries(series, {"a"}, hang_seconds=30) == {
-        sources.ISSUED_AT: f"{unfiltered} <= {NOW - 20.0!r}"
+    assert prometheus_source.late_scrape_queries(series, {"a"}, hang_seconds=30) == {
+        records.ISSUED_AT: f"{unfiltered} <= {NOW - 20.0!r}"
     }
 
 
@@ -888,12 +914,12 @@ def test_late_scrapes_are_asked_of_the_ranks_below_their_groups_top_alone():
 
     def fetch(queries: dict[str, str], ranks: Sequence[int] = (), groups: Iterable[str] = ()) -> dict:
         asked.append((set(queries), list(ranks), set(groups)))
-        bound = float(queries[sources.ISSUED_AT].rsplit(" <= ", 1)[1])
+        bound = float(queries[records.ISSUED_AT].rsplit(" <= ", 1)[1])
         rows = [({"rank": str(r), "group": "world"}, scraped[r]) for r in ranks if scraped[r] <= bound]
-        return {sources.ISSUED_AT: rows}
+        return {records.ISSUED_AT: rows}
 
     assert prometheus_source._late_scrapes(snapshot, series, {"world"}, fetch, HANG_SECONDS)
-    assert asked == [({sources.ISSUED_AT}, [2, 3], {"world"})]
+    assert asked == [({records.ISSUED_AT}, [2, 3], {"world"})]
     late = records.with_fields(snapshot, records.group_fields(series, NOW))
     assert [r for r, record in late.ranks.items() if record.groups["world"].seen_before_stall] == [2]
     (verdict,) = diagnosis.diagnose(late, HANG_SECONDS)
@@ -983,5 +1009,7 @@ def test_the_figures_stand_in_only_for_every_live_rank_with_the_same_windows(cha
     assert summary == rule_types.WindowSummary(
         (10, 11, 12), SUMMARY_RANKS, ((0.4, 1.4826 * 0.01),) * 3, (0.4, 1.4826 * 0.01), NOW - 20
     )
-    assert fetched == [(set(sources.PACE_QUERIES), [5], NOW - 20)]  # the named rank's, at the figures' time
+    assert fetched == [
+        (set(prometheus_source.PACE_QUERIES), [5], NOW - 20)
+    ]  # the named rank's, at the figures' time
     assert windows == {"flare_straggler_last_window": [({"rank": "5"}, 12.0)]}

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from test_golden import fixed_state
 
 from flare_exporter.config import Config
-from flare_exporter.engine import sources
+from flare_exporter.engine import records
 from flare_exporter.engine.scrape import parse
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.identity import RankIdentity
@@ -170,7 +170,7 @@ def test_snapshot_from_a_rank_exposition():
     series: dict = {}
     for sample in samples:
         series.setdefault(sample.name, []).append((sample.labels, sample.value))
-    snapshot = sources.build_snapshot(series, {3: sources.Liveness(True)}, now=1_700_000_010.0, run="golden")
+    snapshot = records.build_snapshot(series, {3: records.Liveness(True)}, now=1_700_000_010.0, run="golden")
     assert snapshot.world_size == 8 and sorted(snapshot.ranks) == list(range(8))
     record = snapshot.ranks[3]
     assert record.up and record.host == "node-a" and record.steps == 3

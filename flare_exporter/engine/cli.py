@@ -63,11 +63,13 @@ from . import (
     perf_command,
     post_mortem,
     profile_command,
+    prometheus_source,
     promql,
     prune,
+    records,
     report,
     scrape,
-    sources,
+    scrape_source,
     thresholds,
 )
 from .host_load import WARNING
@@ -580,7 +582,7 @@ def _answer(args: argparse.Namespace) -> Answer:
         hang = thresholds.of_snapshot(snapshot, hang)
     except ENGINE_ERRORS as error:
         raise CommandError(EXIT_USAGE, f"flare: {error}") from None
-    except sources.SourceError as error:
+    except records.SourceError as error:
         raise CommandError(EXIT_UNDECIDED, f"flare: cannot decide: {error}") from None
     return _snapshot_answer(args, snapshot, source, hang, ild)
 
@@ -639,7 +641,7 @@ def _snapshot(args: argparse.Namespace, hang_seconds: float, ild: IldPolicy) -> 
     """The live snapshot the source flags name, and the source's name."""
     if args.prometheus:
         detail_for = _detail_for(args.command, hang_seconds, ild)
-        snapshot = sources.from_prometheus(
+        snapshot = prometheus_source.from_prometheus(
             args.prometheus_connection,
             args.run,
             args.window,
@@ -654,7 +656,7 @@ def _snapshot(args: argparse.Namespace, hang_seconds: float, ild: IldPolicy) -> 
         return flight_recorder.snapshot_from(args.flight_recorder, args.run), (
             f"flight-recorder {args.flight_recorder}"
         )
-    snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
+    snapshot = scrape_source.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
     return snapshot, f"targets {args.targets}"
 
 
@@ -673,7 +675,7 @@ def _dead_run(args: argparse.Namespace) -> post_mortem.DeadRun:
             found.append(incident_source.dead_run_from_incidents(directory, run))
     if not found:
         what = args.targets or args.incidents or args.prometheus
-        raise sources.SourceError(f"no rank answered and no incident file lies in {what}")
+        raise records.SourceError(f"no rank answered and no incident file lies in {what}")
     return post_mortem.merge_runs(found)
 
 
@@ -755,7 +757,7 @@ def _snapshot_answer(
             result["scores"], lines = perf_command.stragglers_with_losses(result["scores"], ledger)
     elif args.command == "canary":
         found, lines = canary_view.canary_view(snapshot)
-        every_rank = not args.prometheus or sources.canary_reads_every_rank(snapshot.ranks_seen)
+        every_rank = not args.prometheus or prometheus_source.canary_reads_every_rank(snapshot.ranks_seen)
         result.update(found, every_rank=every_rank)
     header = f"run {snapshot.run}: {snapshot.ranks_seen} of {len(snapshot.ranks)} ranks answered ({source})"
     text = "\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]) + "\n"
