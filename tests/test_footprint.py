@@ -28,7 +28,7 @@ from flare_exporter.rank.gpu_health import CLOCK_EVENT_REASONS
 from flare_exporter.rank.stall import FRAMES_MAX_CHARS
 from flare_exporter.rank.timing import CollectiveStats
 
-SERIES_BUDGET = 300  # per rank, every signal on at its defaults (DESIGN.md: "at most a few hundred")
+SERIES_BUDGET = 300  # per rank, every signal on at its defaults (docs/scaling.md: "budget 300")
 BYTES_BUDGET = 40 * 1024  # uncompressed text; the goal is 32 KiB (benchmarks/footprint.py reports it)
 
 # Labels that say who a rank is: only on flare_rank_info, one value per rank.

@@ -1,7 +1,7 @@
 """The rules engine: a snapshot of every rank's state in, verdicts out. Pure functions, no I/O.
 
 A Snapshot comes from Prometheus or from scraping the ranks (prometheus_source, scrape_source); the rules
-follow DESIGN.md's "Attribution", most severe first:
+(docs/diagnosis.md, "The rules") run most severe first:
 
 1. Ranks that are gone (endpoint down or missing, or an exception recorded) -> `rank_down`.
 2. A group is hung when one of its ranks has had a collective unfinished for `hang_seconds`. Then:

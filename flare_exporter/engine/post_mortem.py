@@ -2,7 +2,7 @@
 
 When every rank of a run is gone, nothing answers; what is left is each rank's last word: the last values
 Prometheus scraped of it (history_source.py), or the incident file it wrote (incident_source.py). The rules
-(DESIGN.md, "Attribution", post-mortem), most telling first:
+(docs/diagnosis.md, "A run that is gone"), most telling first:
 
 1. A rank that raised an exception of its own (not what a survivor of a lost peer raises: a connection reset,
    a collective timeout; see flare_exporter.causes) -> `rank_down`, its cause from the exception's root

@@ -1,5 +1,5 @@
 """Recording and alert rules of issue latency (ILD, rank/ild.py): a rank whose distribution shifted from its
-own baseline, as diagnosis.ild_shifted judges it (policies.IldPolicy), and a shift on most ranks of a run.
+own baseline, as ild_verdicts.ild_shifted judges it (policies.IldPolicy), and a shift on most ranks of a run.
 Wired into the rules file as part of the group flare.slow_signals of RULE_GROUPS (rules.py).
 """
 
@@ -12,8 +12,8 @@ from .rule_model import with_host as _with_host
 def ild_recording_rules(t: Thresholds) -> list[Recording]:
     s = selector(t)
     return [
-        # A rank's distribution shifted from its own baseline (diagnosis.ild_shifted), and how many ranks of
-        # the run shifted.
+        # A rank's distribution shifted from its own baseline (ild_verdicts.ild_shifted), and how many
+        # ranks of the run shifted.
         Recording("run_rank_distribution:flare_ild_drift:shifted_ks", _ild_shifted(t)),
         Recording(
             "run_distribution:flare_ild_drift:shifted_ranks",

@@ -71,7 +71,7 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
 
 def straggler_summary_rules(t: Thresholds) -> list[Recording]:
     """What `flare diagnose` reads of a run's straggler windows at thousands of ranks in place of every
-    rank's (diagnosis.WindowSummary): each rank's wait share over the last hold_windows together, their
+    rank's (rule_types.WindowSummary): each rank's wait share over the last hold_windows together, their
     median and MAD; how many ranks have each window, and a best step time; the lowest and the highest last
     window of a rank; and the lowest of the ranks' step times over their own best. All at one evaluation:
     the last rule's timestamp is theirs."""

@@ -361,5 +361,6 @@ def attach(
     feed = ShimFeed(RingReader(ring_path(environ=environ), health), ild.kernel_issue, manager, steps)
     hooks = manager.after_drain
     hooks.insert(hooks.index(ild.refresh) if ild.refresh in hooks else len(hooks), feed)
-    ild.dispatch.launches_from_shim = True  # kernel launches come from here: windows may use the op timer
+    # kernel launches come from here: windows may use the C++ recorder's timer
+    ild.dispatch.launches_from_shim = True
     return feed
