@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +65,25 @@ def test_launch_hook_sees_every_launch_before_the_kernel(device):
     finally:
         fake_device.set_launch_hook(None)
     assert len(seen) == 2
+
+
+def imports_the_fake_device(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        named = [alias.name for alias in node.names]
+        return (node.module or "").endswith("fake_device") or "fake_device" in named
+    return isinstance(node, ast.Import) and any(a.name.endswith(".fake_device") for a in node.names)
+
+
+def test_no_module_a_rank_runs_imports_the_fake_device():
+    """Test scaffolding: only the tests and the local wing's workloads load it, never a real rank."""
+    package = Path(fake_device.__file__).resolve().parents[1]
+    importers = {
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if imports_the_fake_device(node)
+    }
+    assert importers == {"local/workloads/train_ddp.py"}
 
 
 def test_a_failing_kernel_does_not_stop_the_stream(device):

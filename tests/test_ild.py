@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from prometheus_client import generate_latest
 
 from flare_exporter import label_values
 from flare_exporter.engine.scrape import parse
-from flare_exporter.rank import cpp_recorder
+from flare_exporter.rank import attach, cpp_recorder, fake_device
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.fake_device import FakeDevice
 from flare_exporter.rank.ild import Drift, bucket_points, drift
@@ -185,10 +186,13 @@ def make_state(**overrides) -> FlareState:
 
 @pytest.fixture
 def state():
+    """ILD installed, every fake-device launch sampled (as a rank with the shim samples a GPU's)."""
     state = make_state()
     state.ild.install()
     state.steps.install()
+    fake_device.sample_launches(state.ild, state.config.ild_events)
     yield state
+    fake_device.set_launch_hook(None)
     state.steps.remove()
     state.ild.remove()
     state.manager.stop()
@@ -227,6 +231,25 @@ def test_a_host_stall_every_step_collapses_kernel_issue_latency(state):
     assert healthy[0] < 0.3
     assert stalled[0] >= 0.4  # half the kernels now find an empty queue
     assert stalled[1] > 5e-3  # and start ~8 queued kernels (2 ms each) sooner
+    assert state.health.errors == {}
+
+
+def test_a_fake_device_is_sampled_by_the_exporter_attached_to_its_process(monkeypatch):
+    """As train_ddp.py's --fake-kernels under flare-run: the script knows nothing of the exporter."""
+    state = make_state()
+    assert not FakeDevice().sampled  # no exporter attached: nothing samples it
+    monkeypatch.setattr(attach, "_attachment", SimpleNamespace(state=state))
+    device = FakeDevice()
+    try:
+        for _ in range(5):
+            device.launch(0.001)
+        device.synchronize(timeout=30)
+        state.manager.drain()
+    finally:
+        device.close()
+        state.manager.stop()
+    assert device.sampled and fake_device._launch_hook is None  # closed: no longer sampled
+    assert state.ild.kernels.launches == 5 and sum(state.ild.kernel_issue.histogram.counts) == 5
     assert state.health.errors == {}
 
 
@@ -303,7 +326,8 @@ def test_the_c_step_hook_takes_the_windows_over_and_gives_them_back_when_cuda_co
         # a GPU job that initialises CUDA after attach, without the native shim: at the next drain the windows
         # go back to the listener, whose dispatch-mode windows record CUDA events
         monkeypatch.setattr(dispatch, "_cuda_initialized", lambda: True)
-        monkeypatch.setattr(sampler, "cuda_events", lambda: state.ild.fake_events)
+        events = fake_device.FakeDeviceEvents(state.health, state.config.ild_events)
+        monkeypatch.setattr(sampler, "cuda_events", lambda: events)
         state.manager.drain()
         assert not sampler.handed_over and not sampler.window_open and sampler.windows == 3
         steps(2)  # steps 7 and 8: the listener's again, called at 8 only

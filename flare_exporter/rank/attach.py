@@ -76,6 +76,11 @@ class Attachment:
 _attachment: Attachment | None = None
 
 
+def attached() -> Attachment | None:
+    """This process's running exporter, if attach() started one."""
+    return _attachment
+
+
 @lru_cache(maxsize=1)  # the same str objects at every scrape, as the text format's kept labels want
 def rank_labels(rank: int, run: str) -> tuple[str, str]:
     """The values of the labels every flare series carries: rank and run."""
