@@ -492,6 +492,25 @@ def test_flare_families_are_written_from_their_series_as_prometheus_client_write
     assert b'flare_step_duration_seconds_sum{__reserved="x"} 0.5\n' in render_text(registry)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["flare_collective_duration_seconds", "flare_collective_bytes_total", "flare_collective_last_issued_seq"],
+)
+def test_a_flare_family_has_what_prometheus_client_gives_its_own(name):
+    """A flare family is not built by Metric's constructor, only shaped like prometheus_client's families
+    (collectors.SeriesFamily): if theirs gain an attribute, which their writers may read, this fails."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    ours = Families(("0", "r")).new(name)
+    kinds = {"histogram": HistogramMetricFamily, "counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+    theirs = kinds[ours.type](ours.name, ours.documentation, labels=ours.label_names, unit=ours.unit)
+    assert set(vars(theirs)) == {"name", "documentation", "unit", "type", "samples", "_labelnames"}
+    assert [getattr(ours, key) for key in ("name", "documentation", "unit", "type", "samples")] == [
+        getattr(theirs, key) for key in ("name", "documentation", "unit", "type", "samples")
+    ]
+    assert ours.label_names == theirs._labelnames and ours == theirs
+
+
 def build_flare_families() -> list:
     import time
 
