@@ -15,7 +15,6 @@ from typing import Any, BinaryIO, NamedTuple
 import pytest
 from conftest import flare_json
 
-from flare_exporter import label_values
 from flare_exporter.engine import cli, scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.prometheus import wait_for
@@ -23,6 +22,7 @@ from flare_exporter.local.testing.fake_nvml import FakeNvml, make_device
 from flare_exporter.local.testing.load import DutyCycle
 from flare_exporter.local.workloads import train_ddp
 from flare_exporter.rank import canary_measure, gpu_health
+from flare_exporter.rank.canary import CANARY_EXIT_CODE
 from flare_exporter.rank.canary_verdict import (
     DriftTracker,
     Policy,
@@ -336,14 +336,14 @@ def test_enforce_names_the_throttled_rank_and_stops_the_start(tmp_path, throttle
         throttled.append(DutyCycle(job.processes[THROTTLED].pid))
         codes = job.wait(timeout=240)
         throttled[0].stop()
-        assert codes == [label_values.CANARY_EXIT_CODE] * RANKS, logs(job)
+        assert codes == [CANARY_EXIT_CODE] * RANKS, logs(job)
         lines = [line for line in logs(job).splitlines() if "flare canary: preflight failed" in line]
         # rank 0 and the named rank say it, in one line each; nobody trained
         assert len(lines) == 2, logs(job)
         assert f"rank {THROTTLED} (host " in lines[0] and "failed gemm_flops [device]" in lines[0]
         # measured again twice, and still below in the best of the three runs: confirmed, then condemned
         assert "; confirmed by 3 runs (best of each): gemm_flops [device]" in lines[0], lines[0]
-        assert lines[0].endswith(f"exiting with status {label_values.CANARY_EXIT_CODE}")
+        assert lines[0].endswith(f"exiting with status {CANARY_EXIT_CODE}")
 
 
 @pytest.mark.multirank

@@ -25,7 +25,6 @@ def _histogram(name: str) -> str:
     return name
 
 
-UP = _defined("up")
 ALERTS = _defined("ALERTS")
 RANK_INFO = _defined("flare_rank_info")
 GROUP_INFO = _defined("flare_process_group_info")
@@ -37,7 +36,6 @@ COLLECTIVE_BYTES = _defined("flare_collective_bytes_total")
 LAST_ISSUED = _defined("flare_collective_last_issued_seq")
 LAST_COMPLETED = _defined("flare_collective_last_completed_seq")
 IN_FLIGHT_INFO = _defined("flare_collective_in_flight_info")
-IN_FLIGHT_SEQ = _defined("flare_collective_in_flight_seq")
 IN_FLIGHT_STARTED = _defined("flare_collective_in_flight_started_timestamp_seconds")
 STACK_INFO = _defined("flare_rank_stack_info")
 EXCEPTION_INFO = _defined("flare_rank_exception_info")
