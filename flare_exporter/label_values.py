@@ -58,9 +58,6 @@ def peer_label(peer: int) -> str:
 
 
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
-# The group label of collectives the native shim (cuda_hooks/) saw: NCCL calls carry no group name. They are
-# the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
-NATIVE_GROUP = "native"
 IN_FLIGHT_STATES = ("issued", "started")
 TERMINATION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 ACTIVITIES = ("collective", "data", "compute")

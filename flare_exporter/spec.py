@@ -134,6 +134,27 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="Its input; for scatter and receives, what it received.",
     ),
     MetricSpec(
+        "flare_shim_collective_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Device time of the NCCL calls the launch shim sampled.",
+        ("op",),
+        COLLECTIVE_DURATION_BUCKETS,
+        detail=(
+            "The collectives flare_collective_duration_seconds counts by group, seen from below Python "
+            "(docs/shim.md), where NCCL calls carry no group name: compare them, do not add them up. "
+            "Calls grouped by ncclGroupStart/End time the whole group. Absent without the shim."
+        ),
+    ),
+    MetricSpec(
+        "flare_shim_collective_bytes_total",
+        COUNTER,
+        "bytes",
+        "Bytes of the NCCL calls the launch shim sampled.",
+        ("op",),
+        detail="Their element count times the element size. Absent without the shim.",
+    ),
+    MetricSpec(
         "flare_collective_last_issued_seq",
         GAUGE,
         "",

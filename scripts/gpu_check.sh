@@ -7,7 +7,7 @@
 #   1. nvidia-smi summary            2. torch.cuda events (and flare's TorchCudaEvents)
 #   3. cupy events (CupyEvents)      4. build the native shim (make -C cuda_hooks)
 #   5. a torch CUDA workload (matmuls + NCCL all-reduce, world size 1) under LD_PRELOAD: the ring's records
-#   6. flare-run --shim end to end: the kernel_issue histogram and the `native` collective statistics
+#   6. flare-run --shim end to end: the kernel_issue histogram and the shim's collective statistics
 #   7. NVML through flare_exporter.rank.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 #   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
@@ -179,12 +179,12 @@ for _ in range(30):
     optimizer.step()
     optimizer.zero_grad()
 torch.cuda.synchronize()
-state = attach._attachment.state
+state = attach.attached().state
 state.manager.drain()
 kernel = state.ild.kernel_issue.histogram
-stats = {key: sum(s.durations.counts) for key, s in state.manager.stats.items() if key[0] == "native"}
+stats = {op: sum(s.durations.counts) for op, s in state.shim_feed.collectives.items()}
 print("shim loaded:", shim.shim_loaded(), "kernel_issue samples:", sum(kernel.counts),
-      "native collectives:", stats, "dropped:", dict(state.health.dropped), "errors:", dict(state.health.errors))
+      "shim collectives:", stats, "dropped:", dict(state.health.dropped), "errors:", dict(state.health.errors))
 dist.destroy_process_group()
 sys.exit(0 if shim.shim_loaded() and sum(kernel.counts) > 0 and stats else 1)
 EOF

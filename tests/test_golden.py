@@ -29,9 +29,10 @@ from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.last_word import RaisedException, Termination
 from flare_exporter.rank.perf import PerfMonitor
 from flare_exporter.rank.profiler import Capture, Profiler
+from flare_exporter.rank.shim import RingReader, ShimFeed
 from flare_exporter.rank.stall import StackSample
 from flare_exporter.rank.state import FlareState
-from flare_exporter.rank.timing import CollectiveRecord, FutureTiming
+from flare_exporter.rank.timing import CollectiveRecord, CollectiveStats, FutureTiming
 
 GOLDEN = Path(__file__).parent / "golden" / "rank3.prom"
 UNSTABLE = ("flare_exporter_collector_duration_seconds",)
@@ -107,6 +108,12 @@ def fixed_state() -> FlareState:
         latency.add_many(0, samples)
         latency.drift.current = (0.25, 1.5e-6)
     ild.host_dispatch.drift.op_shift = 2.5e-7
+    # the launch shim preloaded: two NCCL all-reduces it sampled (its ring is not read here)
+    state.shim_feed = ShimFeed(RingReader(Path("/nonexistent/ring"), state.health), ild.kernel_issue)
+    allreduce = state.shim_feed.collectives["allreduce"] = CollectiveStats()
+    for duration in (0.0015, 0.004):
+        allreduce.durations.observe(duration)
+    allreduce.bytes_total = 8192
     # straggler windows: two closed windows of 5 steps; the rank's GPU through the fake NVML, one XID seen
     for step in range(2, 12):
         state.windows.ring.add_step(step, 0.125, 0.03125 if step < 7 else 0.0625)

@@ -302,15 +302,15 @@ INTEGRATION = textwrap.dedent(
     assert process.flare_hooks_flush(10000) == 0
 
     latency = state.ild.kernel_issue
-    stats = state.manager.stats
+    stats = state.shim_feed.collectives
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         state.manager.drain()  # as the manager thread and every scrape do
-        allreduce = stats.get(("native", "allreduce"))
+        allreduce = stats.get("allreduce")
         if allreduce is not None and sum(allreduce.durations.counts) >= collectives:
             break
         time.sleep(0.01)
-    allreduce = stats["native", "allreduce"]
+    allreduce = stats["allreduce"]
     print(json.dumps({
         "feeds": len(feeds),
         "windows_use_the_recorder": state.ild.dispatch.launches_from_shim,
@@ -322,7 +322,8 @@ INTEGRATION = textwrap.dedent(
         "allreduce_counts": allreduce.durations.counts,
         "allreduce_sum": allreduce.durations.sum,
         "allreduce_bytes": allreduce.bytes_total,
-        "groups": sorted({group for group, _ in stats}),
+        "ops": sorted(stats),
+        "groups": sorted({group for group, _ in state.manager.stats}),
         "dropped": dict(state.health.dropped),
         "errors": dict(state.health.errors),
     }))
@@ -355,7 +356,7 @@ def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built
     bounds = label_values.ISSUE_LATENCY_BUCKETS
     bucket = next(index for index, bound in enumerate(bounds) if bound >= EVENT_DELAY_NS / 1e9)
     assert seen["kernel_counts"][bucket] >= 0.9 * (kernels // every)
-    assert seen["groups"] == ["native"]
+    assert seen["ops"] == ["allreduce"] and seen["groups"] == []  # in the shim's metrics, not a group's
     assert seen["allreduce_count"] == collectives and seen["allreduce_bytes"] == collectives * 256 * 4
     durations = seen["allreduce_sum"] / collectives
     assert durations == pytest.approx(NCCL_DURATION_NS / 1e9, rel=0.2)
@@ -366,7 +367,7 @@ def test_the_package_reads_the_ring_into_the_ild_and_collective_histograms(built
 
 
 @pytest.mark.process
-def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
+def test_flare_run_shim_reexecutes_with_the_shim_preloaded(built, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import json, os\n"
@@ -397,7 +398,6 @@ def test_flare_run_native_reexecutes_with_the_shim_preloaded(built, tmp_path):
 
 
 def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectives():
-    from flare_exporter import label_values
     from flare_exporter.engine import prometheus_source, records
 
     series = {
@@ -405,10 +405,10 @@ def test_a_ranks_collective_time_leaves_out_the_shims_view_of_the_same_collectiv
         "flare_collective_duration_seconds_sum": [
             ({"rank": "0", "run": "r", "group": "world", "op": "allreduce"}, 2.0),
             ({"rank": "0", "run": "r", "group": "tp-1a2b", "op": "allgather"}, 1.0),
-            ({"rank": "0", "run": "r", "group": label_values.NATIVE_GROUP, "op": "allreduce"}, 3.0),
         ],
+        "flare_shim_collective_duration_seconds_sum": [({"rank": "0", "run": "r", "op": "allreduce"}, 3.0)],
     }
     snapshot = records.build_snapshot(series, {0: records.Liveness(True)}, 1000.0, "r")
-    assert snapshot.ranks[0].collective_seconds == 3.0  # world and tp, not the native 3 s again
-    query = prometheus_source.PROMETHEUS_QUERIES["flare_collective_duration_seconds_sum"]
-    assert "{sel_not_native}" in query and "{sel}" not in query
+    assert snapshot.ranks[0].collective_seconds == 3.0  # world and tp, not the shim's 3 s again
+    queries = " ".join(prometheus_source.PROMETHEUS_QUERIES.values())
+    assert "flare_shim_" not in queries and not any("shim" in name for name in records.SNAPSHOT_METRICS)

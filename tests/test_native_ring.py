@@ -1,4 +1,4 @@
-"""The native shim's ring from Python: parsing bytes, reading a file, feeding the histograms (no gcc)."""
+"""The shim's ring from Python: parsing bytes, reading a file, feeding the histograms (no gcc)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import generate_latest
 
 from flare_exporter import label_values
 from flare_exporter.config import Config
+from flare_exporter.engine.scrape import parse
 from flare_exporter.rank import launch, shim
+from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.exporter_health import ExporterHealth
 from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.ild import IssueLatency
 from flare_exporter.rank.shim import HEADER, RECORD, NativeRecord, RingFormatError, RingReader, ShimFeed
 from flare_exporter.rank.state import FlareState
-from flare_exporter.rank.timing import TimingManager
 
 CUDA_LAUNCH_KERNEL, NCCL_ALL_REDUCE, NCCL_SEND = 1, 16, 21
 
@@ -161,13 +163,12 @@ def test_kernel_samples_are_tagged_with_the_step_they_were_launched_in(tmp_path)
     latency.add = lambda step, seconds: tagged.append((step, seconds))  # type: ignore[method-assign]
     path = tmp_path / "ring"
     path.write_bytes(ring_bytes(8, {0: kernel(500_000_000, 1000), 1: kernel(2_500_000_000, 2000)}, 2))
-    ShimFeed(RingReader(path, health), latency, TimingManager(health, 16, 1.0), steps)()
+    ShimFeed(RingReader(path, health), latency, steps)()
     assert tagged == [(0, pytest.approx(1e-6)), (2, pytest.approx(2e-6))]
 
 
-def test_the_feed_puts_kernels_into_ild_and_nccl_calls_into_collective_stats(tmp_path):
+def test_the_feed_puts_kernels_into_ild_and_nccl_calls_into_stats_of_their_own(tmp_path):
     health = ExporterHealth()
-    manager = TimingManager(health, queue_size=16, interval_seconds=1.0)
     latency = IssueLatency("kernel_issue", Config())
     records = {
         0: kernel(1_000, 2_000_000),
@@ -178,16 +179,45 @@ def test_the_feed_puts_kernels_into_ild_and_nccl_calls_into_collective_stats(tmp
     }
     path = tmp_path / "ring"
     path.write_bytes(ring_bytes(8, records, 5))
-    feed = ShimFeed(RingReader(path, health), latency, manager)
+    feed = ShimFeed(RingReader(path, health), latency)
     feed()
     assert sum(latency.histogram.counts) == 2 and latency.active
     assert latency.histogram.sum == pytest.approx(5e-3)
     assert feed.failed_calls == 1
-    allreduce = manager.stats[("native", "allreduce")]
+    allreduce = feed.collectives["allreduce"]
     assert sum(allreduce.durations.counts) == 1 and allreduce.durations.sum == pytest.approx(4e-3)
     assert allreduce.bytes_total == 4096
-    assert manager.stats[("native", "send")].bytes_total == 512
-    assert set(manager.stats) == {("native", "allreduce"), ("native", "send")}
+    assert feed.collectives["send"].bytes_total == 512
+    assert set(feed.collectives) == {"allreduce", "send"}
+
+
+def test_a_rank_exports_the_shims_nccl_calls_by_op_in_metrics_of_their_own(tmp_path):
+    """Not in the groups' collective metrics, which count the same collectives; without the shim, nothing."""
+    identity = RankIdentity(rank=0, local_rank=0, world_size=1, run="r", host="h", pid=os.getpid())
+    state = FlareState.create(Config(gpu_health=False), identity)
+    assert state.ild is not None and state.shim_feed is None
+    assert "shim" not in generate_latest(build_registry(state)).decode()  # no series, no collector
+    path = tmp_path / "ring"
+    records = {
+        0: (NCCL_ALL_REDUCE, 0, 5_000, 6_000, 4_006_000, 4096),
+        1: (NCCL_SEND, 0, 7_000, 8_000, 9_000, 512),
+    }
+    path.write_bytes(ring_bytes(8, records, 2))
+    state.shim_feed = ShimFeed(RingReader(path, state.health), state.ild.kernel_issue)
+    state.shim_feed()
+    samples = parse(generate_latest(build_registry(state)).decode())
+    shim_samples = {(s.name, s.labels.get("op")): s for s in samples if s.name.startswith("flare_shim_")}
+    assert shim_samples["flare_shim_collective_bytes_total", "allreduce"].value == 4096
+    assert shim_samples["flare_shim_collective_bytes_total", "send"].value == 512
+    assert shim_samples["flare_shim_collective_duration_seconds_count", "allreduce"].value == 1
+    assert shim_samples["flare_shim_collective_duration_seconds_sum", "allreduce"].value == pytest.approx(
+        4e-3
+    )
+    assert all(set(s.labels) <= {"rank", "run", "op", "le"} for s in shim_samples.values())
+    assert not [s for s in samples if s.name.startswith("flare_collective_duration")]
+    assert ("flare_exporter_collector_success", "shim") in {
+        (s.name, s.labels.get("collector")) for s in samples
+    }
 
 
 def test_attach_does_nothing_without_the_shim():

@@ -325,14 +325,12 @@ def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds
         **prometheus_source.CUMULATIVE_QUERIES,
         **prometheus_source.recent_windows(policies.StragglerPolicy())[0],
     }
-    prometheus_source._fetch(
-        "http://x", queries, prometheus_source.matcher("a{sel}{window}{sel_not_native}"), "5m", 1.0, NOW
-    )
-    run = 'run="a{sel}{window}{sel_not_native}"'
+    prometheus_source._fetch("http://x", queries, prometheus_source.matcher("a{sel}{window}"), "5m", 1.0, NOW)
+    run = 'run="a{sel}{window}"'
     assert sorted(sent) == sorted(
         [
             f"sum by (rank) (increase(flare_step_duration_seconds_sum{{{run}}}[5m]))",
-            f'sum by (rank) (increase(flare_collective_duration_seconds_sum{{{run}, group!="native"}}[5m]))',
+            f"sum by (rank) (increase(flare_collective_duration_seconds_sum{{{run}}}[5m]))",
             f'max by (rank, ago) (flare_straggler_window_step_seconds{{{run}, ago=~"0|1|2"}})',
             f'max by (rank, ago) (flare_straggler_window_wait_seconds{{{run}, ago=~"0|1|2"}})',
         ]

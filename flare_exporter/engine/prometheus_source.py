@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import label_values, record_names
+from .. import record_names
 from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
 from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
@@ -48,8 +48,8 @@ from .rule_types import Snapshot, WindowSummary
 # The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
 # series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
 # A query's answer is named by its key (or by `__name__` where it keeps one). Placeholders: `{sel}` the
-# selector of the run (or of its named ranks), `{sel, more="matchers"}` it with more matchers,
-# `{sel_not_native}` it without the native shim's collectives, `{window}` the lookback.
+# selector of the run (or of its named ranks), `{sel, more="matchers"}` it with more matchers, `{window}`
+# the lookback.
 # Identity, groups and exceptions look back (a dead rank's last word); the rest is the current state.
 
 
@@ -223,7 +223,7 @@ CUMULATIVE_QUERIES = {
         "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
     ),
     "flare_collective_duration_seconds_sum": (
-        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
+        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel}[{window}]))"
     ),
 }
 # What explains a verdict without deciding it, of every rank (the views).
@@ -746,7 +746,7 @@ def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
     return build_snapshot(series, liveness, now, run)
 
 
-PLACEHOLDERS = re.compile(r"\{sel_not_native\}|\{sel|\{window\}")
+PLACEHOLDERS = re.compile(r"\{sel|\{window\}")
 
 
 def _fetch(
@@ -767,7 +767,6 @@ def _answers(
 ) -> list[list[dict[str, Any]]]:
     """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
     values = {
-        "{sel_not_native}": f'{{{matchers}, group!="{label_values.NATIVE_GROUP}"}}',
         "{sel": f"{{{matchers}",  # `{sel}`, or `{sel, more="matchers"}`
         "{window}": window,
     }

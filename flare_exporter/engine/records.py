@@ -11,7 +11,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .. import label_values
 from . import canary
 from .host_load import HOST_LOAD_METRICS, HostLoadState
 from .rule_types import GROUP_INDEX_FIELDS, GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
@@ -200,12 +199,11 @@ def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
 
 
 def per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
-    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others); a rank's
-    one value where a query kept one series per rank (`max by (rank)`)."""
+    """Rank -> the sum of its series named `name`; a rank's one value where a query kept one series per
+    rank (`max by (rank)`)."""
     values: dict[int, float] = defaultdict(float)
     for labels, value in series.get(name, []):
-        if labels.get("group") != label_values.NATIVE_GROUP:  # the shim's view of collectives counted already
-            values[int(labels["rank"])] += value
+        values[int(labels["rank"])] += value
     return dict(values)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import label_values
 from ..durations import duration_seconds
 from .canary_rules import canary_alerts
 from .collective_rules import collective_alerts, collective_recordings
@@ -206,7 +205,7 @@ def dead_run_recordings(t: Thresholds) -> list[Recording]:
 def _last_op_recordings(t: Thresholds) -> list[Recording]:
     """Each rank's last collective in flight in each group (the newest op series), and the ranks whose op
     a strict majority of the group's did not share (rule 3: a mismatch the run died of)."""
-    flights = selector(t, f'group!="{label_values.NATIVE_GROUP}"')
+    flights = selector(t)
     ops = f"count by (run, group, op) ({LAST_OP})"
     return [
         Recording(
