@@ -77,6 +77,7 @@ def test_other_threads_ops_make_no_gaps_and_a_gap_with_a_completion_is_a_wait():
             y = y * 2
 
     x = torch.ones(4)
+    opened = time.perf_counter()
     native.open_window(9)
     worker = threading.Thread(target=other_thread)
     worker.start()
@@ -89,13 +90,14 @@ def test_other_threads_ops_make_no_gaps_and_a_gap_with_a_completion_is_a_wait():
     time.sleep(0.002)
     x = x * 2
     native.close_window()
+    window = time.perf_counter() - opened
     seconds = native.host_gaps()[0] - seconds_before
     taken = native.take(BOUNDS)
     ops = sum(count for t in taken for _, count in t.buckets)
     gaps, _ = gap_counts(taken)
     assert ops >= 53  # the other thread's ops are timed ...
     assert gaps == 3  # ... but only this thread's gaps count: to the first op, 2 ms, to the close
-    assert 0.002 <= seconds < 0.008  # the 8 ms around the completion are the collective's
+    assert 0.002 <= seconds <= window - 0.008  # the 8 ms or more around the completion are the collective's
 
 
 # ---------------------------------------------------------------------------------------------------------
