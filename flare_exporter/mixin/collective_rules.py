@@ -7,7 +7,8 @@ flare.recording, the alerts as the group flare.collectives.
 
 from __future__ import annotations
 
-from .rule_model import DEFAULT_HANG_SECONDS, Alert, Recording, Thresholds, link, selector, up_selector
+from .. import config as config_module
+from .rule_model import Alert, Recording, Thresholds, link, selector, up_selector
 from .rule_model import with_host as _with_host
 
 # Each run's own hang threshold (see Thresholds.hang_seconds).
@@ -55,7 +56,7 @@ def _hang_threshold_recordings(t: Thresholds) -> list[Recording]:
             f"max by (run) (flare_hang_threshold_seconds{selector(t)})\n"
             "or on (run)\n"
             f"  0 * max by (run) (flare_collective_in_flight_started_timestamp_seconds{selector(t)})"
-            f" + {DEFAULT_HANG_SECONDS:g}",
+            f" + {config_module.Config.hang_seconds:g}",
         )
     ]
 

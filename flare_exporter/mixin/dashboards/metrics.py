@@ -6,7 +6,6 @@ from ... import spec
 from .. import dashboard_rules, perf_rules, rule_model, rules
 
 THRESHOLDS = rule_model.Thresholds()
-DEFAULT_HANG_SECONDS = rule_model.DEFAULT_HANG_SECONDS
 RECORDED = frozenset(recording.record for recording in rules.all_recordings(THRESHOLDS))
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS"})  # what Prometheus itself writes, besides the spec's
 
