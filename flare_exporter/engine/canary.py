@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .. import label_values, spec
+from .verdict_terms import Domain
 
 Key = tuple[str, str]  # (measurement, scope)
 Rows = Sequence[tuple[Mapping[str, str], float]]  # (labels, value) of one metric (records.Series)
@@ -167,7 +168,7 @@ def rank_findings(rank: int, host: str, state: CanaryState | None) -> list[Findi
 class CanaryFault:
     """Ranks named for the same check of the same measurement and scope, and the domain they make."""
 
-    domain: str  # rank | host | link
+    domain: Domain  # rank, host or link
     findings: tuple[Finding, ...]  # one per rank named, by rank
     host: str = ""  # the host of a host fault, or of an intra-host link
     also: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # a rank's other failed checks

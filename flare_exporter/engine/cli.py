@@ -74,10 +74,11 @@ from .host_load import WARNING
 from .promql import PrometheusError
 from .rule_types import Snapshot, Verdict
 from .targets import TargetsError, read_targets
+from .verdict_terms import VerdictKind
 from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
 
 EXIT_OK, EXIT_ANOMALY, EXIT_USAGE, EXIT_UNDECIDED = 0, 1, 2, 3
-HANG_KINDS = ("host_fault", "rank_down", "mismatch", "hang")
+HANG_KINDS: tuple[VerdictKind, ...] = ("host_fault", "rank_down", "mismatch", "hang")
 # the commands answer() answers
 ANSWERING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf", "report")
 

@@ -15,6 +15,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
+from .. import causes
+from ..causes import Cause
 from ..durations import duration_seconds
 from . import prometheus_source, promql
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
@@ -120,11 +122,16 @@ def _exceptions(series: Mapping[str, Series]) -> dict[int, ExceptionWord]:
     return {
         int(labels["rank"]): ExceptionWord(
             labels.get("type", ""),
-            labels.get("cause", "") or "software_exception",
+            _exception_cause(labels.get("cause", "")),
             raised_at.get(int(labels["rank"])),
         )
         for labels, _ in series.get("flare_rank_exception_info", [])
     }
+
+
+def _exception_cause(label: str) -> Cause:
+    """The cause a rank's flare_rank_exception_info names; software_exception where it names none."""
+    return label if causes.is_cause(label, causes.EXCEPTION_CAUSES) else "software_exception"
 
 
 def _at_the_end(series: Mapping[str, Series], last_seen: Mapping[int, float]) -> dict[str, Series]:
