@@ -392,7 +392,7 @@ def from_prometheus(
         STEPS: f"increase({STEPS}{{{selected}}}[{window}])",
         ROLES: f"increase({ROLES}{{{selected}}}[{window}])",
         "gauges": f'{{__name__=~"{gauges}",{selected}}}',  # their current values (instant: names kept)
-        RANK_INFO: f"last_over_time(flare_rank_info{{{selected}}}[{window}])",
+        RANK_INFO: f"last_over_time({RANK_INFO}{{{selected}}}[{window}])",
         GROUP_INFO: (
             f"max by (rank, group, group_rank) (last_over_time({GROUP_INFO}{{{selected}}}[{window}]))"
         ),

@@ -101,7 +101,7 @@ def endpoints(args: argparse.Namespace, connection: Any, client: Client) -> tupl
     if args.prometheus:
         now = time.time()
         run = args.run or the_run(connection, "5m", args.timeout, now)
-        expr = f"max by (rank, instance) (last_over_time(flare_rank_info{{{matcher(run)}}}[5m]))"
+        expr = f"max by (rank, instance) (last_over_time({RANK_INFO}{{{matcher(run)}}}[5m]))"
         found = promql.query(connection, expr, args.timeout, now)
         return run, {int(item["metric"]["rank"]): item["metric"].get("instance", "") for item in found}
     targets = [target.address for target in read_targets(args.targets)]

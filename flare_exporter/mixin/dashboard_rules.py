@@ -40,7 +40,7 @@ DRIFT_KS_OF_RANK = "run_rank:flare_ild_drift_ks:max"
 
 # The heatmaps' bucket bounds. Step time: the step-duration histogram's (1 ms to 1000 s); wait share: finer
 # near 0, where a straggler is; KS drift: 5 % to 100 %.
-STEP_TIME_BOUNDS = spec.BY_NAME[f"{STEP_DURATION_SECONDS}"].buckets
+STEP_TIME_BOUNDS = spec.BY_NAME[STEP_DURATION_SECONDS].buckets
 WAIT_SHARE_BOUNDS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 KS_BOUNDS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 

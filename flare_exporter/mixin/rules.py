@@ -179,7 +179,6 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
 DEAD_RUN = "run:flare_run:dead"
 FIRST_FAILURE = "run_rank:flare_rank_primary_exception:timestamp_seconds"
 SILENT = "run_rank:flare_rank_gone:silent"
-FLIGHT_INFO = f"{COLLECTIVE_IN_FLIGHT_INFO}"
 LAST_OP = "run_rank_group:flare_collective_in_flight:last_op"
 ODD_OP = "run_rank_group:flare_collective_in_flight:odd_op"
 
@@ -222,7 +221,7 @@ def _last_op_recordings(t: Thresholds) -> list[Recording]:
         Recording(
             LAST_OP,
             "topk by (run, rank, group) (1, max by (run, rank, group, op) "
-            f"(max_over_time(timestamp({FLIGHT_INFO}{flights})[{t.dead_run_window}:5s])))",
+            f"(max_over_time(timestamp({COLLECTIVE_IN_FLIGHT_INFO}{flights})[{t.dead_run_window}:5s])))",
         ),
         Recording(
             ODD_OP,
