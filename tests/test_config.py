@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -269,3 +270,13 @@ def test_a_bad_topology_is_a_config_error_naming_the_key(text):
     with pytest.raises(ConfigError, match="'topology' in environment variable FLARE_TOPOLOGY") as raised:
         config.load(flags={}, environ={"FLARE_TOPOLOGY": text})
     assert "switch" in str(raised.value) and "rack" in str(raised.value)  # the rule says what is allowed
+
+
+def test_engine_keys_are_config_keys():
+    """The thresholds `flare diagnose` and `flare rules` take as flags are config keys, read through them."""
+    assert set(config.ENGINE_KEYS) <= set(config.FIELDS)
+    parser = argparse.ArgumentParser()
+    config.add_engine_arguments(parser)
+    args = parser.parse_args(["--hang-seconds", "12", "--ild-op-shift-seconds", "1e-6"])
+    loaded = config.engine_config(args)
+    assert (loaded.hang_seconds, loaded.ild_op_shift_seconds) == (12.0, 1e-6)

@@ -16,7 +16,6 @@ from flare_exporter.engine.diagnosis import diagnose
 from flare_exporter.engine.hang_verdicts import follow_chain
 from flare_exporter.engine.ild_verdicts import IldDrift, IldPeers, ild_shifted
 from flare_exporter.engine.rule_types import (
-    KINDS,
     GpuState,
     GroupState,
     InFlight,
@@ -31,6 +30,7 @@ from flare_exporter.engine.straggler_verdicts import (
     hardware_reasons,
     straggler_scores,
 )
+from flare_exporter.engine.verdict_terms import KINDS
 from flare_exporter.policies import IldPolicy, StragglerPolicy
 
 NOW = 1_700_000_000.0

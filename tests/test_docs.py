@@ -103,3 +103,30 @@ def test_relative_links_resolve():
             elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+# docs/design.md's "A signal's path": the files it names, in order, exist
+
+PATH_SECTION = re.compile(r"^## A signal's path$(.*?)^## ", re.MULTILINE | re.DOTALL)
+NAMED_FILE = re.compile(r"`([\w./-]+\.(?:py|cpp|json|yml))`")
+
+
+def files_named_in_signal_path(design: str) -> list[str]:
+    section = PATH_SECTION.search(design)
+    assert section, 'docs/design.md has no section "A signal\'s path"'
+    return NAMED_FILE.findall(section.group(1))
+
+
+def test_the_signal_paths_name_files_that_exist():
+    named = files_named_in_signal_path((ROOT / "docs" / "design.md").read_text())
+    assert len(named) >= 22  # both paths, each file in full from the repository's root
+    assert [name for name in named if not (ROOT / name).is_file()] == []
+
+
+def test_the_signal_path_check_finds_a_file_that_is_gone():
+    design = (
+        "## A signal's path\n\n1. `flare_exporter/spec.py`: x\n2. `flare_exporter/gone.py`: y\n\n## Next\n"
+    )
+    named = files_named_in_signal_path(design)
+    assert named == ["flare_exporter/spec.py", "flare_exporter/gone.py"]
+    assert [name for name in named if not (ROOT / name).is_file()] == ["flare_exporter/gone.py"]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from conftest import torch_extension
 
 from flare_exporter.config import Config
-from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS
+from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS, COLLECTIVE_OPS
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.exporter_health import ExporterHealth
@@ -29,6 +31,8 @@ from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.process_group import WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import FutureTiming, NativeTiming, TimingManager
+
+COLLECTIVES_CPP = Path(__file__).parent.parent / "flare_exporter" / "rank" / "csrc" / "collectives.cpp"
 
 
 def on_both(call: Callable[[int], Any]) -> list[Any]:
@@ -121,7 +125,38 @@ COLLECTIVES: dict[str, Callable[[int], tuple]] = {
 
 
 def test_the_backend_labels_its_ops_as_the_python_hooks_do():
-    assert torch_extension().COLLECTIVE_OPS == [method.lstrip("_") for method in WRAPPED_METHODS]
+    assert torch_extension().COLLECTIVE_OPS == list(COLLECTIVE_OPS)
+
+
+def test_the_python_hooks_wrap_each_collective_op_once():
+    assert [method.lstrip("_") for method in WRAPPED_METHODS] == list(COLLECTIVE_OPS)
+
+
+def cpp_op_names(source: str) -> tuple[list[str], list[str]]:
+    """collectives.cpp's op labels (kOpNames) and, from its `enum Op`, each entry's name in snake case
+    (kAllgatherBase -> allgather_base), in their order."""
+    labels = re.search(r"kOpNames\[kOpCount\] = \{(.*?)\};", source, re.DOTALL)
+    entries = re.search(r"enum Op : uint8_t \{(.*?)\};", source, re.DOTALL)
+    assert labels and entries, "collectives.cpp no longer declares kOpNames and enum Op as this reads them"
+    names = re.findall(r"\bk(\w+)", entries.group(1))
+    assert names[-1] == "OpCount"
+    snake = [re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for name in names[:-1]]
+    return re.findall(r'"(\w+)"', labels.group(1)), snake
+
+
+def test_the_cpp_recorder_names_the_collective_ops_of_label_values():
+    """Without building it: the source's op labels, and its enum in their order, are COLLECTIVE_OPS."""
+    labels, enum = cpp_op_names(COLLECTIVES_CPP.read_text(encoding="utf-8"))
+    assert labels == list(COLLECTIVE_OPS)
+    assert enum == list(COLLECTIVE_OPS)
+
+
+def test_the_cpp_op_check_finds_a_missing_or_misplaced_op():
+    source = COLLECTIVES_CPP.read_text(encoding="utf-8")
+    labels, enum = cpp_op_names(source.replace('"recv_anysource", ', "", 1))
+    assert "recv_anysource" not in labels and enum == list(COLLECTIVE_OPS)
+    labels, enum = cpp_op_names(source.replace("  kSend,\n  kRecv,\n", "  kRecv,\n  kSend,\n", 1))
+    assert labels == list(COLLECTIVE_OPS) and enum != list(COLLECTIVE_OPS)
 
 
 @pytest.mark.parametrize("method", sorted(COLLECTIVES))

@@ -113,3 +113,15 @@ def test_all_series_names():
             assert metric.name in names
     histograms = sum(metric.type == spec.HISTOGRAM for metric in spec.METRICS)
     assert len(names) == len(spec.METRICS) + 2 * histograms
+
+
+def test_series_and_histogram_look_names_up_in_the_spec():
+    assert spec.series("flare_rank_info") == "flare_rank_info"
+    assert spec.series("flare_collective_duration_seconds_sum") == "flare_collective_duration_seconds_sum"
+    assert spec.histogram("flare_collective_duration_seconds") == "flare_collective_duration_seconds"
+    with pytest.raises(ValueError, match="flare_rank_infos"):
+        spec.series("flare_rank_infos")
+    with pytest.raises(ValueError, match="flare_rank_info is no histogram"):
+        spec.histogram("flare_rank_info")
+    with pytest.raises(ValueError):
+        spec.series("flare_collective_duration_seconds")  # a histogram exposes _bucket, _sum and _count

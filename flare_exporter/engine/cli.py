@@ -29,8 +29,8 @@ When no rank of the run answers, the run is gone: the verdict comes from each ra
 (post_mortem.py), from Prometheus's history within --window before --at (default: now), or from the
 incident files beside the targets (their `incidents` subdirectory). The hang threshold is --hang-seconds, else
 FLARE_HANG_SECONDS / the config file's hang_seconds, else the one the run's ranks export (thresholds.py), else
-300 s; the per-op shift that counts as an ILD regression likewise (--ild-op-shift-seconds,
-FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
+the config's default; the per-op shift that counts as an ILD regression likewise (--ild-op-shift-seconds,
+FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, its default): config.py declares both.
 
 Exit codes: 0 healthy; 1 anomaly found; 2 usage, input or connection error; 3 could not decide (no
 rank answered, or several runs and no --run). `answer(argv)` computes what a diagnosis command's --json
@@ -76,10 +76,11 @@ from .host_load import WARNING
 from .promql import PrometheusError
 from .rule_types import Snapshot, Verdict
 from .targets import TargetsError, read_targets
+from .verdict_terms import VerdictKind
 from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
 
 EXIT_OK, EXIT_ANOMALY, EXIT_USAGE, EXIT_UNDECIDED = 0, 1, 2, 3
-HANG_KINDS = ("host_fault", "rank_down", "mismatch", "hang")
+HANG_KINDS: tuple[VerdictKind, ...] = ("host_fault", "rank_down", "mismatch", "hang")
 # the commands answer() answers
 ANSWERING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf", "report")
 

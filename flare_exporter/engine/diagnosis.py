@@ -52,9 +52,10 @@ from .hang_verdicts import (
 )
 from .host_load import WARNING, judged_with_host_load
 from .ild_verdicts import ild_verdicts
-from .rule_types import KINDS, RankRecord, Snapshot, Verdict, age_of, rank_list
+from .rule_types import RankRecord, Snapshot, Verdict, age_of, rank_list
 from .straggler_verdicts import straggler_verdicts
 from .verdict_causes import cause_of
+from .verdict_terms import KINDS
 
 
 def diagnose(

@@ -23,16 +23,32 @@ from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
 from .host_load import HOST_LOAD_METRICS
 from .promql import Prometheus
 from .records import (
+    COLLECTIVE_DURATION_SECONDS_SUM,
+    COLLECTIVE_LAST_COMPLETED_SEQ,
+    COLLECTIVE_LAST_ISSUED_SEQ,
     FLIGHT_INFO,
     FLIGHT_NUMBERS,
     FLIGHT_STARTED,
+    GPU_CLOCK_EVENT_ACTIVE,
     GPU_HEALTH_METRICS,
+    ILD_DRIFT_KS,
+    ILD_DRIFT_WASSERSTEIN_SECONDS,
     ILD_METRICS,
+    ILD_OP_SHIFT_SECONDS,
     ISSUED_AT,
     P2P_COUNTS,
     P2P_STARTED,
+    PROCESS_GROUP_INFO,
     PROGRESS_METRICS,
+    RANK_EXCEPTION_INFO,
+    RANK_EXCEPTION_TIMESTAMP_SECONDS,
+    RANK_INFO,
+    RANK_STACK_INFO,
+    STEP_DURATION_SECONDS_COUNT,
+    STEP_DURATION_SECONDS_SUM,
     STRAGGLER_METRICS,
+    STRAGGLER_WINDOW_STEP_SECONDS,
+    STRAGGLER_WINDOW_WAIT_SECONDS,
     Liveness,
     Series,
     build_snapshot,
@@ -75,7 +91,9 @@ def _canary_series(ranks: str = "") -> str:
 # per series of those ranks, none when every rank passed); records.with_canary makes them fields once the
 # pace is read, so that they mask neither a straggler nor a hang (from_prometheus).
 CANARY_FAILING = "canary_failing"
-CANARY_FAILING_QUERY = _canary_series("flare_canary_failed{sel} == 1 or flare_canary_drift{sel} == 1")
+CANARY_FAILING_QUERY = _canary_series(
+    f"{canary.CANARY_FAILED}{{sel}} == 1 or {canary.CANARY_DRIFT}{{sel}} == 1"
+)
 # `flare canary`'s view: every rank's up to CANARY_EVERY_RANK ranks, beyond them the bottom CANARY_BOTTOM
 # ranks of each measurement and scope, by their share of the job's median and by their moving average.
 CANARY_EVERY_RANK = 64
@@ -83,24 +101,24 @@ CANARY_BOTTOM = 3
 CANARY_VIEW_QUERIES = {"canary_every_rank": _canary_series()}
 CANARY_BOTTOM_QUERIES = {
     "canary_bottom": _canary_series(
-        f"bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_relative{{sel}})"
-        f" or bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_ewma_ratio{{sel}})"
+        f"bottomk by (measurement, scope) ({CANARY_BOTTOM}, {canary.CANARY_RELATIVE}{{sel}})"
+        f" or bottomk by (measurement, scope) ({CANARY_BOTTOM}, {canary.CANARY_EWMA_RATIO}{{sel}})"
     )
 }
 
 # Is a rank gone, is a group hung, and who is behind in it: every rank (and the canary's failing ranks).
 FAULT_QUERIES = {
-    "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
-    "flare_rank_exception_info": (
-        "max by (rank, type, cause) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
+    RANK_INFO: f"max by (rank, host, world_size) (last_over_time({RANK_INFO}{{sel}}[{{window}}]))",
+    RANK_EXCEPTION_INFO: (
+        f"max by (rank, type, cause) (last_over_time({RANK_EXCEPTION_INFO}{{sel}}[{{window}}]))"
     ),
-    "flare_rank_exception_timestamp_seconds": (
-        "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
+    RANK_EXCEPTION_TIMESTAMP_SECONDS: (
+        f"max by (rank) (last_over_time({RANK_EXCEPTION_TIMESTAMP_SECONDS}{{sel}}[{{window}}]))"
     ),
     "up": "max by (rank) (up{sel})",
     # the ranks whose own series Prometheus has now: where a target's labels carry no rank (pods that service
     # discovery finds and drops as they die), `up` cannot say which rank is gone; this can
-    RANK_INFO_NOW: "max by (rank) (flare_rank_info{sel})",
+    RANK_INFO_NOW: f"max by (rank) ({RANK_INFO}{{sel}})",
     **_current([FLIGHT_STARTED], ", group"),
     **_current([P2P_STARTED], ", group, peer, direction"),
     CANARY_FAILING: CANARY_FAILING_QUERY,
@@ -112,11 +130,11 @@ PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
 # the groups the hang rules read (diagnosis.what_hang_rules_read) when told the threshold.
 GROUP_QUERIES = {
-    "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
+    **_current([COLLECTIVE_LAST_ISSUED_SEQ], ", group"),
     # when each number was scraped: one scraped at or before its group's newest issue (the latest start the
     # faults round read) is late (rule_types.GroupState.seen_before_stall). Compared here, not in
     # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
-    ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
+    ISSUED_AT: f"max by (rank, group) (timestamp({COLLECTIVE_LAST_ISSUED_SEQ}{{sel}}))",
 }
 # The issued numbers alone: a hang's rounds ask the scrape times after them, of the few ranks they could
 # leave unjudged (_late_scrapes).
@@ -134,9 +152,9 @@ P2P_QUERIES = _current(P2P_COUNTS, ", group, peer, direction")
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
 # of every rank's group info would be the slowest query of the round.
 GONE_GROUP_QUERIES = {
-    "flare_process_group_info": (
-        "max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
-        " unless on (rank, group) flare_collective_last_issued_seq{sel}"
+    PROCESS_GROUP_INFO: (
+        f"max by (rank, group) (last_over_time({PROCESS_GROUP_INFO}{{sel}}[{{window}}]))"
+        f" unless on (rank, group) {COLLECTIVE_LAST_ISSUED_SEQ}{{sel}}"
     ),
 }
 # Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
@@ -145,11 +163,11 @@ GONE_GROUP_QUERIES = {
 PACE_QUERIES = {
     **_current(STRAGGLER_METRICS, ", ago"),
     **_current(HOST_LOAD_METRICS.values(), ""),
-    "flare_step_duration_seconds_count": (
-        "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
+    STEP_DURATION_SECONDS_COUNT: (
+        f"sum by (rank) (increase({STEP_DURATION_SECONDS_COUNT}{{sel}}[{{window}}]))"
     ),
 }
-WINDOW_METRICS = ("flare_straggler_window_step_seconds", "flare_straggler_window_wait_seconds")
+WINDOW_METRICS = (STRAGGLER_WINDOW_STEP_SECONDS, STRAGGLER_WINDOW_WAIT_SECONDS)
 
 
 def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
@@ -196,9 +214,9 @@ def ild_screen(policy: IldPolicy) -> dict[str, str]:
     op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
     return {
         "ild_screen": (
-            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
-            f" or (flare_ild_drift_ks{{sel}} >= {ks} unless on (rank, distribution)"
-            f" flare_ild_drift_wasserstein_seconds{{sel}} < {wasserstein}))"
+            f"max by (rank) ({ILD_OP_SHIFT_SECONDS}{{sel}} >= {op_shift}"
+            f" or ({ILD_DRIFT_KS}{{sel}} >= {ks} unless on (rank, distribution)"
+            f" {ILD_DRIFT_WASSERSTEIN_SECONDS}{{sel}} < {wasserstein}))"
         )
     }
 
@@ -210,8 +228,7 @@ def ild_candidates(policy: IldPolicy) -> dict[str, str]:
     op_shift, ks, _ = (repr(float(bound)) for bound in policy.floors())
     return {
         "ild_candidates": (
-            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
-            f" or flare_ild_drift_ks{{sel}} >= {ks})"
+            f"max by (rank) ({ILD_OP_SHIFT_SECONDS}{{sel}} >= {op_shift} or {ILD_DRIFT_KS}{{sel}} >= {ks})"
         )
     }
 
@@ -219,20 +236,18 @@ def ild_candidates(policy: IldPolicy) -> dict[str, str]:
 # The same from the cumulative step and collective times: every rank (asked when not every rank exports
 # straggler windows; see straggler_verdicts.judged_by_windows).
 CUMULATIVE_QUERIES = {
-    "flare_step_duration_seconds_sum": (
-        "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
-    ),
-    "flare_collective_duration_seconds_sum": (
-        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel}[{window}]))"
+    STEP_DURATION_SECONDS_SUM: (f"sum by (rank) (increase({STEP_DURATION_SECONDS_SUM}{{sel}}[{{window}}]))"),
+    COLLECTIVE_DURATION_SECONDS_SUM: (
+        f"sum by (rank) (increase({COLLECTIVE_DURATION_SECONDS_SUM}{{sel}}[{{window}}]))"
     ),
 }
 # What explains a verdict without deciding it, of every rank (the views).
 DETAIL_QUERIES = {
     **PROGRESS_QUERIES,
-    "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
+    RANK_STACK_INFO: f"max by (rank, activity, frames) ({RANK_STACK_INFO}{{sel}})",
     **_current(GPU_HEALTH_METRICS, ""),
     # only the clock events that are active: the others would be most of the answer
-    "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
+    GPU_CLOCK_EVENT_ACTIVE: f"max by (rank, reason) ({GPU_CLOCK_EVENT_ACTIVE}{{sel}} == 1)",
 }
 # The same of the few ranks a verdict names, in three queries instead of fifteen: the one-value metrics in
 # one query (each row named by its __name__). Of a few ranks Prometheus finds them at once; the per-metric
@@ -244,7 +259,7 @@ NAMED_DETAIL_QUERIES = {
 }
 # What only a view shows (`flare hang`): every rank.
 VIEW_QUERIES = {
-    "flare_collective_last_completed_seq": "max by (rank, group) (flare_collective_last_completed_seq{sel})",
+    **_current([COLLECTIVE_LAST_COMPLETED_SEQ], ", group"),
 }
 PROMETHEUS_QUERIES = {
     **FAULT_QUERIES,
@@ -398,7 +413,7 @@ def _restarts_round(fetch: Fetch, series: dict[str, Series]) -> None:
     """The progress of the ranks that raised (PROGRESS_QUERIES, 2 queries), added to `series`: whether each
     restarted since decides whether it is gone, so it is asked before the records are built. Nothing is
     asked where no rank raised."""
-    raised = sorted({int(labels["rank"]) for labels, _ in series.get("flare_rank_exception_info", [])})
+    raised = sorted({int(labels["rank"]) for labels, _ in series.get(RANK_EXCEPTION_INFO, [])})
     if raised:
         series.update(fetch(PROGRESS_QUERIES, _selectable(raised)))
 
@@ -696,10 +711,10 @@ def the_run(server: Prometheus, window: str, timeout: float, now: float) -> str:
     request, or 2."""
     where = f"Prometheus at {promql.connection(server).url}"
     start = now - duration_seconds(window, "flag --window")
-    named = promql.label_values(server, "run", "flare_rank_info", start, now, timeout)
+    named = promql.label_values(server, "run", RANK_INFO, start, now, timeout)
     if len(named) == 1 and named[0]:
         return named[0]
-    runs = promql.query(server, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
+    runs = promql.query(server, f"count by (run) (last_over_time({RANK_INFO}[{window}]))", timeout, now)
     return one_run([item["metric"].get("run", "") for item in runs], "", where)
 
 
@@ -741,7 +756,7 @@ def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
         rank: Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
         for rank, value in up.items()
     }
-    for labels, _ in series.get("flare_rank_info", []):
+    for labels, _ in series.get(RANK_INFO, []):
         liveness.setdefault(int(labels["rank"]), Liveness(False, "no longer scraped by Prometheus"))
     return build_snapshot(series, liveness, now, run)
 

@@ -3,9 +3,10 @@
 The engine is told a threshold by its flag --hang-seconds, else FLARE_HANG_SECONDS in its environment, else
 hang_seconds in the config file FLARE_CONFIG names (config.load's order). Told none, it uses the threshold
 the run's ranks were started with, which each exports (flare_hang_threshold_seconds; the largest of the
-ranks'), and only where no rank exports one its own default (300 s). From Prometheus that is one query,
-asked before the snapshot (its faults round reads ahead with the threshold); from a direct scrape it is in
-the samples the scrape fetched (records.build_snapshot sets Snapshot.hang_seconds).
+ranks'), and only where no rank exports one its own default (config.Config.hang_seconds). From
+Prometheus that is one query, asked before the snapshot (its faults round reads ahead with the threshold);
+from a direct scrape it is in the samples the scrape fetched (records.build_snapshot sets
+Snapshot.hang_seconds).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from .rule_types import Snapshot
 # Where the threshold came from: JSON key hang_seconds_from
 FLAG, ENVIRONMENT, CONFIG = config_module.FLAG, config_module.ENVIRONMENT, config_module.CONFIG_FILE
 RUN, DEFAULT = "run", "default"
-KEY = "hang_seconds"
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def told(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
     """Where the engine was told its hang threshold: FLAG (--hang-seconds given), ENVIRONMENT
     (FLARE_HANG_SECONDS set, even to the default), CONFIG (the file FLARE_CONFIG names has hang_seconds);
     None where nothing told it."""
-    return config_module.told_by(KEY, getattr(args, KEY, None), environ)
+    return config_module.told_by(config_module.HANG_KEY, getattr(args, config_module.HANG_KEY, None), environ)
 
 
 def configured(seconds: float, told_by: str | None) -> Threshold:

@@ -38,7 +38,9 @@ from .timing import CudaEventTiming, FutureTiming, NativeTiming, TimingBackend, 
 log = logging.getLogger("flare_exporter")
 
 # ProcessGroup method -> index of the argument holding the tensors it sends (None: no payload).
-# scatter and the receives count what they receive.
+# scatter and the receives count what they receive. One method per op of label_values.COLLECTIVE_OPS, in
+# its order, the op its name less a leading _ (tests/test_recording_backend.py checks them, and the C++
+# recorder's).
 WRAPPED_METHODS: dict[str, int | None] = {
     "allreduce": 0,
     "allreduce_coalesced": 0,
