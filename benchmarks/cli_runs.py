@@ -1,5 +1,5 @@
-"""Running `flare` for the benchmarks (attribution.py, scale.py): timed, in-process or as a command, and
-its JSON verdicts read back with one-line errors."""
+"""What the benchmarks share: `flare` run timed, in-process or as a command, its JSON verdicts read back
+with one-line errors; a process's CPU, a commit, Prometheus's version, times summarized."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flare_exporter.engine import cli
+from flare_exporter.local.prometheus import find_binary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,3 +85,32 @@ def command(arguments: list[str], timeout: float) -> tuple[float, int, str, floa
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return elapsed, done.returncode, done.stdout or done.stderr, cpu
+
+
+def stats(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def seconds_text(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 0.1 else f"{value:.3f} s"
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a running process so far, from /proc (clock ticks of 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def revision() -> str:
+    """The checkout's commit, short."""
+    done = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or "?"
+
+
+def prometheus_version() -> str:
+    try:
+        out = subprocess.run([find_binary() or "prometheus", "--version"], capture_output=True, text=True)
+    except OSError:
+        return "?"
+    words = (out.stdout or out.stderr).split()
+    return words[2] if len(words) > 2 else "?"

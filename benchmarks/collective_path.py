@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from overhead_stats import median_ci  # noqa: E402
+from overhead import median_ci  # noqa: E402
 
 from flare_exporter.local.jobs import free_port
 

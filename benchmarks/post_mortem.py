@@ -3,7 +3,7 @@
     python benchmarks/post_mortem.py [--ranks 1024] [--culprit 777] [--repeats 5] [--scrape-interval 2]
                                      [--healthy-scrapes 3] [--last-scrapes 1] [--json OUT] [--keep]
 
-The run: a virtual cluster (flare_exporter.local.testing.virtual_cluster, as in benchmarks/attribution.py)
+The run: a virtual cluster (flare_exporter.local.testing.virtual_cluster, as in benchmarks/scale.py)
 of `--ranks` ranks of one run, each page rendered by flare's own collectors, served on a loopback port per
 rank, discovered by a real Prometheus through one file_sd file and scraped every `--scrape-interval`.
 
@@ -42,7 +42,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +55,18 @@ from prometheus_client.utils import floatToGoString
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from attribution import default_culprit, process_cpu, prometheus_version, stats  # noqa: E402  (benchmarks/)
-from cli_runs import BenchError, command, in_process, one_line, verdicts_of  # noqa: E402  (benchmarks/)
+from cli_runs import (  # noqa: E402  (benchmarks/)
+    BenchError,
+    command,
+    in_process,
+    one_line,
+    process_cpu,
+    prometheus_version,
+    revision,
+    seconds_text,
+    stats,
+    verdicts_of,
+)
 
 from flare_exporter.engine import cli, history_source, promql, report
 from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
@@ -320,10 +329,6 @@ def summarized(runs: dict[str, Any], repeats: int) -> dict[str, Any]:
 # the figures
 
 
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.1f} ms" if value < 0.1 else f"{value:.3f} s"
-
-
 def short(expr: str) -> str:
     """A request's expression, the run's selector left out, at most 80 characters."""
     return one_line(expr.replace(f'{{run="{RUN}"}}', ""), 80)
@@ -339,27 +344,24 @@ def print_table(in_process_runs: dict[str, Any], commands: dict[str, Any]) -> No
         ("command (python -m flare_exporter.cli)", commands),
     ):
         wall, cpu = stats(runs["wall"]), stats(runs["cpu"])
-        figures = [_seconds(s[key]) for s in (wall, cpu) for key in ("median", "min", "max")]
+        figures = [seconds_text(s[key]) for s in (wall, cpu) for key in ("median", "min", "max")]
         print(
             f"  {mode:<38} {figures[0]:>12} {figures[1]:>9} {figures[2]:>9}   "
             f"{figures[3]:>11} {figures[4]:>9} {figures[5]:>9}"
         )
-    parts = in_process_runs["parts"]
+    parts = {part: seconds_text(value) for part, value in in_process_runs["parts"].items()}
     print(
-        f"  in-process, medians: live round (no rank up) {_seconds(parts['live round'])}, history round "
-        f"{_seconds(parts['history round'])} (last words from its answers {_seconds(parts['last words'])}), "
-        f"rules and report {_seconds(parts['rules and report'])}, the rest (arguments, JSON out) "
-        f"{_seconds(parts['rest'])}"
+        f"  in-process, medians: live round (no rank up) {parts['live round']}, history round "
+        f"{parts['history round']} (last words from its answers {parts['last words']}), rules and report "
+        f"{parts['rules and report']}, the rest (arguments, JSON out) {parts['rest']}"
     )
     slowest = sorted(in_process_runs["requests"].items(), key=lambda item: -item[1])[:SLOWEST_REQUESTS]
     print(
         f"  {in_process_runs['requests_per_run']:.0f} requests to Prometheus a run, at most 8 at once; "
-        "slowest (median): " + "; ".join(f"{_seconds(value)} {short(expr)}" for expr, value in slowest)
+        "slowest (median): " + "; ".join(f"{seconds_text(value)} {short(expr)}" for expr, value in slowest)
     )
-    print(
-        f"  Prometheus's CPU per diagnosis (median): {_seconds(in_process_runs['prometheus_cpu_per_run'])} "
-        f"(in-process), {_seconds(commands['prometheus_cpu_per_run'])} (command)"
-    )
+    inside, whole = (seconds_text(runs["prometheus_cpu_per_run"]) for runs in (in_process_runs, commands))
+    print(f"  Prometheus's CPU per diagnosis (median): {inside} (in-process), {whole} (command)")
 
 
 def judge(ranks: int, in_process_runs: dict[str, Any], commands: dict[str, Any]) -> bool:
@@ -368,7 +370,7 @@ def judge(ranks: int, in_process_runs: dict[str, Any], commands: dict[str, Any])
     met = whole < GOAL_SECONDS
     print(
         f"goal: < {GOAL_SECONDS:g} s of CLI time at {ranks:,} ranks: {'met' if met else 'missed'} "
-        f"(command median {_seconds(whole)}, in-process {_seconds(inside)})"
+        f"(command median {seconds_text(whole)}, in-process {seconds_text(inside)})"
     )
     return met
 
@@ -400,7 +402,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (Prometheus data)")
     args = parser.parse_args(argv)
-    args.culprit = default_culprit(args.ranks) if args.culprit is None else args.culprit
+    if args.culprit is None:  # 777 at 1,024 ranks; the same relative position in a smaller cluster
+        args.culprit = 777 if args.ranks > 777 else args.ranks * 777 // 1024
     problems = {
         f"--ranks {args.ranks}: at least 2 (a culprit and a follower)": args.ranks < 2,
         f"--culprit {args.culprit}: must be a rank, 0 to {args.ranks - 1}": not 0
@@ -451,16 +454,11 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "?"
-
-
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The run rendered, trained, killed and gone under a real Prometheus; flare timed on it: the figures."""
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": revision(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

@@ -40,6 +40,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cli_runs import process_cpu  # noqa: E402  (benchmarks/)
+
 from flare_exporter.durations import duration_seconds  # noqa: E402
 from flare_exporter.engine import promql  # noqa: E402
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for  # noqa: E402
@@ -93,12 +95,6 @@ def evaluated_since(url: str, since: float) -> float | None:
     return min(times)
 
 
-def cpu_seconds(pid: int) -> float:
-    """The process's CPU time so far (user and system, /proc; clock ticks of 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Cost(NamedTuple):
     seconds: float  # the engine's median evalTotalTime
     cpu_seconds: float  # Prometheus's CPU time a query
@@ -110,14 +106,14 @@ def cost_of(url: str, pid: int, expr: str, at: float, repeats: int) -> Cost:
     """What `expr` costs as an instant query at `at`. The CPU time is the measure where the machine is
     shared: the engine's wall time also counts the time it waited for a core."""
     timings, size, samples = [], 0, 0
-    started = cpu_seconds(pid)
+    started = process_cpu(pid)
     for _ in range(repeats):
         params = {"query": expr, "time": repr(at), "stats": "all"}
         data = promql._data(url, "query", params, 120, repr(expr))  # noqa: SLF001 - with its stats
         timings.append(float(data["stats"]["timings"]["evalTotalTime"]))
         samples = int(data["stats"]["samples"]["totalQueryableSamples"])
         size = len(data["result"])
-    return Cost(statistics.median(timings), (cpu_seconds(pid) - started) / repeats, size, samples)
+    return Cost(statistics.median(timings), (process_cpu(pid) - started) / repeats, size, samples)
 
 
 def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str, Any]:
