@@ -2,19 +2,12 @@
 
     python benchmarks/direct_scrape.py [--ranks 6144] [--repeats 5] [--json OUT]
 
-The ranks (flare_exporter.local.testing.virtual_cluster: every signal on, each on its own loopback port)
-are served by a child process, as real ranks serve from their own hosts: the command's CPU is its own,
-and nothing else (no store, no rule engine) shares the machine with it. Phases, each a fault on one rank
-(as in scale.py: straggler N*3//8, hung N*777//1024, dead N*5//8):
-
-1. straggler: one rank's GPU throttles; it waits least in every straggler window;
-2. hang: every rank but one has waited in the world group's next all-reduce for two minutes;
-3. dead: the job 40 steps on, one rank's endpoint closed (connection refused).
-
-In each, `flare diagnose --targets DIR --hang-seconds 60 --json` runs as a command `--repeats` times: its
-wall time and CPU (median), its first verdict checked (the phase's kind naming exactly that rank). Then
-the client alone, in this process: `scrape.scrape_all` of every rank, its thread's CPU per rank with the
-parse and without it. Goal: < 3 s at 6,144 ranks.
+The virtual ranks (every signal on, each on its own loopback port) are served by a child process, as real
+ranks serve from their own hosts; nothing else shares the machine. Phases, a fault on one rank each (as in
+scale.py): a straggler; a hang two minutes old; a dead rank (its endpoint closed). In each, `flare diagnose
+--targets DIR --hang-seconds 60 --json` runs as a command `--repeats` times, its first verdict checked.
+Then the client alone: `scrape.scrape_all` of every rank, its thread's CPU per rank with the parse and
+without it. Goal: < 3 s at 6,144 ranks.
 
 Exit status: 0 when every verdict was right (whatever the times), 1 otherwise, 2 for bad arguments.
 """

@@ -3,33 +3,21 @@
     python benchmarks/post_mortem.py [--ranks 1024] [--culprit 777] [--repeats 5] [--scrape-interval 2]
                                      [--healthy-scrapes 3] [--last-scrapes 1] [--json OUT] [--keep]
 
-The run: a virtual cluster (flare_exporter.local.testing.virtual_cluster, as in benchmarks/scale.py)
-of `--ranks` ranks of one run, each page rendered by flare's own collectors, served on a loopback port per
-rank, discovered by a real Prometheus through one file_sd file and scraped every `--scrape-interval`.
+A virtual cluster (flare_exporter.local.testing.virtual_cluster) of `--ranks` ranks, each page rendered by
+flare's collectors, served on a loopback port per rank and scraped by a real Prometheus. It trains (healthy
+pages, `--healthy-scrapes` scrapes a rank); it dies (every page swapped for the rank's last words: rank
+`--culprit` raised OutOfMemoryError a second before the others, the even ranks follow with RuntimeError, the
+odd ones get their launcher's SIGTERM; `--last-scrapes` scrapes); it is gone (every connection refused,
+until Prometheus sees every target down). Each step waits on Prometheus's API, not on a clock.
 
-1. It trains: every rank serves its healthy page until Prometheus has scraped each `--healthy-scrapes` times.
-2. It dies: every page is swapped at once for the rank's last words, rendered by the same collectors from
-   the rank's state with `exception` or `terminated` set. Rank `--culprit` raised OutOfMemoryError (cause
-   out_of_memory) a second before the others; the even ranks follow with RuntimeError (cause
-   communication: a peer is gone), the odd ones are stopped by their launcher's SIGTERM. These pages are
-   served until Prometheus has scraped each `--last-scrapes` times.
-3. It is gone: the server stops (every connection refused) until Prometheus sees every target down
-   (`up` 0, the rank's series stale).
-
-Each step waits on Prometheus's API, not on a clock. Then `flare diagnose --prometheus URL --run RUN --json`
-runs `--repeats` times in this process (cli.main: wall and CPU time; the server is gone, so the CPU is the
-CLI's own, its query threads included) and as many times as a command (`python -m flare_exporter.cli`,
-start-up included: wall time, and CPU time from rusage), in turns. The in-process runs also time their
-parts: the live round that finds no rank up, the history round (history_source: its queries, and the last
-words built from the answers), the rules and report (post_mortem, report), the rest (arguments, JSON out);
-and every request to Prometheus. Prometheus's own CPU per diagnosis comes from /proc.
-
-Every answer must be the post-mortem's one verdict, rank_down of [culprit] with cause out_of_memory; any
-other answer ends the benchmark with one line saying what came. Goal: the command's median < 1 s at 1,024
-ranks.
+Then `flare diagnose --prometheus URL --run RUN --json` runs `--repeats` times in this process (wall and CPU,
+its parts: the live round that finds no rank up, the history round, the rules and report; every request to
+Prometheus) and as many times as a command (start-up included), in turns; Prometheus's CPU per diagnosis
+from /proc. Every answer must be the one verdict rank_down of [culprit], cause out_of_memory. Goal: the
+command's median < 1 s at 1,024 ranks.
 
 Exit status: 0 when every verdict was right (whatever the times), 1 for a wrong verdict or a failure, 2 for
-bad arguments. Prometheus and the server are stopped on exit, Ctrl-C and SIGTERM included.
+bad arguments.
 """
 
 from __future__ import annotations

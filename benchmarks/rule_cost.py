@@ -3,21 +3,14 @@
     python benchmarks/rule_cost.py [--ranks 6144] [--scrape-interval 15] [--repeats 3] [--rules FILE]
                                    [--json OUT]
 
-A virtual cluster of `--ranks` ranks (benchmarks/scale.py's: every rank's page rendered by flare's own
-collectors, one loopback port each) is scraped by a real Prometheus evaluating flare's rules (or `--rules
-FILE`) at every scrape interval, the slow groups too, until every group has been evaluated three times over
-the job's later pages. Then the targets are taken away, so that Prometheus neither scrapes nor ingests, and
-every rule's expression is asked as an instant query at the time of the last evaluation, `--repeats` times,
-one at a time: the recorded series each one reads are there, as they were when the rule ran. Measured, per
-rule: the samples it reads (Prometheus's own count, which this machine's pace does not move; a range longer
-than the history held reads fewer than it will in a long job), Prometheus's CPU time a query (from /proc,
-over the repeats) and its own evalTotalTime for it (`stats=all`: the engine's wall time, not HTTP's; median
-of the repeats); per group: the sum of its rules, which is what one evaluation of the group costs on one
-core (a group evaluates its rules one after the other), against the group's interval.
-
-Why a quiet server, and CPU time: while Prometheus ingests a 6,144-rank job on two shared cores, a group's
-evaluationTime is mostly waiting for a core (benchmarks/README.md): it says how starved the server is, not
-what the rules cost. The share of the interval is the CPU time's: what the rules cost on one core.
+A virtual cluster of `--ranks` ranks (scale.py's) is scraped by a real Prometheus evaluating flare's rules
+(or `--rules FILE`) at every scrape interval until every group ran three times over the job's later pages.
+Then the targets go (nothing scraped or ingested), and every rule's expression is asked alone as an instant
+query at the last evaluation's time, `--repeats` times, the recorded series it reads in place. Per rule:
+the samples it reads (Prometheus's count, which the machine's pace does not move), Prometheus's CPU time a
+query (/proc) and its evalTotalTime (`stats=all`); per group the sum, what one evaluation costs on one
+core, against the group's interval. A quiet server and CPU time because while Prometheus ingests a
+6,144-rank job on two shared cores, a group's evaluationTime is mostly waiting for a core.
 
 Exit status: 0 when every group's cost is within its interval, 1 otherwise, 2 for bad arguments.
 """

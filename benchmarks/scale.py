@@ -3,46 +3,23 @@
     python benchmarks/scale.py [--ranks 6144] [--store prometheus|victoria-metrics|both]
                                [--scrape-interval S] [--hang-seconds 20] [--repeats 3]
                                [--direct-repeats 1 | --no-direct] [--json OUT] [--keep]
-    python benchmarks/scale.py --ranks 1024        # a smaller cluster, 5 s scrapes
 
 The cluster (flare_exporter.local.testing.virtual_cluster): every virtual rank's /metrics rendered by
-flare's own collectors with every signal on (three process groups, straggler windows, ILD, GPU health via
-the fake NVML; about 280 series and 36 KiB each), each served on its own loopback port by one asyncio server
-in this process, and listed in one file_sd file as the ranks write theirs.
+flare's own collectors with every signal on, each served on its own loopback port by one asyncio server,
+listed in one file_sd file. The stores (benchmarks/scale_stores.py), one after the other, each over a fresh
+server of the same pages, with the project's rules (every `for:` at 0 s) paging a real Alertmanager that
+pages a webhook here: one Prometheus; or 2 vmagent shards into VictoriaMetrics, the rules in vmalert.
 
-The stores (benchmarks/scale_stores.py), one after the other (--store both, the default: Prometheus
-first), each scraping a fresh server of the same rendered pages (so that the rank the first store saw die
-answers again), with the project's rules
-(`rules_render.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`: every alert without its
-`for:`, the slow signals' groups evaluated every minute as they ship), paging a real Alertmanager with the
-example configuration, which pages a webhook receiver here:
+Phases, each a fault on its own rank (straggler N*3//8, hung N*777//1024, dead N*5//8): a straggler from
+the start; a hang (every rank but one waits in the world group's next all-reduce from a known time); then
+the hang ends (the job 40 steps on: its pages must name no other rank) and a rank's endpoint closes.
 
-- prometheus: one Prometheus scraping every rank and evaluating the rules (alertmanager.AlertingStack);
-- victoria-metrics: 2 vmagent shards scraping half the ranks each into a single-node VictoriaMetrics, the
-  rules in vmalert against it (victoria_metrics.ShardedStack, docs/scaling.md).
-
-Phases, each a fault on a different rank (straggler N*3//8, hung N*777//1024, dead N*5//8):
-
-1. straggler: from the start, one rank's GPU throttles; it waits least in every straggler window.
-2. hang: at a known time every rank but the hung one issues the world group's next all-reduce and waits in it
-   (every page is swapped at once; the pages carry that time); the hung one is stuck in compute.
-3. dead: the hang is over (every rank completed the all-reduce and the job is 40 steps on: sequence numbers
-   only move on, as in a job); once Alertmanager holds none of the hang's alerts, one rank's endpoint is
-   closed (connection refused) at a known time. The pages that come while the hang ends count too: ranks
-   scraped before and after its end meet in the rules' evaluations for up to a scrape interval.
-
-Measured for each store: in steady state, its processes' CPU (cores) and memory, the samples it ingests and
-the series it holds, scrape durations; every rule group's evaluations while it ran (median and longest,
-against the group's interval: Prometheus's /api/v1/rules, vmalert's iteration durations) and the slowest
-rules; the actual interval between scrapes of a target. In each phase: the time from the fault to its page
-at the webhook (FlareRankStraggler from the store's start, FlareCollectiveHangCulprit from the hang's time,
-FlareRankDown from the death), the pages that name a rank other than a fault's (any fails the run; alerts
-about a rank's monitoring, such as FlareRankScrapesLate, are listed apart), and
-`flare diagnose --prometheus STORE --json` (as a command and in-process) timed, its first verdict checked:
-the phase's kind naming the phase's rank; with the first store only, `flare diagnose --targets DIR` (direct
-scrape; the store plays no part in it). The load average of this machine is recorded as it goes. Goals:
-the right culprit in < 1 s of CLI time via the store at 6,144 ranks. The direct scrape here shares the
-machine with the store; its goal (< 3 s at 6,144 ranks) is measured alone by benchmarks/direct_scrape.py.
+Measured per store: its CPU, memory, ingestion and series in steady state; every rule group's evaluations
+(median, longest, share of the interval) and the slowest rules; the interval between a target's scrapes.
+Per phase: the time from the fault to its page, the pages naming another rank (any fails the run; alerts
+about a rank's monitoring are listed apart), and `flare diagnose --prometheus STORE --json` timed as a
+command and in-process, its first verdict checked; with the first store only, `flare diagnose --targets`
+(its goal is benchmarks/direct_scrape.py's). Goal: the right culprit in < 1 s via the store at 6,144 ranks.
 
 Exit status: 0 when every verdict and page was right (whatever the times), 1 otherwise, 2 for bad arguments.
 """

@@ -3,16 +3,12 @@
     python benchmarks/soak.py [--collectives 1000000] [--collectives-per-step 100] [--scrape-interval 1]
                               [--json OUT]
 
-One rank (gloo, world size 1) runs under the flare launcher and issues `--collectives` tiny all-reduces
-(one float each) through the wrapped process group, as fast as it can, with an optimizer step after every
-`--collectives-per-step` of them (0: no step at all, like an evaluation loop). This process scrapes the rank's
-/metrics every `--scrape-interval` seconds (as Prometheus would) and reads its resident memory (VmRSS in
-/proc/PID/status) at each scrape, with the collectives issued so far (flare_collective_last_issued_seq).
-
-Printed: collectives issued and completed, errors and dropped events the exporter counted, RSS at 10 %
-of the collectives (start: torch and the exporter are warm) and at the end, and the least-squares slope
-of RSS over the second half of the run, in KiB per million collectives. Memory is flat when that slope is
-near zero. Exit status: 0 when the rank completed every collective, 1 otherwise.
+One gloo rank under the flare launcher issues `--collectives` tiny all-reduces through the wrapped process
+group, an optimizer step after every `--collectives-per-step` (0: none), while this process scrapes its
+/metrics every `--scrape-interval` seconds and reads its VmRSS at each scrape. Printed: collectives issued
+and completed, errors and dropped events, RSS at 10 % of the run and at the end, and the slope of RSS over
+the second half in KiB per million collectives (flat: near zero). Exit status: 0 when the rank completed
+every collective, 1 otherwise.
 """
 
 from __future__ import annotations
