@@ -8,6 +8,7 @@ import contextlib
 import functools
 import io
 import json
+import math
 import os
 import resource
 import shutil
@@ -85,6 +86,19 @@ def command(arguments: list[str], timeout: float) -> tuple[float, int, str, floa
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return elapsed, done.returncode, done.stdout or done.stderr, cpu
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval for the median (order statistics); None if n is too small."""
+    ordered = sorted(values)
+    n = len(ordered)
+    below, k = 0.0, 0  # k: the largest with P(Binomial(n, 1/2) < k) <= the tail
+    for j in range(n + 1):
+        below += math.comb(n, j) / 2**n
+        if below > (1.0 - confidence) / 2:
+            break
+        k = j + 1
+    return (ordered[k - 1], ordered[n - k]) if k >= 1 else None
 
 
 def stats(times: list[float]) -> dict[str, float]:

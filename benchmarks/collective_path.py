@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from overhead import median_ci  # noqa: E402
+from cli_runs import median_ci  # noqa: E402  (benchmarks/)
 
 from flare_exporter.local.jobs import free_port
 
@@ -43,15 +43,13 @@ SIDES = ("plain", "wrapped")
 def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -> None:
     """One rank: both models, the blocks, the check; writes its blocks as JSON to `out`."""
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        FLARE_PORT="0",  # nothing scrapes here: the endpoint is the end-to-end benchmark's business
-        FLARE_RUN="collective-path",
-        FLARE_NATIVE_COLLECTIVES=str(args.recorder == "cpp").lower(),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1"
     )
+    os.environ.update(MASTER_PORT=str(master_port), FLARE_RUN="collective-path")
+    os.environ["FLARE_PORT"] = (
+        "0"  # nothing scrapes here: the endpoint is the end-to-end benchmark's business
+    )
+    os.environ["FLARE_NATIVE_COLLECTIVES"] = str(args.recorder == "cpp").lower()
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -111,10 +109,7 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
 
 def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "ranks": args.ranks,
-        "blocks": args.blocks,
-        "block_steps": args.block_steps,
-        "recorder": args.recorder,
+        key: getattr(args, key) for key in ("ranks", "blocks", "block_steps", "recorder")
     }
     for measure, what in (("wall", "step time"), ("cpu", "training thread's CPU per step")):
         differences = [
@@ -128,10 +123,8 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
         )
         difference = statistics.median(differences)
         interval = median_ci(differences)
-        results[measure] = {
-            "median_plain": plain,
-            "median_wrapped": wrapped,
-            "median_difference": difference,
+        results[measure] = dict(median_plain=plain, median_wrapped=wrapped, median_difference=difference)
+        results[measure] |= {
             "median_difference_ci95": list(interval) if interval else None,
             "ratio": wrapped / plain,
         }

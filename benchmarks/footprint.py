@@ -68,9 +68,7 @@ def scrape_endpoint(port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--world", type=int, default=1024, help="world size of the virtual job (default 1024)"
-    )
+    parser.add_argument("--world", type=int, default=1024, help="the virtual job's world size (default 1024)")
     parser.add_argument(
         "--repeats", type=int, default=200, help="timed renders per measurement (default 200)"
     )
@@ -95,12 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'role':10} {'series':>6} {'text bytes':>11} {'gzip bytes':>11}")
     for role, (rank, role_faults) in roles.items():
         text = vc.render(vc.rank_state(rank, args.world, RUN, now, role_faults))
-        row = {
-            "series": len(parse(text.decode())),
-            "bytes": len(text),
-            "gzip_bytes": len(gzip.compress(text, 1)),
-        }
-        results["roles"][role] = row
+        results["roles"][role] = row = dict(series=len(parse(text.decode())), bytes=len(text))
+        row["gzip_bytes"] = len(gzip.compress(text, 1))
         print(f"  {role:10} {row['series']:6d} {row['bytes']:11,d} {row['gzip_bytes']:11,d}")
     worst_series = max(row["series"] for row in results["roles"].values())
     worst_bytes = max(row["bytes"] for row in results["roles"].values())

@@ -113,26 +113,17 @@ def run(
     steps."""
     with_exporter = side.runs_as == "with"
     label = (
-        f"{side.runs_as} the exporter, {steps} steps"
-        if side.runs_as != "loaded"
-        else f"flare loaded, {steps} steps"
-    )
+        "flare loaded" if side.runs_as == "loaded" else f"{side.runs_as} the exporter"
+    ) + f", {steps} steps"
     if side.scrape_every:
         label += f", scraped every {side.scrape_every}"
     if side.env:
         label += ", " + ", ".join(f"{name}={value}" for name, value in side.env)
     workdir.mkdir(parents=True)
     start = workdir / "start"
-    env = dict(
-        os.environ,
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-    )
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     if with_exporter:
         env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
         env.setdefault("FLARE_NVML_MODULE", "flare_exporter.local.testing.fake_nvml")
@@ -142,22 +133,11 @@ def run(
         "loaded": [str(REPO / "benchmarks" / "loaded.py")],
         "with": ["-m", "flare_exporter.launch"],
     }
-    command = [
-        "valgrind",
-        "--tool=callgrind",
-        "--instr-atstart=no",
-        "--separate-threads=yes",
-        *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
-        f"--callgrind-out-file={workdir}/cg.%p",
-        sys.executable,
-        *prefix[side.runs_as],
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--start-after",
-        str(start),
-        *(["--scrape-every", str(side.scrape_every)] if side.scrape_every else []),
-    ]
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    valgrind += ["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []
+    command = [*valgrind, f"--callgrind-out-file={workdir}/cg.%p", sys.executable, *prefix[side.runs_as]]
+    command += [str(SCRIPT), "--steps", str(steps), "--start-after", str(start)]
+    command += ["--scrape-every", str(side.scrape_every)] if side.scrape_every else []
     log = workdir / "log.txt"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -244,33 +224,22 @@ def print_simulated(training: dict[str, dict[str, float]]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked: exit 2 on a bad one."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
-    parser.add_argument("--long", type=int, default=240, help="steps of the long runs (default 240)")
+    for flag, kind, default, says in (
+        ("--short", int, 40, "steps of the short runs"),
+        ("--long", int, 240, "steps of the long runs"),
+        ("--timeout", float, 1200.0, "seconds one run may take"),
+        ("--scrape-every", int, 20, "steps between two scrapes in the scraped runs (0: no scraped runs)"),
+        (
+            "--job-steps-per-scrape",
+            int,
+            125,
+            "steps of a real job between two scrapes (a second of 8 ms steps)",
+        ),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{says} (default {default})")
+    parser.add_argument("--cache-sim", action="store_true", help="also simulate the caches and branches")
     parser.add_argument(
-        "--timeout", type=float, default=1200.0, help="seconds one run may take (default 1200)"
-    )
-    parser.add_argument(
-        "--scrape-every",
-        type=int,
-        default=20,
-        help="steps between two scrapes in the scraped runs (default 20; 0: no scraped runs)",
-    )
-    parser.add_argument(
-        "--job-steps-per-scrape",
-        type=int,
-        default=125,
-        help="steps of a real job between two scrapes, to weigh a scrape per step (default 125: a scrape "
-        "a second of overhead.py's ~8 ms steps)",
-    )
-    parser.add_argument(
-        "--cache-sim",
-        action="store_true",
-        help="also simulate the caches and branch predictor: the training thread's misses per step",
-    )
-    parser.add_argument(
-        "--loaded",
-        action="store_true",
-        help="add a side with flare's code loaded and nothing attached (benchmarks/loaded.py)",
+        "--loaded", action="store_true", help="add a side with flare's code loaded, not attached"
     )
     parser.add_argument(
         "--variant",

@@ -39,7 +39,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from cli_runs import revision  # noqa: E402  (benchmarks/)
+from cli_runs import median_ci, revision  # noqa: E402  (benchmarks/)
 
 from flare_exporter.local.jobs import free_port, free_port_block  # noqa: E402
 
@@ -52,19 +52,6 @@ class RunError(Exception):
     """A run that did not complete: one line naming the rank and its stderr's tail."""
 
 
-def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """Distribution-free confidence interval for the median (order statistics); None if n is too small."""
-    ordered = sorted(values)
-    n = len(ordered)
-    below, k = 0.0, 0  # k: the largest with P(Binomial(n, 1/2) < k) <= the tail
-    for j in range(n + 1):
-        below += math.comb(n, j) / 2**n
-        if below > (1.0 - confidence) / 2:
-            break
-        k = j + 1
-    return (ordered[k - 1], ordered[n - k]) if k >= 1 else None
-
-
 class Scraper(threading.Thread):
     """Every port's /metrics once per `interval`, as Prometheus asks, until stopped; a failure counts once
     the rank has answered (before, it is still starting)."""
@@ -73,7 +60,7 @@ class Scraper(threading.Thread):
         super().__init__(name="scraper", daemon=True)
         self.ports, self.interval = ports, interval
         self.answered: set[int] = set()
-        self.done, self.failures = 0, []  # type: ignore[var-annotated]
+        self.done, self.failures = 0, list[str]()
         self.stopping = threading.Event()
 
     def run(self) -> None:

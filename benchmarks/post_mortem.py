@@ -283,13 +283,7 @@ def time_both(args: argparse.Namespace, cli_args: list[str], pid: int) -> dict[s
     """flare in each of MODES in turns, `--repeats` times each (so that both see the same background load),
     each verdict checked: each mode's figures, with Prometheus's CPU seconds meanwhile."""
     runs: dict[str, dict[str, Any]] = {
-        mode: {
-            "wall": [],
-            "cpu": [],
-            "prometheus_cpu": [],
-            "parts": defaultdict(list),
-            "requests": defaultdict(list),
-        }
+        mode: dict(wall=[], cpu=[], prometheus_cpu=[], parts=defaultdict(list), requests=defaultdict(list))
         for mode in MODES
     }
     for index in range(args.repeats):
@@ -394,9 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.culprit = 777 if args.ranks > 777 else args.ranks * 777 // 1024
     problems = {
         f"--ranks {args.ranks}: at least 2 (a culprit and a follower)": args.ranks < 2,
-        f"--culprit {args.culprit}: must be a rank, 0 to {args.ranks - 1}": not 0
-        <= args.culprit
-        < args.ranks,
+        f"--culprit {args.culprit}: a rank, 0 to {args.ranks - 1}": args.culprit not in range(args.ranks),
         "--repeats must be at least 1": args.repeats < 1,
         "--scrape-interval: between 0.1 and 60 seconds": not 0.1 <= args.scrape_interval <= 60,
         "--healthy-scrapes and --last-scrapes: at least 1": min(args.healthy_scrapes, args.last_scrapes) < 1,
@@ -444,18 +436,12 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
 
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The run rendered, trained, killed and gone under a real Prometheus; flare timed on it: the figures."""
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": revision(),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "prometheus": prometheus_version(),
-        },
-        "config": {key: getattr(args, key) for key in ("ranks", "culprit", "repeats", "scrape_interval")}
-        | {"healthy_scrapes": args.healthy_scrapes, "last_scrapes": args.last_scrapes, "run": RUN},
-    }
+    machine = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
+    machine["prometheus"] = prometheus_version()
+    config = {key: getattr(args, key) for key in ("ranks", "culprit", "repeats", "scrape_interval")}
+    config |= {"healthy_scrapes": args.healthy_scrapes, "last_scrapes": args.last_scrapes, "run": RUN}
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results: dict[str, Any] = {"date": date, "commit": revision(), "machine": machine, "config": config}
     machine = results["machine"]
     print(
         f"flare post-mortem benchmark  {results['date']}  {results['commit']}  {machine['cpus']} CPUs  "
@@ -496,18 +482,12 @@ def measure(args: argparse.Namespace, prometheus: PrometheusProcess) -> dict[str
     )
     print_table(in_process_runs, commands)
     met = judge(args.ranks, in_process_runs, commands)
-    return {
-        "verdict": {key: verdict[key] for key in ("kind", "ranks", "cause", "summary")},
-        "in_process": in_process_runs,
-        "command": commands,
-        "summary": {
-            f"{mode}_{time_kind}": stats(runs[time_kind])
-            for mode, runs in figures.items()
-            for time_kind in ("wall", "cpu")
-        },
-        "goal_seconds": GOAL_SECONDS,
-        "goal_met": met,
+    summary = {
+        f"{mode}_{kind}": stats(runs[kind]) for mode, runs in figures.items() for kind in ("wall", "cpu")
     }
+    verdict = {key: verdict[key] for key in ("kind", "ranks", "cause", "summary")}
+    out = {"verdict": verdict, "in_process": in_process_runs, "command": commands, "summary": summary}
+    return out | {"goal_seconds": GOAL_SECONDS, "goal_met": met}
 
 
 if __name__ == "__main__":

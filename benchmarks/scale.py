@@ -83,9 +83,7 @@ def default_interval(ranks: int) -> int:
 
 
 def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+    return "-" if value is None else f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def load_average() -> list[float]:
@@ -308,15 +306,11 @@ def pages_since(run: StoreRun, since: float) -> dict[str, Any]:
 
 
 def print_pages(pages: dict[str, Any]) -> None:
-    wrong = pages["wrong"]
+    wrong, monitoring = pages["wrong"], pages["monitoring"]
     print(
         f"  pages: right {', '.join(pages['right']) or 'none'}; naming another rank: {len(wrong)} "
-        f"{', '.join(list(wrong)[:20])}; without a rank: {', '.join(pages['without_rank']) or 'none'}"
-        + (
-            f"; monitoring: {len(pages['monitoring'])} {', '.join(pages['monitoring'][:10])}"
-            if pages["monitoring"]
-            else ""
-        )
+        f"{', '.join(list(wrong)[:20])}; without a rank: {', '.join(pages['without_rank']) or 'none'}; "
+        f"monitoring: {len(monitoring)} {', '.join(monitoring[:10])}"
     )
     for name, detail in list(wrong.items())[:20]:
         print(f"    wrong: {name} {detail['after_seconds']} s into the phase, labels {detail['labels']}")
@@ -504,22 +498,12 @@ def render(args: argparse.Namespace, faults: dict[str, int]) -> tuple[vc.PhasePa
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ranks = args.ranks
     faults = {"straggler": ranks * 3 // 8, "hang": ranks * 777 // 1024, "dead": ranks * 5 // 8}
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_average_at_start": load_average(),
-        },
-        "config": {
-            "ranks": ranks,
-            "stores": args.stores,
-            "scrape_interval_seconds": args.scrape_interval,
-            "hang_seconds": args.hang_seconds,
-            "faults": faults,
-        },
-    }
+    machine = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
+    config = dict(ranks=ranks, stores=args.stores, scrape_interval_seconds=args.scrape_interval)
+    config.update(hang_seconds=args.hang_seconds, faults=faults)
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results: dict[str, Any] = {"date": date, "machine": machine | {"load_average": load_average()}}
+    results["config"] = config
     print(
         f"flare scale benchmark  {results['date']}  {os.cpu_count()} CPUs  python {platform.python_version()}"
         f"  load average {load_average()}"
@@ -674,27 +658,17 @@ def failures(results: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=6144, help="virtual ranks (default 6144)")
     parser.add_argument(
-        "--store",
-        choices=[*stores.STORES, "both"],
-        default="both",
-        help="the store to run against; both: one after the other, Prometheus first (default)",
+        "--store", choices=[*stores.STORES, "both"], default="both", help="both (default): Prometheus first"
     )
-    parser.add_argument(
-        "--scrape-interval",
-        type=int,
-        default=0,
-        metavar="S",
-        help="seconds (default: 5 up to 1,024 ranks, 10 up to 3,072, else 15)",
-    )
-    parser.add_argument(
-        "--hang-seconds", type=int, default=20, help="hang threshold of rules and CLI (default 20)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="CLI runs via the store per phase (default 3)")
-    parser.add_argument(
-        "--direct-repeats", type=int, default=1, help="direct-scrape runs per phase, first store (default 1)"
-    )
+    for flag, default, says in (
+        ("--ranks", 6144, "virtual ranks (default 6144)"),
+        ("--scrape-interval", 0, "seconds (default: 5 up to 1,024 ranks, 10 up to 3,072, else 15)"),
+        ("--hang-seconds", 20, "hang threshold of rules and CLI (default 20)"),
+        ("--repeats", 3, "CLI runs via the store per phase (default 3)"),
+        ("--direct-repeats", 1, "direct-scrape runs per phase, first store (default 1)"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=says)
     parser.add_argument("--no-direct", action="store_true", help="no direct-scrape run (--direct-repeats 0)")
     parser.add_argument("--json", default="", metavar="OUT", help="also write every number as JSON to OUT")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
