@@ -79,38 +79,39 @@ class Scraper(threading.Thread):
                         self.failures.append(f"{port}: {error}")
 
 
-def run_job(
-    args: argparse.Namespace, with_exporter: bool, workdir: Path
-) -> tuple[list[dict], Scraper | None]:
-    """One job to its end: each rank's report (train_ddp.py --report) and, with the exporter, its scraper."""
-    workdir.mkdir(parents=True)
+def job(args: argparse.Namespace, with_exporter: bool) -> tuple[list[str], dict[str, str], list[int]]:
+    """A job's command (each rank adds its --report), environment and exporter ports (none without it)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.ranks))
     env.update(
         OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     )
     env.pop("FLARE_FILE_SD_DIR", None)
-    prefix, ports = [sys.executable], []
-    if with_exporter:
-        base_port = free_port_block(args.ranks)
-        ports = [base_port + rank for rank in range(args.ranks)]
-        env.update(
-            FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1", FLARE_RUN=env.get("FLARE_RUN", "overhead")
-        )
-        if args.device == "cpu":
-            env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
-        prefix = [sys.executable, "-m", "flare_exporter.launch"]
-    script = [str(SCRIPT), "--steps", str(args.steps), "--batch", str(args.batch), "--wait-for", "done"]
-    script += [
-        *(["--device", "cuda"] if args.device == "cuda" else []),
-        *(["--width", str(args.width)] * bool(args.width)),
-    ]
+    command = [str(SCRIPT), "--steps", str(args.steps), "--batch", str(args.batch), "--wait-for", "done"]
+    command += ["--device", "cuda"] if args.device == "cuda" else []
+    command += ["--width", str(args.width)] if args.width else []
+    if not with_exporter:
+        return [sys.executable, *command], env, []
+    base_port = free_port_block(args.ranks)
+    env.update(FLARE_PORT=str(base_port), FLARE_ADDR="127.0.0.1", FLARE_RUN=env.get("FLARE_RUN", "overhead"))
+    if args.device == "cpu":  # every signal on: GPU health reads the fake NVML (on a GPU, NVML itself)
+        env.setdefault("FLARE_NVML_MODULE", FAKE_NVML)
+    ports = [base_port + rank for rank in range(args.ranks)]
+    return [sys.executable, "-m", "flare_exporter.launch", *command], env, ports
+
+
+def run_job(
+    args: argparse.Namespace, with_exporter: bool, workdir: Path
+) -> tuple[list[dict], Scraper | None]:
+    """One job to its end: each rank's report (train_ddp.py --report) and, with the exporter, its scraper."""
+    workdir.mkdir(parents=True)
+    command, env, ports = job(args, with_exporter)
     procs = []
     for rank in range(args.ranks):
-        command = [*prefix, *script, "--report", f"report{rank}.json"]
+        rank_command = [*command, "--report", f"report{rank}.json"]
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
         with open(workdir / f"stderr{rank}.log", "wb") as err:
             procs.append(
-                subprocess.Popen(command, env=rank_env, cwd=workdir, stderr=err, start_new_session=True)
+                subprocess.Popen(rank_command, env=rank_env, cwd=workdir, stderr=err, start_new_session=True)
             )
     scraper = Scraper(ports, args.scrape_interval) if ports and args.scrape_interval else None
     try:
