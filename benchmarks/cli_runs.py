@@ -46,6 +46,21 @@ def verdicts_of(code: int, output: str, where: str) -> tuple[dict[str, Any], str
     return result, summary
 
 
+def first_verdict(code: int, output: str, kind: str, rank: int, where: str) -> str:
+    """The first verdict of `flare diagnose --json` must be `kind` naming exactly `rank`; a one-line summary
+    of all of them, BenchError otherwise."""
+    result, summary = verdicts_of(code, output, where)
+    first = (result.get("verdicts") or [{}])[0]
+    if code != cli.EXIT_ANOMALY or (first.get("kind"), first.get("ranks")) != (kind, [rank]):
+        raise BenchError(f"{where}: exit code {code}, verdicts {summary} (expected {kind} [{rank}] first)")
+    return f"{summary}; {result.get('ranks_seen')} ranks seen"
+
+
+def faulty_ranks(ranks: int) -> dict[str, int]:
+    """The rank each fault of scale.py and direct_scrape.py strikes in a virtual cluster of `ranks`."""
+    return {"straggler": ranks * 3 // 8, "hang": ranks * 777 // 1024, "dead": ranks * 5 // 8}
+
+
 def in_process(argv: list[str]) -> tuple[float, int, str]:
     """(wall seconds, exit code, output) of `flare ARGV` in this process."""
     out, err = io.StringIO(), io.StringIO()

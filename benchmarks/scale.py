@@ -45,9 +45,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import scale_stores as stores  # noqa: E402  (benchmarks/)
-from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402  (benchmarks/)
+from cli_runs import BenchError, command, faulty_ranks, first_verdict, in_process  # noqa: E402  (benchmarks/)
 
-from flare_exporter.engine import cli, promql
+from flare_exporter.engine import promql
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.record_names import LAST_WINDOW
@@ -202,44 +202,25 @@ def print_rule_figures(figures: dict[str, Any]) -> None:
 # the CLI, timed and checked
 
 
-def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
-    """The first verdict must be `kind` naming exactly `rank`; returns a one-line summary of all."""
-    result, summary = verdicts_of(code, output, where)
-    verdicts = result.get("verdicts", [])
-    if (
-        code != cli.EXIT_ANOMALY
-        or not verdicts
-        or (verdicts[0]["kind"], verdicts[0]["ranks"]) != (kind, [rank])
-    ):
-        raise BenchError(f"{where}: exit code {code}, verdicts {summary} (expected {kind} [{rank}] first)")
-    return f"{summary}; {result.get('ranks_seen')} ranks seen"
-
-
-def as_subprocess(argv: list[str]) -> tuple[float, int, str, float]:
-    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.cli ARGV`."""
-    return command(["-m", "flare_exporter.cli", *argv], CLI_TIMEOUT_S)
-
-
 def attribution(run: StoreRun, phase: str) -> dict[str, Any]:
     """Time `flare diagnose` via the store (in-process, subprocess) and via direct scrape; check verdicts."""
-    args, kind, rank = run.args, VERDICT_KIND[phase], run.faults[phase]
+    args, kind, rank, where = run.args, VERDICT_KIND[phase], run.faults[phase], f"{run.store.name}, {phase}"
     common = ["diagnose", "--hang-seconds", str(args.hang_seconds), "--json", "--run", RUN]
-    via_store = [*common, "--prometheus", run.store.url, "--timeout", "30"]
-    direct = [*common, "--targets", run.targets_dir]
+    via_store = ["-m", "flare_exporter.cli", *common, "--prometheus", run.store.url, "--timeout", "30"]
+    direct = ["-m", "flare_exporter.cli", *common, "--targets", run.targets_dir]
     times: dict[str, list[float]] = {"in_process": [], "subprocess": [], "subprocess_cpu": [], "direct": []}
-    summary = ""
+    summary = direct_summary = ""
     for index in range(args.repeats):
-        elapsed, code, output = in_process(via_store)
-        summary = check(code, output, kind, rank, f"{run.store.name}, {phase}: in-process run {index + 1}")
+        elapsed, code, output = in_process(via_store[2:])
+        summary = first_verdict(code, output, kind, rank, f"{where}: in-process run {index + 1}")
         times["in_process"].append(elapsed)
-        elapsed, code, output, cpu = as_subprocess(via_store)
-        check(code, output, kind, rank, f"{run.store.name}, {phase}: subprocess run {index + 1}")
+        elapsed, code, output, cpu = command(via_store, CLI_TIMEOUT_S)
+        first_verdict(code, output, kind, rank, f"{where}: subprocess run {index + 1}")
         times["subprocess"].append(elapsed)
         times["subprocess_cpu"].append(cpu)
-    direct_summary = ""
     for index in range(run.direct_repeats):
-        elapsed, code, output, cpu = as_subprocess(direct)
-        direct_summary = check(code, output, kind, rank, f"{phase}: direct scrape run {index + 1}")
+        elapsed, code, output, cpu = command(direct, CLI_TIMEOUT_S)
+        direct_summary = first_verdict(code, output, kind, rank, f"{phase}: direct scrape run {index + 1}")
         times["direct"].append(elapsed)
     medians = {name: statistics.median(values) for name, values in times.items() if values}
     line = (
@@ -497,7 +478,7 @@ def render(args: argparse.Namespace, faults: dict[str, int]) -> tuple[vc.PhasePa
 
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ranks = args.ranks
-    faults = {"straggler": ranks * 3 // 8, "hang": ranks * 777 // 1024, "dead": ranks * 5 // 8}
+    faults = faulty_ranks(ranks)
     machine = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
     config = dict(ranks=ranks, stores=args.stores, scrape_interval_seconds=args.scrape_interval)
     config.update(hang_seconds=args.hang_seconds, faults=faults)
