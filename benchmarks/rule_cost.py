@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cli_runs import process_cpu  # noqa: E402  (benchmarks/)
+from cli_runs import faulty_ranks, process_cpu  # noqa: E402  (benchmarks/)
 
 from flare_exporter.durations import duration_seconds  # noqa: E402
 from flare_exporter.engine import promql  # noqa: E402
@@ -113,22 +113,14 @@ def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str
     intervals = shipped_intervals()
     groups: dict[str, Any] = {}
     for group in groups_of(url):
-        costs = []
-        for rule in group["rules"]:
-            costs.append(
-                {"rule": rule["name"], **cost_of(url, pid, rule["query"], at, args.repeats)._asdict()}
-            )
-        total = sum(cost["seconds"] for cost in costs)
-        cpu = sum(cost["cpu_seconds"] for cost in costs)
+        costs = [
+            {"rule": rule["name"], **cost_of(url, pid, rule["query"], at, args.repeats)._asdict()}
+            for rule in group["rules"]
+        ]
+        figures = {key: sum(cost[key] for cost in costs) for key in ("seconds", "cpu_seconds", "samples")}
         interval = intervals.get(group["name"], float(group["interval"]))
-        groups[group["name"]] = {
-            "seconds": total,
-            "cpu_seconds": cpu,
-            "samples": sum(cost["samples"] for cost in costs),
-            "interval_seconds": interval,
-            "share_of_interval": cpu / interval,
-            "rules": sorted(costs, key=lambda cost: -cost["cpu_seconds"]),
-        }
+        figures |= {"interval_seconds": interval, "share_of_interval": figures["cpu_seconds"] / interval}
+        groups[group["name"]] = figures | {"rules": sorted(costs, key=lambda cost: -cost["cpu_seconds"])}
     return groups
 
 
@@ -165,7 +157,8 @@ def report(groups: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], float]:
     """Every group's cost (measure), and the seconds of history Prometheus held when they were asked."""
     started = time.perf_counter()
-    healthy, later, _ = vc.render_phases(args.ranks, RUN, args.ranks * 3 // 8, args.ranks * 777 // 1024)
+    faults = faulty_ranks(args.ranks)
+    healthy, later, _ = vc.render_phases(args.ranks, RUN, faults["straggler"], faults["hang"])
     print(f"{args.ranks} ranks rendered in {time.perf_counter() - started:.1f} s", flush=True)
     targets = tmp / "targets"
     with vc.ClusterServer(healthy) as server:
