@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-CONFIGURATIONS = (  # name, preload the shim, shim settings, which launch count
+CONFIGURATIONS: tuple[tuple[str, bool, dict[str, str], str], ...] = (  # name, preload, settings, launch count
     ("without", False, {}, "launches"),
     ("unsampled", True, {"FLARE_SHIM_SAMPLE_EVERY": "0"}, "launches"),
     ("default", True, {}, "launches"),

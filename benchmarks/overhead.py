@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     machine = dict(cpus=os.cpu_count(), platform=platform.platform(), torch=torch.__version__, gpu=gpu)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = dict(date=date, revision=revision(), machine=machine, config=vars(args), flare_env=flare_env)
-    results.update(pairs=pairs, summary=summary(pairs))
+    results: dict[str, Any] = dict(date=date, revision=revision(), machine=machine, config=vars(args))
+    results.update(flare_env=flare_env, pairs=pairs, summary=summary(pairs))
     print_summary(results["summary"], len(pairs))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

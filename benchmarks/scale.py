@@ -377,7 +377,7 @@ def hang_over(run: StoreRun, timeout: float) -> dict[str, Any]:
         return not [alert for alert in active if alert["labels"]["alertname"] in HANG_ALERTS]
 
     wait_for(settled, timeout, "the hang's alerts to resolve")
-    out = {"seconds": time.time() - over_at, "pages": pages_since(run, over_at)}
+    out: dict[str, Any] = {"seconds": time.time() - over_at, "pages": pages_since(run, over_at)}
     print(f"the hang is over: its alerts resolved {out['seconds']:.1f} s later")
     print_pages(out["pages"])
     return out
