@@ -109,10 +109,11 @@ def run_job(
     for rank in range(args.ranks):
         rank_command = [*command, "--report", f"report{rank}.json"]
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        with open(workdir / f"stderr{rank}.log", "wb") as err:
-            procs.append(
-                subprocess.Popen(rank_command, env=rank_env, cwd=workdir, stderr=err, start_new_session=True)
+        with open(workdir / f"rank{rank}.log", "wb") as log:  # its output, for a failure's tail
+            started = subprocess.Popen(
+                rank_command, env=rank_env, cwd=workdir, stdout=log, stderr=log, start_new_session=True
             )
+            procs.append(started)
     scraper = Scraper(ports, args.scrape_interval) if ports and args.scrape_interval else None
     try:
         if scraper:
@@ -139,7 +140,7 @@ def await_reports(args: argparse.Namespace, procs: list[subprocess.Popen], workd
         failed = [(rank, proc.poll()) for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
         if failed or time.monotonic() > deadline:
             rank, code = failed[0] if failed else (0, "none: timed out")
-            tail = (workdir / f"stderr{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            tail = (workdir / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise RunError(f"{workdir.name}: rank {rank} exit code {code}; stderr: {' | '.join(tail)}")
         time.sleep(0.2)
 
@@ -187,7 +188,7 @@ def summary(pairs: list[dict]) -> dict[str, Any]:
     for key in ("ratio", "thread_cpu_ratio"):
         values = [p[key] for p in pairs]
         out[key] = {"median": statistics.median(values), "ci95": median_ci(values)}
-    threads = sum(sum(p["with"]["exporter_threads"].values()) for p in pairs) / len(pairs)
+    threads = statistics.median(sum(p["with"]["exporter_threads"].values()) for p in pairs)
     out["exporter_threads_cpu_per_step"] = threads
     out["exporter_share"] = threads / statistics.median(p["without"]["process_cpu"] for p in pairs)
     out["scrapes"] = {
