@@ -11,8 +11,8 @@
 #   7. NVML through flare_exporter.rank.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 #   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
-#      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS interleaved pairs
-#      (default 10; 0 skips it); its JSON goes to GPU_CHECK_OUT if set (a directory)
+#      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS pairs without and with
+#      flare (default 10; 0 skips it); its JSON goes to GPU_CHECK_OUT if set (a directory)
 # Exit status: 0 if no part failed, 1 otherwise.
 # shellcheck disable=SC2317  # the part functions are called indirectly, through part()
 set -u
@@ -260,7 +260,7 @@ overhead_on_gpu() {
     [ "$GPU_OVERHEAD_PAIRS" -gt 0 ] || { echo "GPU_OVERHEAD_PAIRS=0"; exit 77; }
     "$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("torch sees no CUDA device")' || exit 77
     "$PY" benchmarks/overhead.py --device cuda --ranks 1 --width "$GPU_OVERHEAD_WIDTH" --batch 512 \
-        --pairs "$GPU_OVERHEAD_PAIRS" --interleave 1 --steps 2000 --warmup 100 \
+        --pairs "$GPU_OVERHEAD_PAIRS" --steps 2000 --warmup 100 \
         --json "${GPU_CHECK_OUT:-$WORK}/overhead-gpu-width$GPU_OVERHEAD_WIDTH.json"
 }
 

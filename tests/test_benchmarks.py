@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gzip
-import itertools
 import json
 import os
 import shutil
-import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -58,224 +56,6 @@ def test_collective_path_rejects_bad_arguments():
     assert done.returncode == 2 and "--blocks must be at least 1" in done.stderr
 
 
-def test_overhead_rejects_a_placebo_without_turns():
-    done = run_benchmark("overhead.py", "--placebo")
-    assert done.returncode == 2 and "--placebo needs --interleave" in done.stderr
-
-
-def interleaved_results(ratios: list[float], **config: object) -> dict:
-    """What `overhead.py --interleave S --json OUT` writes, for pairs of these ratios."""
-    pairs = [
-        {
-            "pair": number,
-            "slices": [{"ratio": ratio}],
-            "ratio": ratio,
-            "thread_cpu_ratio": ratio,
-            "process_cpu_without": 0.005,
-            "exporter_threads_cpu": {"flare-http": 2e-5},
-            "scrape_cpu": 0.0015,
-        }
-        for number, ratio in enumerate(ratios, 1)
-    ]
-    settings = {"pairs": len(ratios), "ranks": 4, "steps": 2000, "warmup": 50, "batch": 64, "interleave": 2.0}
-    scrapes = {"done": 100, "attempts": 100}
-    return {
-        "date": "2026-12-04T00:00:00+00:00",
-        "machine": {"cpus": 2, "torch": "2.13.0+cpu"},
-        "config": {**settings, **config},
-        "flare_env": {},
-        "revision": "6dfc5a9",
-        "code": "c0de",
-        "interleaved": {"pairs": pairs, "summary": {"median_ratio": sorted(ratios)[1], "scrapes": scrapes}},
-    }
-
-
-def write_results(tmp_path: Path, name: str, results: dict) -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(results))
-    return str(path)
-
-
-def test_overhead_pools_the_pairs_of_runs_of_the_same_job_and_code(tmp_path, capsys):
-    from overhead import main
-
-    first = write_results(tmp_path, "first.json", interleaved_results([1.00, 1.01, 1.02]))
-    second = write_results(tmp_path, "second.json", interleaved_results([0.99, 1.03, 1.04]))
-    out = tmp_path / "pooled.json"
-    assert main(["--pool", first, second, "--json", str(out)]) == 0
-    summary = json.loads(out.read_text())["pooled"]["summary"]
-    # the median of all six pairs, not of the runs' medians (1.01, 1.03) nor of either run
-    assert summary["median_ratio"] == pytest.approx(1.015) and summary["scrapes"]["done"] == 200
-    printed = capsys.readouterr().out
-    assert "2 runs of the same job (code c0de)" in printed and "over 6 pairs" in printed
-
-
-def test_overhead_pools_runs_of_the_same_code_from_different_commits(tmp_path, capsys):
-    from overhead import main
-
-    first = write_results(tmp_path, "first.json", interleaved_results([1.0] * 3))
-    later = write_results(tmp_path, "later.json", {**interleaved_results([1.0] * 3), "revision": "0af132b"})
-    assert main(["--pool", first, later]) == 0
-    assert "(revision 0af132b)" in capsys.readouterr().out
-
-
-def test_overhead_code_digest_follows_the_code_a_run_executes_and_nothing_else(tmp_path, monkeypatch):
-    import overhead
-
-    def git(*arguments: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), *arguments], check=True, capture_output=True)
-
-    for path in (
-        "flare_exporter/rank/attach.py",
-        "benchmarks/overhead.py",
-        "benchmarks/overhead_stats.py",
-        "benchmarks/other.py",
-        "README.md",
-    ):
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(f"# {path}\n")
-    script = tmp_path / "train.py"
-    script.write_text("print('step')\n")
-    git("init", "-q")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "code")
-    monkeypatch.setattr(overhead, "REPO", tmp_path)
-    digest = overhead.code_digest(script)
-    assert digest is not None
-
-    (tmp_path / "README.md").write_text("notes\n")  # not run: the same code
-    (tmp_path / "benchmarks/other.py").write_text("# another benchmark\n")
-    assert overhead.code_digest(script) == digest
-    for changed in (
-        "flare_exporter/rank/attach.py",
-        "benchmarks/overhead.py",
-        "benchmarks/overhead_stats.py",  # the benchmark's own modules run too
-        "flare_exporter/new.py",
-        "train.py",
-    ):
-        before = (tmp_path / changed).read_text() if (tmp_path / changed).exists() else None
-        (tmp_path / changed).write_text("# changed, not committed\n")
-        assert overhead.code_digest(script) != digest, changed
-        if before is None:
-            (tmp_path / changed).unlink()
-        else:
-            (tmp_path / changed).write_text(before)
-    assert overhead.code_digest(script) == digest
-
-
-@pytest.mark.parametrize(
-    "second, differs",
-    [
-        (interleaved_results([1.0] * 3, steps=500), "config"),
-        (interleaved_results([1.0] * 3, control="loaded"), "config"),  # the first recorded none: plain
-        ({**interleaved_results([1.0] * 3), "code": "0ther"}, "code"),
-        ({**interleaved_results([1.0] * 3), "flare_env": {"FLARE_GPU_HEALTH": "false"}}, "flare_env"),
-    ],
-)
-def test_overhead_pools_only_runs_of_the_same_job_code_and_machine(tmp_path, capsys, second, differs):
-    from overhead import main
-
-    first = write_results(tmp_path, "first.json", interleaved_results([1.0] * 3))
-    second_path = write_results(tmp_path, "second.json", second)
-    assert main(["--pool", first, second_path]) == 2
-    error = capsys.readouterr().err.strip()
-    assert "\n" not in error and error.startswith(f"overhead: error: {second_path}: its {differs} (")
-
-
-def test_overhead_counts_a_setting_an_older_run_did_not_record_as_its_default(tmp_path):
-    from overhead import main
-
-    older = write_results(tmp_path, "older.json", interleaved_results([1.0] * 3))  # before --control
-    plain = write_results(tmp_path, "plain.json", interleaved_results([1.0] * 3, control="plain"))
-    assert main(["--pool", older, plain]) == 0
-
-
-@pytest.mark.parametrize(
-    "text, says",
-    [("{", "not JSON"), ('{"pairs": []}', "not the results of an interleaved run"), (None, "cannot read it")],
-)
-def test_overhead_refuses_to_pool_what_is_not_an_interleaved_run(tmp_path, capsys, text, says):
-    from overhead import main
-
-    path = tmp_path / "bad.json"
-    if text is not None:
-        path.write_text(text)
-    good = write_results(tmp_path, "good.json", interleaved_results([1.0] * 3))
-    assert main(["--pool", good, str(path)]) == 2
-    assert capsys.readouterr().err.strip().startswith(f"overhead: error: {path}: {says}")
-
-
-def test_overhead_rejects_a_placebo_with_a_control():
-    done = run_benchmark("overhead.py", "--interleave", "1", "--placebo", "--control", "loaded")
-    assert done.returncode == 2 and "--placebo runs both jobs as plain scripts" in done.stderr
-
-
-@pytest.mark.parametrize(
-    "arguments, says",
-    [
-        (["--burn", "0.01"], "--burn needs --placebo"),
-        (["--placebo", "--burn", "1.5"], "--burn must be a share of a rank's CPU"),
-        (["--placebo", "--burn", "-0.1"], "--burn must be a share of a rank's CPU"),
-        (["--placebo", "--burn-in", "interpreter"], "--burn-in says how --burn burns: give --burn too"),
-    ],
-)
-def test_overhead_burns_only_a_share_and_only_in_a_placebo(arguments, says):
-    done = run_benchmark("overhead.py", "--interleave", "1", *arguments)
-    assert done.returncode == 2 and says in done.stderr
-
-
-BURN_PROBE = """
-import json, sys, threading, time
-# the training thread's own work, in Python (it holds the GIL), until the process has used 2.6 s of CPU
-while time.process_time() < 2.6:
-    sum(range(1000))
-burner = next(t for t in threading.enumerate() if t.name == "burner")
-burned = time.clock_gettime(time.pthread_getcpuclockid(burner.ident))
-print(json.dumps({"name": __name__, "argv": sys.argv, "orig_argv": sys.orig_argv, "burned": burned,
-                  "process": time.process_time()}))
-"""
-
-
-@pytest.mark.parametrize("burn_in", ["cores", "interpreter"])
-def test_a_burning_job_spends_its_share_of_each_ranks_cpu_beside_the_script(tmp_path, burn_in):
-    # the side "with" of a placebo that burns: the script runs as __main__ beside the burner thread, which
-    # has spent its share of the process's CPU at its bursts (every second: at 1 s and 2 s of 2.6), though
-    # the script's thread holds the GIL whenever it can
-    from overhead import parse_args
-    from overhead_jobs import start_job
-
-    script = tmp_path / "probe.py"
-    script.write_text(BURN_PROBE)
-    args = parse_args(["--ranks", "1", "--script", str(script), "--interleave", "1", "--placebo"])
-    args.burn_in = burn_in
-    job = start_job(args, False, tmp_path / "job", "probe", burn=0.05)
-    try:
-        assert job.procs[0].wait(timeout=120) == 0, (tmp_path / "job" / "stderr0.log").read_text()[-2000:]
-    finally:
-        job.kill()
-    seen = json.loads((tmp_path / "job" / "stdout0.log").read_text().strip().splitlines()[-1])
-    assert seen["name"] == "__main__" and seen["argv"][0] == str(script)
-    assert ("--interpreter" in seen["orig_argv"]) == (burn_in == "interpreter")  # the burner got the mode
-    assert 0.025 < seen["burned"] / seen["process"] <= 0.05 + 0.005  # its share, not more
-
-
-def test_a_placebo_that_burns_reports_the_burners_cpu_as_the_exporters_would_be(tmp_path):
-    done, results = run_to_json(
-        tmp_path,
-        "overhead.py",
-        *("--pairs", "1", "--ranks", "2", "--steps", "400", "--warmup", "10"),
-        *("--interleave", "0.5", "--placebo", "--burn", "0.01"),
-    )
-    assert results["config"]["burn"] == 0.01
-    assert "the side 'with' burns 1.00% of each rank's CPU" in done.stdout
-    accounting = results["interleaved"]["summary"]["exporter_cpu"]
-    assert list(accounting["threads_per_step"]) == ["burner"] and 0 < accounting["share"] < 0.02
-    from overhead import code_digest
-
-    script = REPO / "flare_exporter/local/workloads/train_ddp.py"
-    assert results["code"] == code_digest(script, REPO / "benchmarks/burner.py") != code_digest(script)
-
-
 PROBE = """
 import json, sys, threading
 import torch.distributed as dist
@@ -323,101 +103,6 @@ def test_an_instructions_variant_is_a_side_with_the_exporter_and_its_variables_s
         with pytest.raises(SystemExit) as exited:
             parse_args(["--variant", bad])
         assert exited.value.code == 2 and f"{bad!r} is not NAME:FLARE_KEY=VALUE" in capsys.readouterr().err
-
-
-def test_overhead_weighs_each_scraped_run_against_its_scrape_rounds(tmp_path):
-    done, results = run_to_json(
-        tmp_path,
-        "overhead.py",
-        *("--pairs", "1", "--ranks", "2", "--steps", "150", "--warmup", "10", "--scrape-interval", "0.1"),
-        *("--control", "loaded"),  # the side without runs benchmarks/loaded.py
-    )
-    assert results["config"]["control"] == "loaded" and "flare's code loaded, nothing attached" in done.stdout
-    (pair,) = results["pairs"]
-    # the ranks reported when each step ended and the scraper its rounds: a cost, whatever its sign
-    assert isinstance(pair["with"]["scrape_cost_s"], float) and pair["without"]["scrape_cost_s"] is None
-    assert results["summary"]["scrape_cost_s"] == pair["with"]["scrape_cost_s"]
-    assert "training time one scrape round cost" in done.stdout
-    # what a sampling window adds to a step: the ops it timed, on the script's model
-    assert results["micro"]["ild_window_ops"] >= 20 and "ILD window" in done.stdout
-
-
-def test_overhead_interleaved_runs_both_jobs_in_turns_and_scrapes_only_the_running_one(tmp_path):
-    done, results = run_to_json(
-        tmp_path,
-        "overhead.py",
-        *("--pairs", "2", "--ranks", "2", "--steps", "400", "--warmup", "10"),
-        *("--interleave", "0.4", "--scrape-interval", "0.1", "--pin"),
-    )
-    # the job that starts and runs first alternates: without (A) in odd pairs, with (B) in even ones
-    pairs = results["interleaved"]["pairs"]
-    assert [pair["first"] for pair in pairs] == ["A", "B"]
-    assert [pair["turns"][:2] for pair in pairs] == ["AB", "BA"]
-    # each job's ranks start with an environment padded by a length of its own: a layout drawn per job
-    from overhead_jobs import LAYOUT_PAD_BYTES
-
-    pads = [pad for pair in pairs for pad in pair["layout_pads"].values()]
-    assert all(0 <= pad < LAYOUT_PAD_BYTES for pad in pads) and len(set(pads)) > 1
-    # --pin: rank r of both jobs on CPU r (modulo the CPUs there are), as the job line says
-    cpus = sorted(os.sched_getaffinity(0))
-    pinned = [[cpus[rank % len(cpus)]] for rank in range(2)]
-    assert all(pair["rank_cpus"] == {"without": pinned, "with": pinned} for pair in pairs)
-    assert results["machine"]["cpu_model"]  # part of the machine that --pool compares
-    assert results["config"]["pin"] and f"ranks pinned to CPUs {pinned[0][0]},{pinned[1][0]}" in done.stdout
-    # what --pool compares: every setting of the job, and the code measured
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True)
-    assert results["revision"].startswith(head.stdout.decode().strip())
-    from overhead import code_digest
-
-    assert results["code"] == code_digest(REPO / "flare_exporter/local/workloads/train_ddp.py")
-    assert results["config"]["interleave"] == 0.4 and results["config"]["scrape_interval"] == 0.1
-    pair = pairs[0]
-    assert pair["slices"] and all(
-        s["step_time_with"] > 0 and s["step_time_without"] > 0 for s in pair["slices"]
-    )
-    scrapes = results["interleaved"]["summary"]["scrapes"]
-    # the exporter's job answered while it ran, and no scrape waited on it while it was paused
-    assert scrapes["done"] > 0 and scrapes["failed"] == 0, scrapes["failures"]
-    assert "each pair's two jobs at once, taking turns of 0.4 s" in done.stdout
-    # the benchmark's own scraper shares the job's cores: its CPU is reported, as Prometheus's part
-    assert scrapes["scraper_cpu_s"] > 0 and "the benchmark's scraper used" in done.stdout
-    # the exporter's own threads' CPU, from the ranks' reports: the endpoint's among them, per scrape too
-    accounting = results["interleaved"]["summary"]["exporter_cpu"]
-    threads = accounting["threads_per_step"]
-    assert threads["flare-http"] > 0 and all(name.startswith("flare-") for name in threads)
-    assert accounting["total_per_step"] == pytest.approx(sum(threads.values()))
-    share = accounting["total_per_step"] / accounting["process_cpu_without"]
-    assert 0 < accounting["share"] == pytest.approx(share)
-    assert 0 < accounting["scrape_cpu"] < pair["exporter_threads_cpu"]["flare-http"] * 400
-    assert "the exporter's own threads, CPU per step" in done.stdout
-
-
-def steps_ending(durations: list[float], at: float = 100.0) -> list[float]:
-    return list(itertools.accumulate(durations, initial=at))[1:]
-
-
-def test_scrape_cost_is_the_excess_of_the_steps_a_round_overlapped_over_a_placebo():
-    from overhead_stats import scrape_cost
-
-    slowed = {10: 0.003, 40: 0.003, 70: 0.004}  # the steps that a round overlaps take longer
-    ends = steps_ending([0.010 + slowed.get(step, 0.0) for step in range(100)])
-    rounds = [(ends[step - 1] + 0.001, ends[step - 1] + 0.002) for step in slowed]
-    # the last round has no placebo (halfway to the next): the first two are weighed against theirs
-    assert scrape_cost(ends, rounds, warmup=0) == pytest.approx(0.003)
-    assert scrape_cost(ends, rounds, warmup=20) == pytest.approx(0.003)  # the first round is warm-up
-    assert scrape_cost(ends, rounds[:1], warmup=0) is None
-
-
-def test_scrape_cost_of_rounds_that_slow_nothing_is_about_zero():
-    """Steps of 5 and 15 ms: a span overlaps the long ones three times as often, which the placebo
-    takes out."""
-    from overhead_stats import excess, scrape_cost
-
-    ends = steps_ending([0.005, 0.015] * 2000)
-    rounds = [(100.0 + k * 0.1371, 100.0 + k * 0.1371 + 0.0005) for k in range(140)]
-    steps = list(zip(ends, ends[1:], strict=False))
-    assert excess(steps, rounds, typical=0.010) > 0.002  # biased: 0.0025 expected
-    assert abs(scrape_cost(ends, rounds, warmup=0)) < 0.0005
 
 
 @pytest.mark.parametrize("forbidden", [True, False])
@@ -544,214 +229,75 @@ def test_the_training_threads_simulated_events_per_step_weigh_l1_misses_and_misp
     assert training_events_per_step({1: {"Ir": 10}}, {1: {"Ir": 70}}, 3) == {"Ir": 20}
 
 
-def report_of(steps: list[tuple[float, float]], cpu: float = 0.001) -> dict:
-    """A rank's report from (ended, seconds) per step."""
-    return {
-        "step_ends": [ended for ended, _ in steps],
-        "step_times": [seconds for _, seconds in steps],
-        "step_cpu": [cpu] * len(steps),
-    }
-
-
-def steps_in(span: tuple[float, float], seconds: float) -> list[tuple[float, float]]:
-    """Steps of `seconds` back to back from the span's start, the last one running past its end."""
-    began, ended = span
-    count = int((ended - began) / seconds) + 1
-    return [(began + (k + 1) * seconds, seconds) for k in range(count)]
-
-
-def test_a_slice_counts_the_steps_wholly_within_it_once_the_job_has_settled():
-    from overhead_stats import SETTLE_S, slice_steps
-
-    assert SETTLE_S == pytest.approx(0.2)  # the numbers below assume it
-    steps = [(100.0 + 0.05 * k, 0.05) for k in range(1, 41)]  # steps of 50 ms ending at 100.05 .. 102.0
-    steps[25] = (steps[25][0], 0.07)  # began 20 ms before the one before it ended: still counted whole
-    span = (100.31, 101.52)
-    times, _ = slice_steps(report_of(steps), span, warmup=0)
-    # from SETTLE_S in (100.51), the first whole step ends at 100.6 (list index 11), the last at 101.5 (29)
-    assert times == [seconds for _, seconds in steps[11:30]] and 0.07 in times
-    assert slice_steps(report_of(steps), span, warmup=15)[0] == times[4:]  # list indices 11..14: warm-up
-
-
-def test_interleaved_pairs_weigh_each_slice_against_the_two_of_the_other_job_around_it():
-    from overhead_stats import MIN_SLICE_STEPS, SETTLE_S, slice_pairs
-
-    spans = [(100.0 + 2 * k, 102.0 + 2 * k) for k in range(5)]  # without, with, without, with, without
-    slices = [(k % 2 == 1, span) for k, span in enumerate(spans)]
-    seconds = {0: 0.010, 1: 0.0125, 2: 0.012, 3: 0.013, 4: 0.014}  # the machine slows down slice by slice
-    without = [step for k in (0, 2, 4) for step in steps_in(spans[k], seconds[k])]
-    with_ = [step for k in (1, 3) for step in steps_in(spans[k], seconds[k])]
-    pairs = slice_pairs(slices, [report_of(without)], [report_of(with_, cpu=0.0011)], warmup=0)
-    # the slices without the exporter in the middle count too, with over without all the same
-    assert [pair["slice"] for pair in pairs] == [1, 2, 3]
-    assert [pair["ratio"] for pair in pairs] == pytest.approx([0.0125 / 0.011, 0.01275 / 0.012, 1.0])
-    assert pairs[0]["thread_cpu_ratio"] == pytest.approx(1.1)
-    assert pairs[1]["thread_cpu_ratio"] == pytest.approx(1.1)
-    # the job with the exporter first (even pairs): the same slices, the roles swapped
-    swapped = [(not with_exporter, span) for with_exporter, span in slices]
-    mirrored = slice_pairs(swapped, [report_of(with_, cpu=0.0011)], [report_of(without)], warmup=0)
-    assert [pair["ratio"] for pair in mirrored] == pytest.approx([1 / pair["ratio"] for pair in pairs])
-    # a slice with fewer than MIN_SLICE_STEPS whole steps on a rank counts for nothing
-    short = (True, (spans[1][0], spans[1][0] + SETTLE_S + (MIN_SLICE_STEPS - 0.5) * seconds[1]))
-    assert slice_pairs([slices[0], short, slices[2]], [report_of(without)], [report_of(with_)], 0) == []
-
-
-def test_the_two_jobs_of_a_pair_start_with_arguments_of_one_length():
-    # an A/A placebo's two jobs differ in nothing else: not even in how long their ranks' arguments are
-    # (their --report and --start-after paths lie in these directories)
-    from overhead_jobs import JOB_DIRS
-
-    assert len(JOB_DIRS[False]) == len(JOB_DIRS[True]) and JOB_DIRS[False] != JOB_DIRS[True]
-
-
-ARGV_PROBE = """
-import json, os, sys
-print(json.dumps({"argv": sys.argv[1:], "nvml": os.environ.get("FLARE_NVML_MODULE")}))
-"""
-
-
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_job_on_the_gpu_gets_the_device_and_width_and_reads_nvml_itself(tmp_path, device):
-    # the script is a probe: what a rank was started with, under the launcher, is all that is checked here
-    # (the job on a GPU runs in scripts/gpu_check.sh)
-    from overhead import parse_args
-    from overhead_jobs import start_job
-
-    script = tmp_path / "probe.py"
-    script.write_text(ARGV_PROBE)
-    args = parse_args(["--ranks", "1", "--script", str(script), "--device", device, "--width", "1024"])
-    job = start_job(args, True, tmp_path / "job", "probe")
-    try:
-        assert job.procs[0].wait(timeout=120) == 0, (tmp_path / "job" / "stderr0.log").read_text()[-2000:]
-    finally:
-        job.kill()
-    seen = json.loads((tmp_path / "job" / "stdout0.log").read_text().strip().splitlines()[-1])
-    assert seen["argv"][seen["argv"].index("--width") + 1] == "1024"
-    if device == "cuda":
-        assert seen["argv"][seen["argv"].index("--device") + 1] == "cuda" and seen["nvml"] is None
-    else:  # the CPU job's script is started as before; its GPU health reads the fake NVML
-        assert "--device" not in seen["argv"] and seen["nvml"] == "flare_exporter.local.testing.fake_nvml"
-
-
 def test_overhead_on_the_gpu_needs_a_gpu_for_each_rank():
     done = run_benchmark("overhead.py", "--device", "cuda", "--ranks", "64", "--pairs", "1")
     assert done.returncode == 2 and "\n" not in done.stderr.strip()
     assert "--device cuda with --ranks 64: NCCL takes one rank per GPU" in done.stderr
 
 
-def serve_answers(answers: list[bytes]) -> tuple[int, list[bytes]]:
-    """A loopback server that answers each connection's first request with the next of `answers`, raw, then
-    closes it; returns its port and the requests it read."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    requests: list[bytes] = []
-
-    def serve() -> None:
-        with listener:
-            for answer in answers:
-                connection, _ = listener.accept()
-                with connection:
-                    request = b""
-                    while b"\r\n\r\n" not in request:
-                        request += connection.recv(4096)
-                    requests.append(request)
-                    connection.sendall(answer)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return listener.getsockname()[1], requests
+def test_overhead_runs_pairs_of_one_job_without_and_with_the_exporter_in_alternating_order(tmp_path):
+    done, results = run_to_json(
+        tmp_path,
+        "overhead.py",
+        *("--pairs", "2", "--ranks", "2", "--steps", "60", "--warmup", "10", "--scrape-interval", "0.2"),
+    )
+    pairs = results["pairs"]
+    assert [pair["pair"] for pair in pairs] == [1, 2]
+    for pair in pairs:
+        assert pair["ratio"] == pytest.approx(pair["with"]["step"] / pair["without"]["step"])
+        assert pair["without"]["exporter_threads"] == {}  # the plain job has no flare thread
+        assert pair["with"]["exporter_threads"]["flare-http"] > 0  # the endpoint answered the scrapes
+        assert pair["scrapes"]["done"] > 0 and pair["scrapes"]["failed"] == []
+    summary = results["summary"]
+    assert summary["ratio"]["median"] == pytest.approx(statistics.median(p["ratio"] for p in pairs))
+    assert 0 < summary["exporter_share"] < 1 and summary["scrapes"]["failed"] == 0
+    assert "step time with / without over 2 pairs" in done.stdout
 
 
-def test_the_scraper_asks_as_prometheus_does_and_reads_flares_answers_on_one_kept_connection():
-    from overhead_scraper import Scraper
-    from prometheus_client import CollectorRegistry, Counter
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_overhead_job_gets_the_launcher_device_and_width_only_where_asked(device):
+    from overhead import job, parse_args
 
-    from flare_exporter.rank.exposition import MetricsServer
-
-    registry = CollectorRegistry()
-    Counter("flare_test_scrapes", "a flare metric", registry=registry).inc()
-    server = MetricsServer(registry, "127.0.0.1", 0)
-    try:
-        scraper = Scraper(server.port, 1, interval=1.0)
-        assert scraper._scrape(0) is None
-        first = scraper.connections[0]
-        assert [scraper._scrape(0) for _ in range(2)] == [None, None]
-        assert first is not None and scraper.connections[0] is first  # kept alive, as Prometheus keeps it
-        # an answer other than 200 is named by its status
-        scraper.requests[0] = b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n"
-        assert scraper._scrape(0) == "HTTP 404"
-    finally:
-        server.close()
-
-    # the request's bytes, as a server reads them: Prometheus's headers, gzip accepted, and the body
-    # decompressed before it is checked for flare_ metrics
-    def gzipped(page: bytes) -> bytes:  # as a rank closing its connection after the answer sends it
-        body = gzip.compress(page)
-        head = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d"
-        return head % len(body) + b"\r\n\r\n" + body
-
-    port, requests = serve_answers([gzipped(b"flare_x 1\n"), gzipped(b"other_x 1\n")])
-    scraper = Scraper(port, 1, interval=1.0)
-    assert scraper._scrape(0) is None and scraper.connections[0] is None
-    assert scraper._scrape(0) == "200 without flare_ metrics"
-    head = requests[0].decode()
-    assert head.startswith("GET /metrics HTTP/1.1\r\n") and "Accept-Encoding: gzip\r\n" in head
-    assert "User-Agent: Prometheus/" in head and f"Host: 127.0.0.1:{port}\r\n" in head
+    args = parse_args(["--ranks", "2", "--device", device, "--width", "1024"])
+    plain, plain_env, no_ports = job(args, with_exporter=False)
+    flare, flare_env, ports = job(args, with_exporter=True)
+    assert plain[1:] == flare[3:] and flare[1:3] == ["-m", "flare_exporter.launch"]  # the same script
+    assert plain[plain.index("--width") + 1] == "1024"
+    assert ("--device" in plain) == (device == "cuda")
+    assert no_ports == [] and plain_env.get("FLARE_PORT") == os.environ.get("FLARE_PORT")  # nothing to scrape
+    assert ports == [int(flare_env["FLARE_PORT"]) + rank for rank in range(2)]
+    # on a GPU the exporter reads NVML itself; on CPU a fake one, so that GPU health runs as it would
+    fake = flare_env.get("FLARE_NVML_MODULE") == "flare_exporter.local.testing.fake_nvml"
+    assert fake == (device == "cpu") and "FLARE_NVML_MODULE" not in plain_env
 
 
-@pytest.mark.parametrize(
-    "answer, says",
-    [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\nflare_x 1\n", "truncated response: 30 bytes missing"),
-        (b"HTTP/1.1 200 OK\r\n\r\nflare_x 1\n", "a response without Content-Length"),
-        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP response: 'SSH-2.0-OpenSSH'"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "a body of 99999999999 bytes, over"),
-        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", "does not decompress"),
-        (b"", "connection closed before a response"),
-    ],
-)
-def test_the_scraper_names_an_answer_that_is_not_a_whole_response(answer, says):
-    from overhead_scraper import Scraper
+def test_a_side_of_a_pair_takes_the_ranks_medians_after_the_warmup_and_the_exporters_threads_per_step():
+    from overhead import side
 
-    port, _ = serve_answers([answer])
-    scraper = Scraper(port, 1, interval=1.0)
-    failure = scraper._scrape(0)
-    assert failure is not None and failure.startswith("ScrapeAnswerError: ") and says in failure
-    assert scraper.connections[0] is None  # closed: the next attempt opens a new one
+    def report(step: float, threads: dict[str, float]) -> dict:
+        return {
+            "step_times": [1.0] * 2 + [step] * 8,  # two warm-up steps, slower
+            "step_cpu": [1.0] * 2 + [step / 2] * 8,
+            "process_cpu": [1.0] * 2 + [step] * 8,
+            "threads_cpu": threads,
+        }
+
+    reports = [report(0.010, {"flare-http": 0.010, "MainThread": 5.0}), report(0.012, {"flare-http": 0.030})]
+    figures = side(reports, warmup=2)
+    assert figures["step"] == pytest.approx(0.011) and figures["thread_cpu"] == pytest.approx(0.0055)
+    assert figures["exporter_threads"] == {"flare-http": pytest.approx(0.002)}  # over 10 steps, median of 2
 
 
-def test_an_http_1_0_answer_closes_the_scrapers_connection():
-    from overhead_scraper import Scraper
+def test_the_median_interval_needs_enough_pairs_and_holds_the_order_statistics_around_the_median():
+    from cli_runs import median_ci
 
-    port, _ = serve_answers([b"HTTP/1.0 200 OK\r\nContent-Length: 10\r\n\r\nflare_x 1\n"])
-    scraper = Scraper(port, 1, interval=1.0)
-    assert scraper._scrape(0) is None and scraper.connections[0] is None
+    assert median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 5 values cannot hold a median at 95 %
+    assert median_ci([float(v) for v in range(10, 0, -1)]) == (2.0, 9.0)  # the 2nd and 9th of 10
 
 
-def test_a_run_whose_rank_crashed_only_while_exiting_is_retried_in_a_new_directory_and_counted(tmp_path):
-    # sequential runs and interleaved pairs alike: gloo's teardown sometimes aborts after the last step
-    from overhead_jobs import RunError, retrying
-
-    tried: list[Path] = []
-
-    def run(workdir: Path) -> str:
-        tried.append(workdir)
-        if len(tried) < 3:
-            raise RunError(f"rank 0 exited with code -6 after its last step ({len(tried)})", at_exit=True)
-        return "measured"
-
-    retried: list[str] = []
-    assert retrying(2, retried, run, tmp_path / "pair1") == "measured"
-    assert [path.name for path in tried] == ["pair1-1", "pair1-2", "pair1-3"] and len(retried) == 2
-    # one retry too many, or a failure before the last step: the benchmark ends
-    tried.clear()
-    with pytest.raises(RunError, match=r"\(2\)"):
-        retrying(1, [], run, tmp_path / "pair2")
-
-    def fails_early(workdir: Path) -> str:
-        raise RunError("rank 1 exited with code 1 before its last step")
-
-    with pytest.raises(RunError, match="before its last step"):
-        retrying(2, retried, fails_early, tmp_path / "pair3")
-    assert len(retried) == 2
+def test_overhead_rejects_bad_arguments():
+    done = run_benchmark("overhead.py", "--steps", "10", "--warmup", "10")
+    assert done.returncode == 2 and "--warmup must be at least 0 and smaller than --steps" in done.stderr
 
 
 @pytest.mark.prometheus

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import label_values, spec
+from .. import spec
 from ..durations import duration_seconds
 from .canary_rules import canary_alerts
 from .collective_rules import collective_alerts, collective_recordings
