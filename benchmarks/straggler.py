@@ -8,8 +8,8 @@ A synthetic timing model of a synchronous data-parallel job feeds flare-exporter
 WindowRing (the exporter's windows, stragglers.py, with the default 5-step windows, 4 kept) and, after
 every step, diagnosis.diagnose over a Snapshot of those windows (the engine, default StragglerPolicy), as
 if every rank were scraped after every step. What it leaves out is what the real-job tests
-(tests/test_stragglers.py) cover: the hooks, the exposition, Prometheus, and a scrape interval (which adds
-its own latency in seconds, not steps).
+(tests/rank/test_stragglers.py) cover: the hooks, the exposition, Prometheus, and a scrape interval (which
+adds its own latency in seconds, not steps).
 
 The model, per step: rank r computes C * (1 + s_r) * exp(jitter * N(0,1)) (C = 1; s_r the slowdown of the
 slowed rank from step `--onset`, 0 otherwise), then issues the step's all-reduce; the all-reduce completes

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "flare_exporter"
 RANK_MAY_NOT_IMPORT = ("engine", "mixin", "local")
 # wing -> the wings it may not import: a training process loads only the rank wing; `flare diagnose` reads

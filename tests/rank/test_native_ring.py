@@ -220,7 +220,7 @@ def test_native_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, 
 
 
 def test_the_shim_library_is_found_in_the_checkout_or_where_either_variable_points(tmp_path):
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     assert shim.library_path({}) == repo / "cuda_hooks" / "build" / shim.LIBRARY_NAME
     assert shim.library_path({"FLARE_NATIVE_LIB": str(tmp_path / "old.so")}) == tmp_path / "old.so"
     both = {"FLARE_SHIM_LIB": str(tmp_path / "new.so"), "FLARE_NATIVE_LIB": str(tmp_path / "old.so")}
