@@ -9,7 +9,8 @@ exporter's straggler windows at their defaults) and, after every step, diagnosis
 of them (the engine's default StragglerPolicy), as if every rank were scraped every step. Per step, rank r
 computes (1 + s_r) * exp(jitter * N(0,1)) (s_r the slowdown of a slowed rank from `--onset`), issues the
 all-reduce, which completes `comm` (jittered) after the last rank issued it; its step ends then, plus a
-jittered optimizer time of 0.05. The real-job side (hooks, exposition, scrapes) is tests/test_stragglers.py's.
+jittered optimizer time of 0.05. The real-job side (hooks, exposition, scrapes) is
+tests/rank/test_stragglers.py's.
 
 Reported, over `--seeds` seeds: per slowdown of one rank, the seeds that named exactly that rank within 20
 steps, the delay and the false verdicts; a healthy run's verdicts (false positives); every rank slowed by

@@ -90,7 +90,8 @@ class BottleneckPolicy:
     version: int = 3
     input_share: float = 0.3  # of the step in the data loader's next
     # of the step waiting for collectives: 4 compute-bound gloo ranks sharing 2 cores waited 31-40 % of
-    # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 % (tests/test_perf.py)
+    # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 %
+    # (tests/engine/test_perf.py)
     communication_share: float = 0.5
     bubble_share: float = 0.5  # of the step waiting in sends and receives for the other pipeline stages
     transfer_share: float = 0.3  # of the step in host-device copies

@@ -3,7 +3,7 @@
     python -m flare_exporter.mixin.reference_tables            # writes docs/reference.md
     python -m flare_exporter.mixin.reference_tables --check    # exit 1 if docs/reference.md is stale
 
-The page is a short header and two tables, the configuration keys and the metrics; tests/test_docs.py
+The page is a short header and two tables, the configuration keys and the metrics; tests/package/test_docs.py
 checks that the committed page is exactly this output.
 """
 
@@ -25,7 +25,7 @@ HEADER = """\
 
 Generated from `flare_exporter/config.py` and `flare_exporter/spec.py` by
 `python -m flare_exporter.mixin.reference_tables`; do not edit it by hand. With `--check` the command exits
-with status 1 when this page is stale, and `tests/test_docs.py` fails.
+with status 1 when this page is stale, and `tests/package/test_docs.py` fails.
 """
 
 CONFIG_INTRO = """\

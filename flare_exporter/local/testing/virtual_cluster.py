@@ -18,7 +18,7 @@ Faults, each on one rank:
 `ClusterServer` serves every virtual rank on its own loopback port at /metrics (asyncio, HTTP/1.1 keep-alive,
 one thread), as a real rank does, so that Prometheus's file_sd targets and `flare diagnose --targets` see
 one endpoint per rank. Used by benchmarks/scale.py, benchmarks/post_mortem.py, benchmarks/direct_scrape.py,
-benchmarks/rule_cost.py, benchmarks/footprint.py and tests/test_footprint.py.
+benchmarks/rule_cost.py, benchmarks/footprint.py and tests/rank/test_footprint.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from flare_exporter import cli
 from flare_exporter.durations import duration_seconds
 from flare_exporter.mixin import rules, rules_render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 SCHEMAS = KUBERNETES / "schemas"
 PYTORCHJOB = KUBERNETES / "pytorchjob.yaml"

@@ -1,5 +1,5 @@
 """The fault scenarios that matter most, with every core of the host loaded: the same verdicts, ranks and
-causes as on a quiet host (tests/test_scenarios.py, tests/test_post_mortem.py run them quiet).
+causes as on a quiet host (tests/e2e/test_scenarios.py, tests/e2e/test_post_mortem.py run them quiet).
 
 Real nodes are never quiet: data-loader workers, checkpoint writers, other jobs' processes share the
 cores. `busy_host` runs one busy process per core and one more (a run queue longer than the cores) for the
@@ -180,7 +180,7 @@ def test_a_rank_whose_interpreter_is_contended_is_named_by_its_host_side_latency
     tmp_path, busy_host
 ):
     """Eight threads spinning in rank 1's own interpreter (its GIL contended) beside the busy cores: an
-    issue-latency regression of rank 1, host side, as on a quiet host (tests/test_ild_scenarios.py)."""
+    issue-latency regression of rank 1, host side, as on a quiet host (tests/e2e/test_ild_scenarios.py)."""
     from test_ild_scenarios import FAKE_KERNELS, ILD_ENV
 
     fault = ["--fault", "contention", "--contention-threads", "8", "--fault-rank", "1", "--fault-step", "40"]

@@ -22,7 +22,7 @@ import pytest
 from flare_exporter import label_values
 from flare_exporter.rank import shim
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EVENT_DELAY_NS = 2_000_000  # the fake device reaches an event recorded on a caller's stream 2 ms later
 NCCL_DURATION_NS = 3_000_000
 KERNEL_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")

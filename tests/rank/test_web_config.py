@@ -14,12 +14,12 @@ import os
 import shutil
 import socket
 import ssl
-import subprocess
 import sys
 from pathlib import Path
 
 import bcrypt
 import pytest
+from conftest import PASSWORD, PASSWORD_HASH
 from test_exposition import StepsCollector, make_registry
 
 from flare_exporter.config import Config, ConfigError
@@ -31,38 +31,6 @@ from flare_exporter.rank.exposition import serve
 from flare_exporter.rank.identity import RankIdentity
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.web_config import BasicAuth, WebConfigError
-
-PASSWORD = "s3cret-scrape"
-PASSWORD_HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()  # cheap for tests
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def signed(cwd: Path, name: str, usage: str, san: str) -> None:
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
-    (cwd / f"{name}.ext").write_text(
-        f"extendedKeyUsage={usage}\n" + (f"subjectAltName={san}\n" if san else "")
-    )
-    openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=cwd,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
-    cwd = tmp_path_factory.mktemp("certs")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=flare-test-ca",
-            "-days", "2", cwd=cwd)  # fmt: skip
-    signed(cwd, "server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
-    signed(cwd, "client", "clientAuth", "")
-    return cwd
 
 
 def write_web_config(directory: Path, document: dict, name: str = "web-config.yml") -> str:

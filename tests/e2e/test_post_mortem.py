@@ -112,7 +112,7 @@ def flare_env(run: str, targets: Path, base_port: int) -> dict[str, str]:
         "FLARE_PORT": str(base_port),
         "FLARE_ADDR": "127.0.0.1",
         "FLARE_FILE_SD_DIR": str(targets),
-        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
 
 

@@ -324,8 +324,8 @@ def on_alert(job: ObservedJob, targets: str) -> tuple[list[dict], list[dict]]:
     return [json.loads(line) for line in out.getvalue().splitlines()], lasts
 
 
-# the jobs of tests/test_perf.py, run until released: each rank's capture, judged beside the others', is in
-# the class the perf monitor gives the job
+# the jobs of tests/engine/test_perf.py, run until released: each rank's capture, judged beside the others',
+# is in the class the perf monitor gives the job
 CLASSED = {
     "input_bound": ["--data-workers", "1", "--slow-data-seconds", "0.06"],
     "communication_bound": ["--width", "1536", "--batch", "1", "--pair-groups", "--sync-mb", "32"],

@@ -15,7 +15,7 @@ from flare_exporter.local.prometheus import wait_for
 from flare_exporter.rank.exporter_health import ExporterHealth
 from flare_exporter.rank.trackers import Trackers, capture_numbers, perf_numbers
 
-PROGRAM = Path(__file__).parent / "programs" / "tracked_train.py"
+PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "tracked_train.py"
 
 
 def perf(recent: list[float], phases: dict[str, float], mfu: float | None = None) -> SimpleNamespace:

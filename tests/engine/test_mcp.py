@@ -36,7 +36,7 @@ from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.local.workloads import train_ddp
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FLARE_MCP = [sys.executable, "-m", "flare_exporter.cli", "mcp"]
 TOOLS = {"diagnose", "ranks", "hang", "stragglers", "canary", "perf", "report"}
 RANKS, STUCK, FAULT_STEP, HANG_SECONDS = 4, 2, 15, 3

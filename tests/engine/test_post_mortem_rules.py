@@ -1,7 +1,7 @@
 """The post-mortem rules, the cause of every verdict, and the incident and history sources, on built inputs.
 
 Each scenario is a dead run built from per-rank last words (factory helpers below), as a rank's incident
-file or Prometheus's history would give them; tests/test_post_mortem.py runs the same faults for real.
+file or Prometheus's history would give them; tests/e2e/test_post_mortem.py runs the same faults for real.
 """
 
 from __future__ import annotations

@@ -250,6 +250,6 @@ def test_shim_without_a_built_library_exits_2_and_says_how_to_build(tmp_path, mo
 
 
 def test_the_shim_library_is_found_in_the_checkout_or_where_the_variable_points(tmp_path):
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     assert shim.library_path({}) == repo / "cuda_hooks" / "build" / shim.LIBRARY_NAME
     assert shim.library_path({"FLARE_SHIM_LIB": str(tmp_path / "new.so")}) == tmp_path / "new.so"

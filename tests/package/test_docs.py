@@ -9,7 +9,7 @@ import yaml
 from flare_exporter import cli
 from flare_exporter.mixin import reference_tables
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 REFERENCE = ROOT / "docs" / "reference.md"
 REGENERATE = "run: python -m flare_exporter.mixin.reference_tables"

@@ -1,6 +1,6 @@
 """Golden exposition: a rank's /metrics for a fixed state, byte for byte (timings that vary are skipped).
 
-Regenerate after an intended change with: FLARE_UPDATE_GOLDEN=1 pytest tests/test_golden.py
+Regenerate after an intended change with: FLARE_UPDATE_GOLDEN=1 pytest tests/rank/test_golden.py
 """
 
 from __future__ import annotations

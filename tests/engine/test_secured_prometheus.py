@@ -18,8 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import flare_json
-from test_web_config import PASSWORD, PASSWORD_HASH, certs  # noqa: F401 (certs: the fixture)
+from conftest import PASSWORD, PASSWORD_HASH, flare_json
 
 from flare_exporter.engine import cli, promql
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
@@ -222,7 +221,7 @@ class Secured:
 
 
 @pytest.fixture(scope="module")
-def secured(certs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:  # noqa: F811
+def secured(certs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     """A virtual cluster of RANKS ranks of run RUN, scraped by a Prometheus that answers over TLS (the test
     CA's server certificate for 127.0.0.1) to basic auth as USER only."""
     if shutil.which("prometheus") is None:

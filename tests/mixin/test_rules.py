@@ -1,6 +1,6 @@
 """The Prometheus rules (`flare rules`, alerts/): current, valid, unit-tested per alert, and in step with the
 spec and the runbook. End to end (a real Prometheus and Alertmanager paging on real faults) they are
-exercised by tests/test_scenarios.py."""
+exercised by tests/e2e/test_scenarios.py."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from flare_exporter.engine.cli import EXIT_USAGE
 from flare_exporter.local.alertmanager import EXAMPLE_CONFIG
 from flare_exporter.mixin import dashboards, rules, rules_render
 
-ALERTS = Path(__file__).resolve().parents[1] / "alerts"
+ALERTS = Path(__file__).resolve().parents[2] / "alerts"
 RULES_FILE = ALERTS / "flare.rules.yml"
 UNIT_TESTS = sorted((ALERTS / "tests").glob("*.test.yml"))
-RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
+RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
 
 needs_promtool = pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
 

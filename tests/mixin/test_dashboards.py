@@ -25,7 +25,7 @@ from flare_exporter.local import dashboard_preview
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.mixin import dashboard_rules, dashboards, rules
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 needs_prometheus = pytest.mark.skipif(not shutil.which("prometheus"), reason="prometheus is not installed")
 # The panels of each dashboard: fixed, whatever the number of ranks (none is repeated per rank).
 PANELS = {

@@ -1,6 +1,7 @@
 """The package's layout: no import cycles, the rank wing loads nothing of the other wings, and the engine
 nothing of the mixin or local wings (the `flare` command puts the engine's and the mixin's commands
-together above both: flare_exporter/cli.py).
+together above both: flare_exporter/cli.py). The tests' layout: each test module in the folder of the wing
+it tests (or of real jobs end to end, or of the package as a whole), each under a name of its own.
 
 The graph counts every import the code makes: at the top of a module, inside a function, and under
 `if TYPE_CHECKING:` (a cycle hidden by typing is still a cycle a reader has to untangle).
@@ -12,12 +13,18 @@ import ast
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "flare_exporter"
+WINGS = ("rank", "engine", "mixin", "local")
+# tests/: a folder per wing, one for real jobs end to end, one for the package as a whole (its layout, its
+# shared modules, its docs); beside them conftest.py and the user programs both rank and e2e tests run
+TEST_FOLDERS = (*WINGS, "e2e", "package")
+SHARED_TEST_FOLDERS = ("programs",)
 RANK_MAY_NOT_IMPORT = ("engine", "mixin", "local")
 # wing -> the wings it may not import: a training process loads only the rank wing; `flare diagnose` reads
 # the recording rules' names and the config the mixin shares with it from outside the mixin
@@ -124,9 +131,49 @@ def test_the_engine_imports_nothing_of_the_mixin_or_local_wings():
     assert wing_violations(import_graph(REPO), wing="engine") == []
 
 
+def misplaced_tests(tests: Path) -> list[str]:
+    """What breaks the tests' layout under `tests`: a folder of no known name, a test module outside a
+    TEST_FOLDERS folder (at the root, deeper, or in another folder), a module name used twice (pytest's
+    prepend import mode imports each test module by its bare name)."""
+    known = (*TEST_FOLDERS, *SHARED_TEST_FOLDERS, "__pycache__")
+    problems = [
+        f"{path.name}/: not a test folder"
+        for path in sorted(tests.iterdir())
+        if path.is_dir() and not path.name.startswith(".") and path.name not in known
+    ]
+    modules = sorted(tests.rglob("test_*.py"))
+    for path in modules:
+        relative = path.relative_to(tests)
+        if len(relative.parts) != 2 or relative.parts[0] not in TEST_FOLDERS:
+            problems.append(f"{relative.as_posix()}: not in a wing's folder")
+    uses = Counter(path.name for path in modules)
+    return problems + [f"{name}: in several folders" for name, count in uses.items() if count > 1]
+
+
+def test_every_test_module_is_in_its_wings_folder():
+    tests = REPO / "tests"
+    assert {path.parent.name for path in tests.rglob("test_*.py")} >= {"rank", "engine", "mixin", "e2e"}
+    assert misplaced_tests(tests) == []
+
+
+def test_the_checker_finds_a_test_at_the_root_in_an_unknown_folder_or_twice(tmp_path):
+    files = "conftest.py test_back_at_the_root.py rank/test_a.py rank/golden/test_deep.py engine/test_a.py"
+    for name in [*files.split(), "programs/train.py", "programs/test_program.py", "misc/test_b.py"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert misplaced_tests(tmp_path) == [
+        "misc/: not a test folder",
+        "misc/test_b.py: not in a wing's folder",
+        "programs/test_program.py: not in a wing's folder",
+        "rank/golden/test_deep.py: not in a wing's folder",
+        "test_back_at_the_root.py: not in a wing's folder",
+        "test_a.py: in several folders",
+    ]
+
+
 def test_every_wing_exists_and_holds_modules():
     graph = import_graph(REPO)
-    for wing in ("rank", "engine", "mixin", "local"):
+    for wing in WINGS:
         assert any(name.startswith(f"{PACKAGE}.{wing}.") for name in graph), wing
 
 
@@ -204,7 +251,7 @@ def test_a_training_process_loads_no_module_of_the_other_wings(entry):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout)
-    assert f"{PACKAGE}.rank.attach" in loaded or entry == "flare_exporter.launch"
+    assert entry in loaded and any(name.startswith(f"{PACKAGE}.rank.") for name in loaded), loaded
     assert [
         name for name in loaded if name.startswith(tuple(f"{PACKAGE}.{w}" for w in RANK_MAY_NOT_IMPORT))
     ] == []

@@ -28,7 +28,7 @@ from flare_exporter.mixin.rules import CULPRIT_ALERTS
 
 pytestmark = pytest.mark.multirank
 
-PROGRAMS = Path(__file__).parent / "programs"
+PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
 RANKS = 4
 HANG_SECONDS = 3
 STUCK_STEP = 12
@@ -46,7 +46,7 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """One Prometheus and Alertmanager for every job (each its own run), as tests/test_scenarios.py."""
+    """One Prometheus and Alertmanager for every job (each its own run), as tests/e2e/test_scenarios.py."""
     work = tmp_path_factory.mktemp("parallelisms")
     targets = work / "targets"
     targets.mkdir()

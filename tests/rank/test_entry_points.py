@@ -39,7 +39,7 @@ from flare_exporter.rank.groups import GroupTracker, group_name
 from flare_exporter.rank.process_group import RENAMED_METHODS, WRAPPED_METHODS, FlareProcessGroup, WaitedWork
 from flare_exporter.rank.timing import FutureTiming, TimingManager
 
-PROGRAM = Path(__file__).resolve().parent / "programs" / "entry_points.py"
+PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "entry_points.py"
 
 # Communication that flare deliberately leaves alone, on both recorders.
 LEFT_ALONE = {

@@ -60,7 +60,7 @@ def start_ranks(work: Path, base_port: int) -> list[subprocess.Popen]:
             "FLARE_ADDR": "127.0.0.1",
             "FLARE_FILE_SD_DIR": str(unwatched),
             "FLARE_LINGER_SECONDS": "120",  # the survivors, dying of the lost peer, stay in sight
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(RANKS),
