@@ -11,7 +11,8 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from flare_exporter import causes
+from flare_exporter import causes, spec
+from flare_exporter.engine import records
 from flare_exporter.engine.diagnosis import diagnose
 from flare_exporter.engine.hang_verdicts import follow_chain
 from flare_exporter.engine.ild_verdicts import IldDrift, IldPeers, ild_shifted
@@ -876,3 +877,16 @@ def test_a_drift_counts_as_shifted_only_at_or_above_the_policy_floors(drift, pee
     if ild_shifted(drift, peers, policy):
         reaches_op_shift = drift.op_shift is not None and drift.op_shift >= op_shift
         assert reaches_op_shift or (drift.ks >= ks and not drift.wasserstein < wasserstein)
+
+
+def test_every_metric_the_records_read_is_one_a_direct_scrape_asks_for():
+    """A direct scrape asks the ranks for SNAPSHOT_METRICS alone and parses only those: a series the
+    records read (a name records.py looks up in the spec, alone, in a tuple or in a table) but a scrape does
+    not ask for would be missing from every direct diagnosis, silently."""
+    read = set()
+    for value in vars(records).values():
+        values = value.values() if isinstance(value, dict) else value
+        values = values if isinstance(values, (tuple, type({}.values()))) else (values,)
+        read |= {name for name in values if isinstance(name, str) and name in spec.all_series_names()}
+    assert len(read) > 30
+    assert sorted(read - records.SNAPSHOT_METRICS) == []
