@@ -10,7 +10,7 @@ import threading
 import pytest
 from test_diagnosis import diag, drifted, only, windowed
 
-from flare_exporter.engine import cli, host_load, thresholds, views
+from flare_exporter.engine import cli, host_load, thresholds
 from flare_exporter.engine.host_load import HostLoadState
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.policies import HostLoadPolicy, IldPolicy
@@ -119,7 +119,7 @@ def test_a_job_wide_slowdown_on_a_busy_host_is_the_hosts_warning_not_a_page():
     assert verdict.evidence["host_load"]["node-a"]["cpu_pressure"] == 0.9
     assert verdict.evidence["slowed_ranks"] == [0, 1, 2, 3]
     assert "host node-a busy" in verdict.summary and "no rank's fault" in verdict.summary
-    assert views.format_verdicts([verdict])[0].startswith("WARNING STRAGGLER (host: no single rank)")
+    assert cli.format_verdicts([verdict])[0].startswith("WARNING STRAGGLER (host: no single rank)")
 
 
 def test_a_job_wide_slowdown_over_busy_hosts_is_the_jobs_warning():

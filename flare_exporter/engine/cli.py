@@ -77,7 +77,7 @@ from .promql import PrometheusError
 from .rule_types import Snapshot, Verdict
 from .targets import TargetsError, read_targets
 from .verdict_terms import VerdictKind
-from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
+from .views import SORTS, RankSelection, hang_view, ranks_view, stragglers_view
 
 EXIT_OK, EXIT_ANOMALY, EXIT_USAGE, EXIT_UNDECIDED = 0, 1, 2, 3
 HANG_KINDS: tuple[VerdictKind, ...] = ("host_fault", "rank_down", "mismatch", "hang")
@@ -764,6 +764,21 @@ def _snapshot_answer(
     text = "\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]) + "\n"
     pages = [verdict for verdict in shown if verdict.severity != WARNING]  # a busy host: exit 0
     return Answer(EXIT_ANOMALY if pages else EXIT_OK, result, text)
+
+
+def format_verdicts(verdicts: list[Verdict]) -> list[str]:
+    """A line per verdict, as every command prints them under its view: kind, domain, ranks, group, cause
+    and summary (WARNING first where it does not page); one line saying so where there is none."""
+    if not verdicts:
+        return ["no anomaly found"]
+    lines = []
+    for verdict in verdicts:
+        culprits = f"rank {','.join(map(str, verdict.ranks))}" if verdict.ranks else "no single rank"
+        group = f" [group {verdict.group}]" if verdict.group else ""
+        warning = "WARNING " if verdict.severity == WARNING else ""
+        head = f"{warning}{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
+        lines.append(f"{head}: {verdict.summary}")
+    return lines
 
 
 if __name__ == "__main__":  # the engine's commands alone; all of `flare`'s: python -m flare_exporter.cli
