@@ -10,7 +10,8 @@ import threading
 import pytest
 from test_diagnosis import diag, drifted, only, windowed
 
-from flare_exporter.engine import cli, host_load, thresholds
+from flare_exporter.config import DEFAULT, HangThreshold
+from flare_exporter.engine import cli, host_load
 from flare_exporter.engine.host_load import HostLoadState
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.policies import HostLoadPolicy, IldPolicy
@@ -245,8 +246,6 @@ def test_flare_diagnose_exits_0_on_a_busy_hosts_warning_and_1_on_a_page(load, co
 
     records = [windowed(r, [0.40, 0.41, 0.40], steps=SLOW, host="node-a", host_load=load) for r in range(4)]
     args = argparse.Namespace(command="diagnose")
-    answer = cli._snapshot_answer(
-        args, snapshot(*records), "test", thresholds.Threshold(30.0, thresholds.DEFAULT), IldPolicy()
-    )
+    answer = cli._snapshot_answer(args, snapshot(*records), "test", HangThreshold(30.0, DEFAULT), IldPolicy())
     assert answer.code == code and len(answer.result["verdicts"]) == 1, answer.text
     assert answer.result["verdicts"][0]["severity"] == ("warning" if load is BUSY else "page")

@@ -28,7 +28,6 @@ from flare_exporter.engine import (
     records,
     rule_types,
     straggler_verdicts,
-    thresholds,
 )
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
@@ -103,8 +102,10 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
 
 def test_every_metric_a_snapshot_reads_is_in_the_spec_and_asked_of_prometheus():
     assert records.SNAPSHOT_METRICS - {"up"} <= spec.all_series_names()
-    # the run's hang threshold is asked on its own, before the snapshot (engine/thresholds.py)
-    queries = " ".join([*prometheus_source.PROMETHEUS_QUERIES.values(), thresholds.query("r", "5m")])
+    # the run's hang threshold is asked on its own, before the snapshot (resolve_hang_threshold)
+    queries = " ".join(
+        [*prometheus_source.PROMETHEUS_QUERIES.values(), prometheus_source.hang_threshold_query("r", "5m")]
+    )
     assert [name for name in sorted(records.SNAPSHOT_METRICS) if name not in queries] == []
     # a direct scrape asks for and parses only those: no histogram buckets, no GPU series the rules never read
     assert "flare_collective_duration_seconds_bucket" not in records.SNAPSHOT_METRICS

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .. import record_names
+from ..config import DEFAULT, HangThreshold, hang_of_run
 from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
 from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
@@ -39,6 +40,7 @@ from .records import (
     FLIGHT_STARTED,
     GPU_CLOCK_EVENT_ACTIVE,
     GPU_HEALTH_METRICS,
+    HANG_THRESHOLD,
     ILD_METRICS,
     ISSUED_AT,
     P2P_COUNTS,
@@ -653,6 +655,31 @@ def matcher(run: str) -> str:
     """The matcher of `run` in a selector."""
     escaped = run.replace("\\", "\\\\").replace('"', '\\"')
     return f'run="{escaped}"'
+
+
+def hang_threshold_query(run: str, window: str) -> str:
+    """The one query of the run's hang threshold: the largest its ranks exported within `window`."""
+    return f"max(last_over_time({HANG_THRESHOLD}{{{matcher(run)}}}[{window}]))"
+
+
+def run_hang_threshold(server: Prometheus, run: str, window: str, timeout: float, now: float) -> float | None:
+    """The run's hang threshold from Prometheus as of `now` (one query); None where no rank of it exported
+    one."""
+    answer = promql.query(server, hang_threshold_query(run, window), timeout, now)
+    return float(answer[0]["value"][1]) if answer else None
+
+
+def resolve_hang_threshold(
+    server: Prometheus, run: str, window: str, timeout: float, fallback: HangThreshold, now: float
+) -> tuple[str, HangThreshold]:
+    """The run (`run`, else the one Prometheus saw within `window`: the_run, as run_hang_threshold would
+    resolve it) and the hang threshold to judge it by, asked before the snapshot (the faults round reads
+    ahead with it): `fallback` where the engine was told one, else the run's own (one query) or, where no
+    rank of it exports one, `fallback`."""
+    if fallback.source != DEFAULT:
+        return run, fallback
+    run = run or the_run(promql.connection(server), window, timeout, now)
+    return run, hang_of_run(run_hang_threshold(server, run, window, timeout, now), fallback)
 
 
 def _selectable(ranks: Sequence[int]) -> Sequence[int]:
