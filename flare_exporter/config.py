@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -590,8 +591,10 @@ def engine_config(args: argparse.Namespace) -> Config:
     return load({name: getattr(args, name) for name in ENGINE_KEYS})
 
 
-# Where a setting was told (told_by)
+# Where a setting was told (told_by); a hang threshold may also be the run's own (the largest its ranks
+# export, flare_hang_threshold_seconds) or the default: `flare diagnose`'s JSON key hang_seconds_from
 FLAG, ENVIRONMENT, CONFIG_FILE = "flag", "environment", "config"
+RUN, DEFAULT = "run", "default"
 
 
 def told_by(name: str, flag_value: Any, environ: Mapping[str, str] | None = None) -> str | None:
@@ -607,6 +610,38 @@ def told_by(name: str, flag_value: Any, environ: Mapping[str, str] | None = None
     if path and name in read_file(path):
         return CONFIG_FILE
     return None
+
+
+@dataclass(frozen=True)
+class HangThreshold:
+    """The hang threshold `flare diagnose` judges a run by, in seconds, and where it came from (FLAG,
+    ENVIRONMENT, CONFIG_FILE, RUN or DEFAULT): the one the engine was told (told_by's order), else the
+    run's own, else the config's default. From Prometheus the run's own is one query, asked before the
+    snapshot (engine/prometheus_source.resolve_hang_threshold); from a direct scrape or flight-recorder
+    dumps it comes with the snapshot (Snapshot.hang_seconds)."""
+
+    seconds: float
+    source: str
+
+
+def hang_told_by(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
+    """Where the engine was told its hang threshold: FLAG (--hang-seconds given), ENVIRONMENT
+    (FLARE_HANG_SECONDS set, even to the default), CONFIG_FILE (the file FLARE_CONFIG names has
+    hang_seconds); None where nothing told it."""
+    return told_by(HANG_KEY, getattr(args, HANG_KEY, None), environ)
+
+
+def configured_hang(seconds: float, told: str | None) -> HangThreshold:
+    """The hang threshold of the engine's config (`seconds`): told by `told`, else its default."""
+    return HangThreshold(seconds, told or DEFAULT)
+
+
+def hang_of_run(found: float | None, fallback: HangThreshold) -> HangThreshold:
+    """The run's own hang threshold (`found`, None where no rank exports one) where the engine was not told
+    one; `fallback` otherwise."""
+    if fallback.source != DEFAULT or found is None or not 0 < found < math.inf:
+        return fallback
+    return HangThreshold(found, RUN)
 
 
 def _env_source(name: str) -> str:

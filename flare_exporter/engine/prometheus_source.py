@@ -17,13 +17,22 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .. import record_names
+from ..config import DEFAULT, HangThreshold, hang_of_run
 from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
 from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
 from .host_load import HOST_LOAD_METRICS
+from .pace_queries import (
+    CUMULATIVE_QUERIES,
+    SUMMARY_AT_QUERY,
+    SUMMARY_FIGURES,
+    ild_candidates,
+    ild_screen,
+    recent_windows,
+    summary_candidates,
+)
 from .promql import Prometheus
 from .records import (
-    COLLECTIVE_DURATION_SECONDS_SUM,
     COLLECTIVE_LAST_COMPLETED_SEQ,
     COLLECTIVE_LAST_ISSUED_SEQ,
     FLIGHT_INFO,
@@ -31,10 +40,8 @@ from .records import (
     FLIGHT_STARTED,
     GPU_CLOCK_EVENT_ACTIVE,
     GPU_HEALTH_METRICS,
-    ILD_DRIFT_KS,
-    ILD_DRIFT_WASSERSTEIN_SECONDS,
+    HANG_THRESHOLD,
     ILD_METRICS,
-    ILD_OP_SHIFT_SECONDS,
     ISSUED_AT,
     P2P_COUNTS,
     P2P_STARTED,
@@ -45,10 +52,7 @@ from .records import (
     RANK_INFO,
     RANK_STACK_INFO,
     STEP_DURATION_SECONDS_COUNT,
-    STEP_DURATION_SECONDS_SUM,
     STRAGGLER_METRICS,
-    STRAGGLER_WINDOW_STEP_SECONDS,
-    STRAGGLER_WINDOW_WAIT_SECONDS,
     Liveness,
     Series,
     build_snapshot,
@@ -159,7 +163,7 @@ GONE_GROUP_QUERIES = {
 }
 # Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
 # stragglers and ILD only then). The straggler windows are most of the series of the round: the rounds
-# read the last few of each rank first (see recent_windows).
+# read the last few of each rank first (see pace_queries.recent_windows).
 PACE_QUERIES = {
     **_current(STRAGGLER_METRICS, ", ago"),
     **_current(HOST_LOAD_METRICS.values(), ""),
@@ -167,80 +171,9 @@ PACE_QUERIES = {
         f"sum by (rank) (increase({STEP_DURATION_SECONDS_COUNT}{{sel}}[{{window}}]))"
     ),
 }
-WINDOW_METRICS = (STRAGGLER_WINDOW_STEP_SECONDS, STRAGGLER_WINDOW_WAIT_SECONDS)
-
-
-def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
-    """The straggler windows' queries in two parts: each rank's last `hold_windows` (label ago below it),
-    which the rules read when every rank closed the same last window
-    (straggler_verdicts.decided_by_last_windows), and the older ones, read only when they do not: a quarter of
-    the pace round's series at 6,144 ranks."""
-    recent = "|".join(str(ago) for ago in range(policy.hold_windows))
-
-    def windows(match: str) -> dict[str, str]:
-        return {name: f'max by (rank, ago) ({name}{{sel, ago{match}"{recent}"}})' for name in WINDOW_METRICS}
-
-    return windows("=~"), windows("!~")
-
-
-# At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
-# (record_names.py; WindowSummary), read in place of them where it stands for them: the time of the
-# rules' last evaluation, then the figures at that time and the ranks that could be named.
-SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({record_names.SUMMARY_AT}{{sel}}))"}
-SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
-SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
-
-
-def summary_candidates(policy: StragglerPolicy) -> str:
-    """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
-    and min_wait_gap of the step; straggler_verdicts.WindowScores.stands_out) that the rules could name
-    them."""
-    pooled, figure = record_names.SUMMARY_POOLED, record_names.POOLED_SHARE
-    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {straggler_verdicts.MIN_SHARE_SPREAD!r})"
-    distance = (
-        f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
-    )
-    return f"max by (rank) ({pooled}{{sel}} <= on (run) group_left () ({figure}:median{{sel}} - {distance}))"
-
-
 # Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
 # only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
 ILD_QUERIES = _current(ILD_METRICS, ", distribution")
-
-
-def ild_screen(policy: IldPolicy) -> dict[str, str]:
-    """The query for the ranks whose drift could count as shifted under `policy` (IldPolicy.floors), one
-    series each, without the drift itself (key `ild_screen`, which no record reads)."""
-    op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
-    return {
-        "ild_screen": (
-            f"max by (rank) ({ILD_OP_SHIFT_SECONDS}{{sel}} >= {op_shift}"
-            f" or ({ILD_DRIFT_KS}{{sel}} >= {ks} unless on (rank, distribution)"
-            f" {ILD_DRIFT_WASSERSTEIN_SECONDS}{{sel}} < {wasserstein}))"
-        )
-    }
-
-
-def ild_candidates(policy: IldPolicy) -> dict[str, str]:
-    """The ranks ild_screen may name and more (key `ild_candidates`): its floors without the W1 one, so
-    that the pace round need not read every rank's W1 (a third of the screen's series); ild_screen is
-    asked of them only when there are any."""
-    op_shift, ks, _ = (repr(float(bound)) for bound in policy.floors())
-    return {
-        "ild_candidates": (
-            f"max by (rank) ({ILD_OP_SHIFT_SECONDS}{{sel}} >= {op_shift} or {ILD_DRIFT_KS}{{sel}} >= {ks})"
-        )
-    }
-
-
-# The same from the cumulative step and collective times: every rank (asked when not every rank exports
-# straggler windows; see straggler_verdicts.judged_by_windows).
-CUMULATIVE_QUERIES = {
-    STEP_DURATION_SECONDS_SUM: (f"sum by (rank) (increase({STEP_DURATION_SECONDS_SUM}{{sel}}[{{window}}]))"),
-    COLLECTIVE_DURATION_SECONDS_SUM: (
-        f"sum by (rank) (increase({COLLECTIVE_DURATION_SECONDS_SUM}{{sel}}[{{window}}]))"
-    ),
-}
 # What explains a verdict without deciding it, of every rank (the views).
 DETAIL_QUERIES = {
     **PROGRESS_QUERIES,
@@ -722,6 +655,31 @@ def matcher(run: str) -> str:
     """The matcher of `run` in a selector."""
     escaped = run.replace("\\", "\\\\").replace('"', '\\"')
     return f'run="{escaped}"'
+
+
+def hang_threshold_query(run: str, window: str) -> str:
+    """The one query of the run's hang threshold: the largest its ranks exported within `window`."""
+    return f"max(last_over_time({HANG_THRESHOLD}{{{matcher(run)}}}[{window}]))"
+
+
+def run_hang_threshold(server: Prometheus, run: str, window: str, timeout: float, now: float) -> float | None:
+    """The run's hang threshold from Prometheus as of `now` (one query); None where no rank of it exported
+    one."""
+    answer = promql.query(server, hang_threshold_query(run, window), timeout, now)
+    return float(answer[0]["value"][1]) if answer else None
+
+
+def resolve_hang_threshold(
+    server: Prometheus, run: str, window: str, timeout: float, fallback: HangThreshold, now: float
+) -> tuple[str, HangThreshold]:
+    """The run (`run`, else the one Prometheus saw within `window`: the_run, as run_hang_threshold would
+    resolve it) and the hang threshold to judge it by, asked before the snapshot (the faults round reads
+    ahead with it): `fallback` where the engine was told one, else the run's own (one query) or, where no
+    rank of it exports one, `fallback`."""
+    if fallback.source != DEFAULT:
+        return run, fallback
+    run = run or the_run(promql.connection(server), window, timeout, now)
+    return run, hang_of_run(run_hang_threshold(server, run, window, timeout, now), fallback)
 
 
 def _selectable(ranks: Sequence[int]) -> Sequence[int]:

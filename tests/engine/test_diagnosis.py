@@ -610,7 +610,7 @@ def test_windows_older_than_the_last_change_no_verdict_where_the_last_decide(ran
 def summarised(records: list[RankRecord], policy: StragglerPolicy) -> Snapshot | None:
     """What prometheus_source.from_prometheus makes of Prometheus's figures
     (straggler_rules.straggler_summary_rules) over `records`, which closed the same windows: the figures,
-    and the windows of the ranks the screen names (prometheus_source.summary_candidates); None where the
+    and the windows of the ranks the screen names (pace_queries.summary_candidates); None where the
     figures do not stand for every rank's windows."""
     windows = sorted(records[0].step_windows)[-policy.hold_windows :]
     steps = {r.rank: [r.step_windows[w] for w in windows] for r in records}

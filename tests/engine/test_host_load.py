@@ -10,7 +10,8 @@ import threading
 import pytest
 from test_diagnosis import diag, drifted, only, windowed
 
-from flare_exporter.engine import cli, host_load, thresholds, views
+from flare_exporter.config import DEFAULT, HangThreshold
+from flare_exporter.engine import cli, host_load
 from flare_exporter.engine.host_load import HostLoadState
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.policies import HostLoadPolicy, IldPolicy
@@ -119,7 +120,7 @@ def test_a_job_wide_slowdown_on_a_busy_host_is_the_hosts_warning_not_a_page():
     assert verdict.evidence["host_load"]["node-a"]["cpu_pressure"] == 0.9
     assert verdict.evidence["slowed_ranks"] == [0, 1, 2, 3]
     assert "host node-a busy" in verdict.summary and "no rank's fault" in verdict.summary
-    assert views.format_verdicts([verdict])[0].startswith("WARNING STRAGGLER (host: no single rank)")
+    assert cli.format_verdicts([verdict])[0].startswith("WARNING STRAGGLER (host: no single rank)")
 
 
 def test_a_job_wide_slowdown_over_busy_hosts_is_the_jobs_warning():
@@ -245,8 +246,6 @@ def test_flare_diagnose_exits_0_on_a_busy_hosts_warning_and_1_on_a_page(load, co
 
     records = [windowed(r, [0.40, 0.41, 0.40], steps=SLOW, host="node-a", host_load=load) for r in range(4)]
     args = argparse.Namespace(command="diagnose")
-    answer = cli._snapshot_answer(
-        args, snapshot(*records), "test", thresholds.Threshold(30.0, thresholds.DEFAULT), IldPolicy()
-    )
+    answer = cli._snapshot_answer(args, snapshot(*records), "test", HangThreshold(30.0, DEFAULT), IldPolicy())
     assert answer.code == code and len(answer.result["verdicts"]) == 1, answer.text
     assert answer.result["verdicts"][0]["severity"] == ("warning" if load is BUSY else "page")

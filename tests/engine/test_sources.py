@@ -22,12 +22,12 @@ from flare_exporter import policies, record_names, spec
 from flare_exporter.engine import (
     cli,
     diagnosis,
+    pace_queries,
     prometheus_source,
     promql,
     records,
     rule_types,
     straggler_verdicts,
-    thresholds,
 )
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
@@ -102,8 +102,10 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
 
 def test_every_metric_a_snapshot_reads_is_in_the_spec_and_asked_of_prometheus():
     assert records.SNAPSHOT_METRICS - {"up"} <= spec.all_series_names()
-    # the run's hang threshold is asked on its own, before the snapshot (engine/thresholds.py)
-    queries = " ".join([*prometheus_source.PROMETHEUS_QUERIES.values(), thresholds.query("r", "5m")])
+    # the run's hang threshold is asked on its own, before the snapshot (resolve_hang_threshold)
+    queries = " ".join(
+        [*prometheus_source.PROMETHEUS_QUERIES.values(), prometheus_source.hang_threshold_query("r", "5m")]
+    )
     assert [name for name in sorted(records.SNAPSHOT_METRICS) if name not in queries] == []
     # a direct scrape asks for and parses only those: no histogram buckets, no GPU series the rules never read
     assert "flare_collective_duration_seconds_bucket" not in records.SNAPSHOT_METRICS
@@ -277,7 +279,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
                 expected.add(rank)
     matchers = f'run="{cluster.run}"'
     found = prometheus_source._fetch(
-        clusters.prometheus.url, prometheus_source.ild_screen(policy), matchers, "5m", 10.0, time.time()
+        clusters.prometheus.url, pace_queries.ild_screen(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_screen", [])} == expected
     assert 0 < len(expected) < cluster.ranks or floors in ((1.0, 0.043, 1e-3), (0.0, 0.0, 0.0))
@@ -289,7 +291,7 @@ def test_the_ild_screen_names_the_ranks_whose_drift_reaches_the_floors(clusters,
         or any(drift_ks >= ks for drift_ks in record.ild_ks.values())
     }
     found = prometheus_source._fetch(
-        clusters.prometheus.url, prometheus_source.ild_candidates(policy), matchers, "5m", 10.0, time.time()
+        clusters.prometheus.url, pace_queries.ild_candidates(policy), matchers, "5m", 10.0, time.time()
     )
     assert {int(labels["rank"]) for labels, _ in found.get("ild_candidates", [])} == candidates >= expected
     assert candidates != expected or floors != (1.0, 0.043, 1e-3)
@@ -302,7 +304,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
     everything = prometheus_source.from_prometheus(clusters.prometheus.url, cluster.run)
     matchers = f'run="{cluster.run}"'
     parts = []
-    for queries in prometheus_source.recent_windows(policies.StragglerPolicy()):
+    for queries in pace_queries.recent_windows(policies.StragglerPolicy()):
         found = prometheus_source._fetch(clusters.prometheus.url, queries, matchers, "5m", 10.0, time.time())
         parts.append(
             {(labels["rank"], labels["ago"], name) for name, rows in found.items() for labels, _ in rows}
@@ -313,7 +315,7 @@ def test_the_recent_and_the_older_straggler_windows_are_every_window_once(cluste
         (str(rank), str(ago), name)
         for rank, record in everything.ranks.items()
         for ago in range(len(record.step_windows))
-        for name in prometheus_source.WINDOW_METRICS
+        for name in pace_queries.WINDOW_METRICS
     }
     assert recent | older == windows and not recent & older
 
@@ -322,8 +324,8 @@ def test_a_query_names_the_run_as_given_whatever_placeholder_text_its_name_holds
     sent: list[str] = []
     monkeypatch.setattr(promql, "query", lambda url, expr, *args: sent.append(expr) or [])
     queries = {
-        **prometheus_source.CUMULATIVE_QUERIES,
-        **prometheus_source.recent_windows(policies.StragglerPolicy())[0],
+        **pace_queries.CUMULATIVE_QUERIES,
+        **pace_queries.recent_windows(policies.StragglerPolicy())[0],
     }
     prometheus_source._fetch("http://x", queries, prometheus_source.matcher("a{sel}{window}"), "5m", 1.0, NOW)
     run = 'run="a{sel}{window}"'
@@ -410,8 +412,8 @@ def job(fault: str, ild_shifted: bool = True) -> dict[str, list]:
 
 
 def screened(everything: dict[str, list], ranks: set[str] | None, name: str) -> dict[str, list]:
-    """What Prometheus answers to prometheus_source.ild_screen (`name` "ild_screen", IldPolicy's floors)
-    or to prometheus_source.ild_candidates (the same without the W1 floor): a series per rank reaching
+    """What Prometheus answers to pace_queries.ild_screen (`name` "ild_screen", IldPolicy's floors)
+    or to pace_queries.ild_candidates (the same without the W1 floor): a series per rank reaching
     them, of the ranks named (all if None)."""
     op_shift, ks, wasserstein = policies.IldPolicy().floors()
     if name == "ild_candidates":
@@ -660,7 +662,7 @@ def test_older_straggler_windows_are_read_only_where_the_rules_would_weigh_them(
     verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
     assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5])]
-    windows = set(prometheus_source.recent_windows(policies.StragglerPolicy())[1])
+    windows = set(pace_queries.recent_windows(policies.StragglerPolicy())[1])
     asked = [names for names, _, _ in fake_prometheus["asked"]]
     assert (windows in asked) == older_read
     if older_read:  # then every window, as all at once

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from conftest import flare_json, queries_sent
 
-from flare_exporter import cli
+from flare_exporter import cli, config
 from flare_exporter.config import Config
-from flare_exporter.engine import records, scrape, thresholds
+from flare_exporter.engine import prometheus_source, records, scrape
 from flare_exporter.engine.rule_types import Snapshot
 from flare_exporter.local.prometheus import PrometheusProcess, wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
@@ -51,35 +51,37 @@ def test_told_by_the_flag_first_then_the_environment_then_the_config_file(tmp_pa
     path = tmp_path / "flare.yml"
     path.write_text("hang_seconds: 60\n")
     everything = {"FLARE_HANG_SECONDS": "30", "FLARE_CONFIG": str(path)}
-    assert thresholds.told(flags("10"), everything) == thresholds.FLAG
-    assert thresholds.told(flags(), everything) == thresholds.ENVIRONMENT
+    assert config.hang_told_by(flags("10"), everything) == config.FLAG
+    assert config.hang_told_by(flags(), everything) == config.ENVIRONMENT
     # set, even to the default: told
-    assert thresholds.told(flags(), {"FLARE_HANG_SECONDS": "300"}) == thresholds.ENVIRONMENT
-    assert thresholds.told(flags(), {"FLARE_CONFIG": str(path)}) == thresholds.CONFIG
+    assert config.hang_told_by(flags(), {"FLARE_HANG_SECONDS": "300"}) == config.ENVIRONMENT
+    assert config.hang_told_by(flags(), {"FLARE_CONFIG": str(path)}) == config.CONFIG_FILE
 
 
 def test_not_told_by_a_config_file_without_hang_seconds_nor_by_other_keys(tmp_path):
     path = tmp_path / "flare.yml"
     path.write_text("stall_seconds: 60\n")
-    assert thresholds.told(flags(), {"FLARE_CONFIG": str(path), "FLARE_STALL_SECONDS": "5"}) is None
-    assert thresholds.told(flags(), {}) is None
-    assert thresholds.told(argparse.Namespace(), {}) is None  # a command without the flag
+    assert config.hang_told_by(flags(), {"FLARE_CONFIG": str(path), "FLARE_STALL_SECONDS": "5"}) is None
+    assert config.hang_told_by(flags(), {}) is None
+    assert config.hang_told_by(argparse.Namespace(), {}) is None  # a command without the flag
 
 
 def test_the_runs_threshold_counts_only_where_the_engine_was_not_told_one():
-    default = thresholds.configured(300.0, None)
-    assert default == thresholds.Threshold(300.0, thresholds.DEFAULT)
-    assert thresholds.of_run(4.0, default) == thresholds.Threshold(4.0, thresholds.RUN)
-    assert thresholds.of_run(None, default) == default  # no rank exports one: the default
-    assert thresholds.of_run(float("nan"), default) == default
-    assert thresholds.of_run(0.0, default) == default
-    flag = thresholds.configured(300.0, thresholds.FLAG)
-    assert thresholds.of_run(4.0, flag) == flag
-    assert thresholds.of_run(4.0, thresholds.configured(30.0, thresholds.CONFIG)).source == thresholds.CONFIG
+    default = config.configured_hang(300.0, None)
+    assert default == config.HangThreshold(300.0, config.DEFAULT)
+    assert config.hang_of_run(4.0, default) == config.HangThreshold(4.0, config.RUN)
+    assert config.hang_of_run(None, default) == default  # no rank exports one: the default
+    assert config.hang_of_run(float("nan"), default) == default
+    assert config.hang_of_run(0.0, default) == default
+    flag = config.configured_hang(300.0, config.FLAG)
+    assert config.hang_of_run(4.0, flag) == flag
+    assert (
+        config.hang_of_run(4.0, config.configured_hang(30.0, config.CONFIG_FILE)).source == config.CONFIG_FILE
+    )
 
 
 def test_the_prometheus_query_is_of_the_one_run():
-    expr = thresholds.query('a"b', "5m")
+    expr = prometheus_source.hang_threshold_query('a"b', "5m")
     assert expr == 'max(last_over_time(flare_hang_threshold_seconds{run="a\\"b"}[5m]))'
 
 
@@ -98,7 +100,7 @@ def test_build_snapshot_takes_the_largest_threshold_the_ranks_export():
     }
     snapshot = records.build_snapshot(series, {}, 100.0, "r")
     assert snapshot.hang_seconds == 6.0
-    assert thresholds.of_snapshot(snapshot, thresholds.configured(300.0, None)).seconds == 6.0
+    assert config.hang_of_run(snapshot.hang_seconds, config.configured_hang(300.0, None)).seconds == 6.0
 
 
 def test_build_snapshot_without_thresholds_has_none():
@@ -197,7 +199,7 @@ def test_diagnose_reads_the_runs_threshold_from_prometheus_in_one_query(tmp_path
                 "run",
             )
             assert [verdict["ranks"] for verdict in hang_verdicts(report)] == [[HUNG]], report
-            assert sent.count(thresholds.query(run, "5m")) == 1
+            assert sent.count(prometheus_source.hang_threshold_query(run, "5m")) == 1
 
             with queries_sent(monkeypatch) as sent:
                 _, report = flare_json("diagnose", "--prometheus", prometheus.url, "--hang-seconds", "300")

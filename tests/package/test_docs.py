@@ -123,6 +123,37 @@ def test_the_signal_paths_name_files_that_exist():
     assert [name for name in named if not (ROOT / name).is_file()] == []
 
 
+STEP = re.compile(r"^\d+\. `([\w./-]+)`", re.MULTILINE)
+
+
+def steps_of_each_path(design: str) -> dict[str, list[str]]:
+    """Each path of the section (named by the line that opens it, ending in a colon) and the files of its
+    numbered steps, in order."""
+    section = PATH_SECTION.search(design)
+    assert section, 'docs/design.md has no section "A signal\'s path"'
+    paths: dict[str, list[str]] = {}
+    name = ""
+    for block in section.group(1).split("\n\n"):
+        steps = STEP.findall(block)
+        if steps and name:
+            paths[name] = steps
+        elif block.strip().endswith(":"):
+            name = block.strip()
+    return paths
+
+
+def test_each_signal_path_takes_at_most_ten_files():
+    paths = steps_of_each_path((ROOT / "docs" / "design.md").read_text())
+    assert len(paths) == 2, paths  # a collective's duration and the hang verdict
+    assert {name: len(set(steps)) for name, steps in paths.items() if len(set(steps)) > 10} == {}
+
+
+def test_the_path_count_finds_a_path_of_eleven_files():
+    steps = "\n".join(f"{number}. `flare_exporter/step{number}.py`: x" for number in range(1, 12))
+    paths = steps_of_each_path(f"## A signal's path\n\nThe hang verdict:\n\n{steps}\n\n## Next\n")
+    assert [len(found) for found in paths.values()] == [11]
+
+
 def test_the_signal_path_check_finds_a_file_that_is_gone():
     design = (
         "## A signal's path\n\n1. `flare_exporter/spec.py`: x\n2. `flare_exporter/gone.py`: y\n\n## Next\n"
