@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo demo-fault test test-fast lint system-deps bench cpp-recorder shim native op-timer
+.PHONY: demo demo-fault test test-fast lint system-deps bench cpp-recorder shim
 FAULT ?= stuck
 FAULT_RANK ?= 2
 
@@ -23,8 +23,6 @@ system-deps:
 # built once per torch version, about a minute; see docs/design.md
 cpp-recorder: $(VENV)/.installed
 	$(PY) -m flare_exporter.rank.cpp_recorder
-
-op-timer: cpp-recorder  # the recorder's old name
 
 demo: $(VENV)/.installed system-deps cpp-recorder
 	$(PY) -m flare_exporter.local.demo
@@ -50,5 +48,3 @@ bench: $(VENV)/.installed cpp-recorder
 # the optional launch shim (docs/shim.md): cuda_hooks/build/libflare_hooks.so, for flare-run --shim
 shim:
 	$(MAKE) -C cuda_hooks
-
-native: shim  # the shim's old name

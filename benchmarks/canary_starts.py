@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from flare_exporter import label_values
 from flare_exporter.engine import scrape
 from flare_exporter.local.jobs import ObservedJob
 from flare_exporter.local.testing.load import BusyCores, DutyCycle
 from flare_exporter.local.workloads import train_ddp
+from flare_exporter.rank import canary
 
 RANKS, THROTTLED, STEPS = 4, 2, 30
 ENV = {"FLARE_CANARY": "enforce", "FLARE_CANARY_COMPUTE_SECONDS": "0.5"}
@@ -80,11 +80,11 @@ def main() -> int:
             found = start(work, index, 0.0 if kind == "healthy" else args.share)
             results[kind].append(found)
             print(kind, index, found["codes"], found["preflight_runs"], found["line"][:160], flush=True)
-    stopped = [r for r in results["healthy"] if label_values.CANARY_EXIT_CODE in r["codes"]]
+    stopped = [r for r in results["healthy"] if canary.CANARY_EXIT_CODE in r["codes"]]
     named = [
         r
         for r in results["throttled"]
-        if r["codes"] == [label_values.CANARY_EXIT_CODE] * RANKS and f"rank {THROTTLED} (host " in r["line"]
+        if r["codes"] == [canary.CANARY_EXIT_CODE] * RANKS and f"rank {THROTTLED} (host " in r["line"]
     ]
     print(f"healthy starts stopped: {len(stopped)} of {args.healthy} (goal 0)")
     print(f"throttled starts stopped, rank {THROTTLED} named: {len(named)} of {args.throttled} (goal all)")

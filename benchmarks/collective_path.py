@@ -5,24 +5,17 @@ alternated in blocks of steps.
     python benchmarks/collective_path.py --ranks 1 --blocks 60 --json out.json
     python benchmarks/collective_path.py --recorder python      # the Python hooks instead of the C++ backend
 
-The end-to-end A/B (overhead.py) compares two processes, one with flare and one without; on a shared
-machine two runs of the same process differ by a few per cent (placement, the heap's layout, the other
-jobs), which hides a cost of 0.5 %. Here every rank process holds two copies of the same DDP model: one
-reduces its gradients over the plain gloo world group (created before `attach()`, so flare does not wrap
-it), the other over a group created after `attach()`, which flare wraps (every collective issued,
-tracked and timed as in a real job: by flare's C++ recording backend, or with `--recorder python` by the
-Python hooks of FlareProcessGroup). Each rank trains them in alternating blocks of
-`--block-steps` steps (order A/B, then B/A), in lockstep with the other ranks, and measures each step's
-wall time and its training thread's CPU time. Everything else is the same on both sides: the same
-process, threads, heap, and flare's other hooks (the global optimizer step hook and its listeners run
-for both models, which share one optimizer).
+Two processes (overhead.py's A/B) differ by a few per cent on a shared machine; here every rank holds two
+copies of one DDP model: one reduces over the plain gloo world group (created before `attach()`), the other
+over a group created after it, which flare wraps (recorded by flare's C++ backend, or with `--recorder
+python` by FlareProcessGroup's Python hooks). Each rank trains them in alternating blocks of `--block-steps`
+steps (A/B, then B/A), in lockstep with the others, timing each step's wall time and its training thread's
+CPU; the process, threads, heap and flare's other hooks are the same for both.
 
-Per block pair and rank: the difference of the blocks' median step times (wrapped minus plain). The
-summary gives the median difference in µs with a distribution-free 95 % interval, and the ratio of the
-median step times. The benchmark fails (exit 1) unless the wrapped group recorded every collective that
-its model's steps issued and the plain one none.
-
-Exit status: 0 when every rank finished and the check held, 1 otherwise, 2 for bad arguments.
+Per block pair and rank: the difference of the blocks' median step times (wrapped minus plain); the summary
+gives the median difference with a distribution-free 95 % interval and the ratio of the medians. Exit
+status: 0 when every rank finished and the wrapped group recorded every collective its model issued and
+the plain one none, 1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from overhead_stats import median_ci  # noqa: E402
+from cli_runs import median_ci  # noqa: E402  (benchmarks/)
 
 from flare_exporter.local.jobs import free_port
 
@@ -50,15 +43,13 @@ SIDES = ("plain", "wrapped")
 def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -> None:
     """One rank: both models, the blocks, the check; writes its blocks as JSON to `out`."""
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        FLARE_PORT="0",  # nothing scrapes here: the endpoint is the end-to-end benchmark's business
-        FLARE_RUN="collective-path",
-        FLARE_NATIVE_COLLECTIVES=str(args.recorder == "cpp").lower(),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1"
     )
+    os.environ.update(MASTER_PORT=str(master_port), FLARE_RUN="collective-path")
+    os.environ["FLARE_PORT"] = (
+        "0"  # nothing scrapes here: the endpoint is the end-to-end benchmark's business
+    )
+    os.environ["FLARE_NATIVE_COLLECTIVES"] = str(args.recorder == "cpp").lower()
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -118,10 +109,7 @@ def rank_main(rank: int, args: argparse.Namespace, master_port: int, out: str) -
 
 def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "ranks": args.ranks,
-        "blocks": args.blocks,
-        "block_steps": args.block_steps,
-        "recorder": args.recorder,
+        key: getattr(args, key) for key in ("ranks", "blocks", "block_steps", "recorder")
     }
     for measure, what in (("wall", "step time"), ("cpu", "training thread's CPU per step")):
         differences = [
@@ -135,10 +123,8 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
         )
         difference = statistics.median(differences)
         interval = median_ci(differences)
-        results[measure] = {
-            "median_plain": plain,
-            "median_wrapped": wrapped,
-            "median_difference": difference,
+        results[measure] = dict(median_plain=plain, median_wrapped=wrapped, median_difference=difference)
+        results[measure] |= {
             "median_difference_ci95": list(interval) if interval else None,
             "ratio": wrapped / plain,
         }

@@ -2,19 +2,12 @@
 
     python benchmarks/direct_scrape.py [--ranks 6144] [--repeats 5] [--json OUT]
 
-The ranks (flare_exporter.local.testing.virtual_cluster: every signal on, each on its own loopback port)
-are served by a child process, as real ranks serve from their own hosts: the command's CPU is its own,
-and nothing else (no store, no rule engine) shares the machine with it. Phases, each a fault on one rank
-(as in scale.py: straggler N*3//8, hung N*777//1024, dead N*5//8):
-
-1. straggler: one rank's GPU throttles; it waits least in every straggler window;
-2. hang: every rank but one has waited in the world group's next all-reduce for two minutes;
-3. dead: the job 40 steps on, one rank's endpoint closed (connection refused).
-
-In each, `flare diagnose --targets DIR --hang-seconds 60 --json` runs as a command `--repeats` times: its
-wall time and CPU (median), its first verdict checked (the phase's kind naming exactly that rank). Then
-the client alone, in this process: `scrape.scrape_all` of every rank, its thread's CPU per rank with the
-parse and without it. Goal: < 3 s at 6,144 ranks.
+The virtual ranks (every signal on, each on its own loopback port) are served by a child process, as real
+ranks serve from their own hosts; nothing else shares the machine. Phases, a fault on one rank each (as in
+scale.py): a straggler; a hang two minutes old; a dead rank (its endpoint closed). In each, `flare diagnose
+--targets DIR --hang-seconds 60 --json` runs as a command `--repeats` times, its first verdict checked.
+Then the client alone: `scrape.scrape_all` of every rank, its thread's CPU per rank with the parse and
+without it. Goal: < 3 s at 6,144 ranks.
 
 Exit status: 0 when every verdict was right (whatever the times), 1 otherwise, 2 for bad arguments.
 """
@@ -35,9 +28,9 @@ from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from cli_runs import BenchError, command, verdicts_of  # noqa: E402  (benchmarks/)
+from cli_runs import BenchError, command, faulty_ranks, first_verdict  # noqa: E402  (benchmarks/)
 
-from flare_exporter.engine import cli, rank_client, scrape
+from flare_exporter.engine import rank_client, scrape
 from flare_exporter.engine.records import SNAPSHOT_METRICS
 from flare_exporter.engine.targets import read_targets
 from flare_exporter.local.testing import virtual_cluster as vc
@@ -48,10 +41,6 @@ HANG_AGO_S = 120.0
 PHASES = {"straggler": "straggler", "hang": "hang", "dead": "rank_down"}  # phase -> verdict kind
 
 
-def faults_of(ranks: int) -> dict[str, int]:
-    return {"straggler": ranks * 3 // 8, "hang": ranks * 777 // 1024, "dead": ranks * 5 // 8}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the ranks, served by a child process: `--serve`, told each phase on its stdin
 
@@ -59,7 +48,7 @@ def faults_of(ranks: int) -> dict[str, int]:
 def serve(ranks: int, targets_dir: str) -> None:
     """Render and serve every rank (healthy); on each stdin line `hang UNIX_TIME` or `dead RANK`, serve that
     phase's pages, and answer `ok`."""
-    faults = faults_of(ranks)
+    faults = faulty_ranks(ranks)
     pages = vc.render_pages(ranks, RUN, faults["straggler"], faults["hang"])
     with vc.ClusterServer(pages.healthy) as server:
         vc.write_file_sd(targets_dir, RUN, server.targets(), ranks)
@@ -111,10 +100,7 @@ def diagnose(targets_dir: str, phase: str, rank: int, repeats: int) -> dict[str,
     walls, cpus, summary = [], [], ""
     for index in range(repeats):
         wall, code, output, cpu = command(argv, 300)
-        result, summary = verdicts_of(code, output, f"{phase}: run {index + 1}")
-        first, expected = (result.get("verdicts") or [{}])[0], (PHASES[phase], [rank])
-        if code != cli.EXIT_ANOMALY or (first.get("kind"), first.get("ranks")) != expected:
-            raise BenchError(f"{phase}: exit code {code}, verdicts {summary} (expected {expected})")
+        summary = first_verdict(code, output, PHASES[phase], rank, f"{phase}: run {index + 1}")
         walls.append(wall)
         cpus.append(cpu)
     print(
@@ -162,7 +148,7 @@ def main() -> int:
     if args.serve:
         serve(args.ranks, args.targets_dir)
         return 0
-    faults = faults_of(args.ranks)
+    faults = faulty_ranks(args.ranks)
     results: dict[str, Any] = {"ranks": args.ranks, "faults": faults, "phases": {}}
     print(f"direct scrape of {args.ranks} virtual ranks (rendering them takes a while)")
     with tempfile.TemporaryDirectory(prefix="flare-direct-") as work:

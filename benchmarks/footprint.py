@@ -2,19 +2,12 @@
 
     python benchmarks/footprint.py [--world 1024] [--repeats 200] [--json OUT]
 
-The ranks are a virtual cluster's (flare_exporter.local.testing.virtual_cluster): FlareStates as a real rank's
-hooks, timing manager, stall watcher and GPU health reader leave them after 1,200 steps of a job with every
-signal on at its defaults — three process groups (world, data parallel, tensor parallel) and the five
-(group, op) pairs they issue, straggler windows, both issue-latency distributions and their drift, GPU
-health through the fake NVML. Four roles are measured: a healthy rank, a straggler (its GPU throttles), a
-rank stuck before a collective (a stack sample) and a rank waiting in one (a collective in flight).
-
-Per role: series (samples in the rendered text, parsed back), bytes of the text format, bytes gzip-compressed
-(what Prometheus, which asks for gzip, receives). Render time per scrape, median of `--repeats`, on the
-straggler (all signals): the collectors alone, the text render flare serves (exposition.render_text: the text
-written by flare's extension, csrc/text_format.cpp), the same written in Python (a rank without the
-extension), the prometheus_client renderers it replaced (text and OpenMetrics, which Prometheus was served
-before), gzip, and a whole scrape of the real endpoint (MetricsServer) over loopback as Prometheus sends it.
+The ranks are a virtual cluster's (flare_exporter.local.testing.virtual_cluster): FlareStates as a real
+rank's hooks leave them after 1,200 steps with every signal on at its defaults, in four roles: healthy, a
+straggler (its GPU throttles), stuck before a collective, waiting in one. Per role: series, bytes of the
+text format and gzip-compressed. Render time per scrape on the straggler, median of `--repeats`: the
+collectors alone, the text flare serves (exposition.render_text, csrc/text_format.cpp), the same written
+in Python, prometheus_client's renderers, gzip, and a whole scrape of the real endpoint over loopback.
 
 Goals: <= 300 series and <= 32 KiB per rank per scrape. Exit status 0 (whatever the numbers), 2 for bad
 arguments.
@@ -75,9 +68,7 @@ def scrape_endpoint(port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--world", type=int, default=1024, help="world size of the virtual job (default 1024)"
-    )
+    parser.add_argument("--world", type=int, default=1024, help="the virtual job's world size (default 1024)")
     parser.add_argument(
         "--repeats", type=int, default=200, help="timed renders per measurement (default 200)"
     )
@@ -102,12 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'role':10} {'series':>6} {'text bytes':>11} {'gzip bytes':>11}")
     for role, (rank, role_faults) in roles.items():
         text = vc.render(vc.rank_state(rank, args.world, RUN, now, role_faults))
-        row = {
-            "series": len(parse(text.decode())),
-            "bytes": len(text),
-            "gzip_bytes": len(gzip.compress(text, 1)),
-        }
-        results["roles"][role] = row
+        results["roles"][role] = row = dict(series=len(parse(text.decode())), bytes=len(text))
+        row["gzip_bytes"] = len(gzip.compress(text, 1))
         print(f"  {role:10} {row['series']:6d} {row['bytes']:11,d} {row['gzip_bytes']:11,d}")
     worst_series = max(row["series"] for row in results["roles"].values())
     worst_bytes = max(row["bytes"] for row in results["roles"].values())

@@ -1,27 +1,18 @@
 """ILD sensitivity: the smallest per-op host delay detected within 10 steps, and false positives when healthy.
 
-    .venv/bin/python benchmarks/ild_sensitivity.py [--timer native|python] [--every N] [--window 2]
+    python benchmarks/ild_sensitivity.py [--timer native|python] [--every N] [--window 2] [--trials 3] ...
 
-One process trains the small model of flare_exporter/local/workloads/train_ddp.py on CPU (no process group)
-with
-the exporter's ILD state attached to the optimizer step hook: host-dispatch sampling windows on one step in
-`--every` (default: the exporter's default), a baseline over `--baseline` steps, a current window of the
-last `--window` sampled steps, timed by `--timer` (native: the RecordFunction observer, built if needed;
-python: the dispatch mode). After
-every step the timing manager drains (a real rank drains every few seconds and on each scrape; draining per
-step measures detection in steps) and the engine's per-rank rule (ild_verdicts.ild_shifted, with the healthy
-peers' median W1 and per-op shift taken from the healthy run: healthy peers) says whether the rank's
-host-dispatch latency has shifted.
+One process trains train_ddp.py's small model on CPU (no process group) with the exporter's ILD state on the
+optimizer step hook: sampling windows on one step in `--every`, a baseline of `--baseline` steps, a current
+window of the last `--window` sampled steps, timed by `--timer` (native: the RecordFunction observer, built
+if needed; python: the dispatch mode). After every step the timing manager drains and the engine's per-rank
+rule (ild_verdicts.ild_shifted, the healthy peers' medians taken from a healthy run) says whether the rank's
+host-dispatch latency has shifted. The delay is a busy-wait in every aten op (native: the op timer's own
+injector; python: train_ddp's HostDelay, there from the start at 0 s), expressed as a share of the healthy
+step: delay x ops per step / step time.
 
-A per-op delay is a busy-wait in every aten op: with the native timer, the op timer's own injector (a
-second RecordFunction observer that waits at each op's end, inside the op's timed interval); with the
-python timer, a dispatch mode under the exporter's (train_ddp's HostDelay), present from the start with 0 s
-so that healthy and injected steps differ only by the delay. The delay is expressed as a share of the
-healthy step time: delay x ops per step / step time, ops being those the delay is applied to.
-
-Printed: the healthy run's false positives (steps at which the rule fired, out of --healthy-steps), then for
-each delay the share of --trials trials in which it was detected within --within steps, and the smallest
-delay detected in all trials. Speed varies with the machine; the numbers belong in the issue's notes.
+Printed: the healthy run's false positives in --healthy-steps steps, then per delay how many of --trials
+trials detected it within --within steps, and the smallest delay detected in every trial.
 """
 
 from __future__ import annotations
@@ -141,22 +132,17 @@ def run(args: argparse.Namespace, delay: float, healthy_steps: int, peers):  # t
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timer", choices=("native", "python"), default="native", help="(default native)")
-    parser.add_argument(
-        "--every", type=int, default=0, help="window on one step in N (the exporter's default)"
-    )
-    parser.add_argument("--window", type=int, default=2, help="sampled steps in the current window (2)")
-    parser.add_argument(
-        "--baseline", type=int, default=0, help="baseline steps after 5 warm-up (the exporter's default)"
-    )
-    parser.add_argument("--healthy-steps", type=int, default=1000, help="healthy steps checked (1000)")
-    parser.add_argument("--within", type=int, default=10, help="steps within which to detect (10)")
-    parser.add_argument(
-        "--op-shift-ns", type=float, default=0, help="the rule's per-op shift threshold (engine's default)"
-    )
-    parser.add_argument("--trials", type=int, default=3, help="trials per delay (default 3)")
-    parser.add_argument(
-        "--shares", default="0.25,0.5,1,2,4,8", help="delays to try, in %% of the step time (comma-separated)"
-    )
+    for flag, kind, default, says in (
+        ("--every", int, 0, "a window on one step in N (0: the exporter's default)"),
+        ("--window", int, 2, "sampled steps in the current window"),
+        ("--baseline", int, 0, "baseline steps after 5 warm-up (0: the exporter's default)"),
+        ("--healthy-steps", int, 1000, "healthy steps checked"),
+        ("--within", int, 10, "steps within which to detect"),
+        ("--op-shift-ns", float, 0, "the rule's per-op shift threshold (0: the engine's default)"),
+        ("--trials", int, 3, "trials per delay"),
+        ("--shares", str, "0.25,0.5,1,2,4,8", "delays to try, in %% of the step time, comma-separated"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{says} (default {default})")
     args = parser.parse_args(argv)
     from flare_exporter.config import Config
 

@@ -3,51 +3,29 @@
     python benchmarks/instructions.py                       # 1 rank, 40 and 240 steps, three sides
     python benchmarks/instructions.py --short 20 --long 120 --json out.json --keep DIR  # callgrind's files
 
-Step times on a shared 2-core machine differ by a few per cent between two runs of the same process, which
-hides a cost of 0.5 % (overhead.py can only say "noise-limited"). Instructions do not depend on what else
-the machine runs. Each run executes flare_exporter/local/workloads/train_ddp.py as one gloo rank
-(world size 1,
-so no peer's pace enters) under `valgrind --tool=callgrind --separate-threads=yes`, with instrumentation off
-until the rank is ready to train (`--start-after`: its first step waits for `callgrind_control -i on`),
-and reads each thread's instruction total when it exits: the training thread's up to the interpreter's
-exit (`--dump-before=Py_FinalizeEx`), whose garbage collections over the whole heap cost more the longer
-the run lasted in wall time (a fake NVML's call log once added 17 k a step). Each side runs twice, `--short`
-and `--long` steps; the difference divided by the difference in steps is the instructions per step of the
-training thread (start-up cancels out) and of every other thread (gloo's; with the exporter, also its
-timing manager, HTTP server, stall watcher and GPU health reader, which reads the fake NVML).
+Step times on a shared 2-core machine differ by a few per cent from run to run; instructions do not depend on
+what else the machine runs. Each run executes flare_exporter/local/workloads/train_ddp.py as one gloo rank
+(world size 1) under `valgrind --tool=callgrind --separate-threads=yes`, instrumentation off until the rank
+is ready to train (`--start-after`), and reads each thread's total when it exits, the training thread's up
+to the interpreter's exit (`--dump-before=Py_FinalizeEx`: the exit's collections over the whole heap cost
+more the longer the run lasted in wall time). Each side runs `--short` and `--long` steps; the difference
+over the difference in steps is the instructions per step of each thread, start-up cancelled. The sides:
 
-- without: `python flare_exporter/local/workloads/train_ddp.py`
-- with: `python -m flare_exporter.launch flare_exporter/local/workloads/train_ddp.py`, every signal at its
-  defaults. Nothing scrapes it.
-- scraped: the same, and the rank GETs its own /metrics every `--scrape-every` steps and reads the answer
-  before its next step (`train_ddp.py --scrape-every`): each render covers the same steps in every run (a
-  scraper outside would land on a different step each time). Beyond `with`, the exporter's threads'
-  instructions per scrape are what a scrape costs the rank (the render, its drain, the server's side of
-  the HTTP exchange; the training thread's are the GET, Prometheus's part); weighed per step of a job
-  scraped every `--job-steps-per-scrape` steps (125: a scrape a second of 8 ms steps), they give the
-  scrape's share of a step, as the training thread executes it without the exporter.
+- without: `python train_ddp.py`; with: under `python -m flare_exporter.launch`, every signal at its
+  defaults, nothing scraping it;
+- scraped: the same, the rank GETting its own /metrics every `--scrape-every` steps (`train_ddp.py
+  --scrape-every`), so that each render covers the same steps. Beyond `with`, the exporter's threads'
+  instructions per scrape are a scrape's cost; weighed per step of a job scraped every
+  `--job-steps-per-scrape` steps (125: a second of 8 ms steps), its share of a step;
+- `--loaded`: under `benchmarks/loaded.py` (flare's code loaded, nothing attached);
+- `--variant NAME:FLARE_KEY=VALUE[,...]` (repeatable): with the exporter and those variables, against `with`.
 
-Printed: instructions per step of the training thread and of the other threads, each side, the training
-thread's ratio with / without, and a scrape's instructions and share of a step. The other threads wake on
-the clock (the timing manager, the GPU health reader, the stall watcher), not per step, and a step takes
-about a hundred times longer under valgrind, so their count per step here overstates them by as much:
-overhead.py's CPU time per thread is their cost. The scraped runs last longer, so those threads wake more
-often in them: a scrape's count is an upper bound. Each thread's growth per scrape is printed too: the
-endpoint's thread, which runs for scrapes only, is a scrape's own count, the steady one.
-valgrind runs threads one at a time: what the exporter's threads cost the training thread through the
-shared cores is not in these numbers either.
-
-`--cache-sim` also simulates the caches and the branch predictor (callgrind's
-`--cache-sim=yes --branch-sim=yes`: L1 instruction and data caches, the last level, conditional and indirect
-branches; about twice as slow) and prints the training thread's misses and mispredictions per step on each
-side, their ratios with / without, and a cycle estimate, kcachegrind's without its last-level term (CEst = Ir
-+ 10 × (L1 misses + mispredicted branches); the simulated last level misses only on first touches). The
-simulation indexes the caches by virtual address and has no TLB or prefetcher, but it is deterministic: it
-shows what the exporter's code does to the training thread's caches and branches, apart from the machine's
-noise. `--loaded` adds a side that runs the script under `benchmarks/loaded.py` (flare's modules and extension
-loaded, nothing attached; as `overhead.py --control loaded`), to tell what loading flare's code does from what
-the exporter does. `--variant NAME:FLARE_KEY=VALUE[,...]` (repeatable) adds a side with the exporter and
-those variables set, printed against `with`: `--variant perf_off:FLARE_PERF=0` is the step breakdown's cost.
+The exporter's other threads wake on the clock, not per step, and a step takes about a hundred times longer
+under valgrind: their count per step here overstates them (overhead.py's CPU per thread is their cost), and
+a scrape's count is an upper bound. valgrind runs threads one at a time: what they cost the training thread
+through shared cores is not counted. `--cache-sim` adds callgrind's cache and branch simulation and prints
+the training thread's misses and mispredictions per step and a cycle estimate, CEst = Ir + 10 × (L1 misses
++ mispredicted branches).
 
 Exit status: 0 when every run completed, 1 when one failed (valgrind missing, a rank that exited non-zero),
 2 for bad arguments.
@@ -140,26 +118,17 @@ def run(
     steps."""
     with_exporter = side.runs_as == "with"
     label = (
-        f"{side.runs_as} the exporter, {steps} steps"
-        if side.runs_as != "loaded"
-        else f"flare loaded, {steps} steps"
-    )
+        "flare loaded" if side.runs_as == "loaded" else f"{side.runs_as} the exporter"
+    ) + f", {steps} steps"
     if side.scrape_every:
         label += f", scraped every {side.scrape_every}"
     if side.env:
         label += ", " + ", ".join(f"{name}={value}" for name, value in side.env)
     workdir.mkdir(parents=True)
     start = workdir / "start"
-    env = dict(
-        os.environ,
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-    )
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     if with_exporter:
         env.update(FLARE_PORT=str(free_port_block(1)), FLARE_ADDR="127.0.0.1", FLARE_RUN="instructions")
         env.setdefault("FLARE_NVML_MODULE", "flare_exporter.local.testing.fake_nvml")
@@ -169,23 +138,11 @@ def run(
         "loaded": [str(REPO / "benchmarks" / "loaded.py")],
         "with": ["-m", "flare_exporter.launch"],
     }
-    command = [
-        "valgrind",
-        "--tool=callgrind",
-        "--instr-atstart=no",
-        "--separate-threads=yes",
-        "--dump-before=Py_FinalizeEx",  # the training thread is counted up to the interpreter's exit
-        *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
-        f"--callgrind-out-file={workdir}/cg.%p",
-        sys.executable,
-        *prefix[side.runs_as],
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--start-after",
-        str(start),
-        *(["--scrape-every", str(side.scrape_every)] if side.scrape_every else []),
-    ]
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    valgrind += ["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []
+    command = [*valgrind, f"--callgrind-out-file={workdir}/cg.%p", sys.executable, *prefix[side.runs_as]]
+    command += [str(SCRIPT), "--steps", str(steps), "--start-after", str(start)]
+    command += ["--scrape-every", str(side.scrape_every)] if side.scrape_every else []
     log = workdir / "log.txt"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -272,33 +229,22 @@ def print_simulated(training: dict[str, dict[str, float]]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked: exit 2 on a bad one."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--short", type=int, default=40, help="steps of the short runs (default 40)")
-    parser.add_argument("--long", type=int, default=240, help="steps of the long runs (default 240)")
+    for flag, kind, default, says in (
+        ("--short", int, 40, "steps of the short runs"),
+        ("--long", int, 240, "steps of the long runs"),
+        ("--timeout", float, 1200.0, "seconds one run may take"),
+        ("--scrape-every", int, 20, "steps between two scrapes in the scraped runs (0: no scraped runs)"),
+        (
+            "--job-steps-per-scrape",
+            int,
+            125,
+            "steps of a real job between two scrapes (a second of 8 ms steps)",
+        ),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{says} (default {default})")
+    parser.add_argument("--cache-sim", action="store_true", help="also simulate the caches and branches")
     parser.add_argument(
-        "--timeout", type=float, default=1200.0, help="seconds one run may take (default 1200)"
-    )
-    parser.add_argument(
-        "--scrape-every",
-        type=int,
-        default=20,
-        help="steps between two scrapes in the scraped runs (default 20; 0: no scraped runs)",
-    )
-    parser.add_argument(
-        "--job-steps-per-scrape",
-        type=int,
-        default=125,
-        help="steps of a real job between two scrapes, to weigh a scrape per step (default 125: a scrape "
-        "a second of overhead.py's ~8 ms steps)",
-    )
-    parser.add_argument(
-        "--cache-sim",
-        action="store_true",
-        help="also simulate the caches and branch predictor: the training thread's misses per step",
-    )
-    parser.add_argument(
-        "--loaded",
-        action="store_true",
-        help="add a side with flare's code loaded and nothing attached (benchmarks/loaded.py)",
+        "--loaded", action="store_true", help="add a side with flare's code loaded, not attached"
     )
     parser.add_argument(
         "--variant",

@@ -2,22 +2,12 @@
 
     python benchmarks/native_launch.py [--launches N] [--sampled-launches N] [--repeats N] [--json OUT]
 
-Builds cuda_hooks/ (the shim, the fakes, launch_driver) into a temporary directory with make and gcc, then
-times one thread calling cudaLaunchKernel in a loop (launch_driver's `bench` mode), per configuration:
-
-- without: no LD_PRELOAD, the call goes straight to the fake runtime;
-- unsampled: the shim preloaded, sampling off (FLARE_SHIM_SAMPLE_EVERY=0): the pass-through path every
-  unsampled launch takes;
-- default: the shim at its default rate, one launch in 64 sampled;
-- sampled: every launch sampled (host clock, two runtime calls and an event record, a queue push), in bursts
-  no larger than the event pool so that nothing is dropped; the resolver drains between repeats.
-
-Each repeat reports ns per launch; a first, unreported repeat takes the one-time costs (the shim's event pool
-and ring are set up at the first sampled launch). The summary gives medians over repeats and the overhead
-per launch (median minus the median without). The fake runtime's own calls are cheap (an event record
-is a mutex and a clock read), so "sampled" is mostly the shim's own cost; on a GPU, cudaEventRecord adds
-about a microsecond or two per sampled launch. Exit status 0 (whatever the numbers), 1 if the build
-fails, 2 for bad arguments.
+Builds cuda_hooks/ into a temporary directory (make, gcc) and times one thread calling cudaLaunchKernel in
+a loop (launch_driver's `bench` mode): without the shim; the shim preloaded with sampling off; at its
+default rate (1 launch in 64); every launch sampled (in bursts within the event pool). Each repeat gives
+ns per launch after a first, unreported one (one-time set-up); the summary the medians and the overhead
+against "without". On a GPU, cudaEventRecord adds a microsecond or two per sampled launch. Exit status 0
+(whatever the numbers), 1 if the build fails, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-CONFIGURATIONS = (  # name, preload the shim, shim settings, which launch count
+CONFIGURATIONS: tuple[tuple[str, bool, dict[str, str], str], ...] = (  # name, preload, settings, launch count
     ("without", False, {}, "launches"),
     ("unsampled", True, {"FLARE_SHIM_SAMPLE_EVERY": "0"}, "launches"),
     ("default", True, {}, "launches"),
@@ -44,49 +34,28 @@ CONFIGURATIONS = (  # name, preload the shim, shim settings, which launch count
         True,
         {"FLARE_SHIM_SAMPLE_EVERY": "1", "FLARE_SHIM_EVENTS": "20000", "FLARE_SHIM_QUEUE": "32768"},
         "sampled_launches",
-    ),
+    ),  # noqa: E501
 )
 
 
 def build(directory: Path) -> Path:
     """The shim, fakes and driver built into `directory`; returns it."""
-    subprocess.run(
-        ["make", "-s", "-C", str(REPO / "cuda_hooks"), f"BUILD={directory}", "testing"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    make = ["make", "-s", "-C", str(REPO / "cuda_hooks"), f"BUILD={directory}", "testing"]
+    subprocess.run(make, check=True, capture_output=True, text=True)
     return directory
 
 
 def run(build_dir: Path, preload: bool, settings: dict[str, str], launches: int, repeats: int) -> list[float]:
     """ns per launch of each repeat."""
     ring_dir = tempfile.mkdtemp(prefix="flare-bench-ring-")
-    environ = {
-        **os.environ,
-        **settings,
-        "FLARE_SHIM_RING_DIR": ring_dir,
-        "FAKE_CUDA_EVENT_DELAY_NS": "0",
-    }
+    environ = {**os.environ, **settings, "FLARE_SHIM_RING_DIR": ring_dir, "FAKE_CUDA_EVENT_DELAY_NS": "0"}
     environ.pop("LD_PRELOAD", None)
     if preload:
         environ["LD_PRELOAD"] = str(build_dir / "libflare_hooks.so")
+    driver = [str(build_dir / "launch_driver"), str(build_dir / "fakes"), "cudart", "bench"]
     try:
-        result = subprocess.run(
-            [
-                str(build_dir / "launch_driver"),
-                str(build_dir / "fakes"),
-                "cudart",
-                "bench",
-                str(launches),
-                str(repeats),
-            ],
-            env=environ,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
+        command = [*driver, str(launches), str(repeats)]
+        result = subprocess.run(command, env=environ, capture_output=True, text=True, check=True, timeout=600)
     finally:
         shutil.rmtree(ring_dir, ignore_errors=True)
     return json.loads(result.stdout.splitlines()[0])["ns_per_launch"][1:]  # the first: one-time setup

@@ -3,33 +3,21 @@
     python benchmarks/post_mortem.py [--ranks 1024] [--culprit 777] [--repeats 5] [--scrape-interval 2]
                                      [--healthy-scrapes 3] [--last-scrapes 1] [--json OUT] [--keep]
 
-The run: a virtual cluster (flare_exporter.local.testing.virtual_cluster, as in benchmarks/attribution.py)
-of `--ranks` ranks of one run, each page rendered by flare's own collectors, served on a loopback port per
-rank, discovered by a real Prometheus through one file_sd file and scraped every `--scrape-interval`.
+A virtual cluster (flare_exporter.local.testing.virtual_cluster) of `--ranks` ranks, each page rendered by
+flare's collectors, served on a loopback port per rank and scraped by a real Prometheus. It trains (healthy
+pages, `--healthy-scrapes` scrapes a rank); it dies (every page swapped for the rank's last words: rank
+`--culprit` raised OutOfMemoryError a second before the others, the even ranks follow with RuntimeError, the
+odd ones get their launcher's SIGTERM; `--last-scrapes` scrapes); it is gone (every connection refused,
+until Prometheus sees every target down). Each step waits on Prometheus's API, not on a clock.
 
-1. It trains: every rank serves its healthy page until Prometheus has scraped each `--healthy-scrapes` times.
-2. It dies: every page is swapped at once for the rank's last words, rendered by the same collectors from
-   the rank's state with `exception` or `terminated` set. Rank `--culprit` raised OutOfMemoryError (cause
-   out_of_memory) a second before the others; the even ranks follow with RuntimeError (cause
-   communication: a peer is gone), the odd ones are stopped by their launcher's SIGTERM. These pages are
-   served until Prometheus has scraped each `--last-scrapes` times.
-3. It is gone: the server stops (every connection refused) until Prometheus sees every target down
-   (`up` 0, the rank's series stale).
-
-Each step waits on Prometheus's API, not on a clock. Then `flare diagnose --prometheus URL --run RUN --json`
-runs `--repeats` times in this process (cli.main: wall and CPU time; the server is gone, so the CPU is the
-CLI's own, its query threads included) and as many times as a command (`python -m flare_exporter.cli`,
-start-up included: wall time, and CPU time from rusage), in turns. The in-process runs also time their
-parts: the live round that finds no rank up, the history round (history_source: its queries, and the last
-words built from the answers), the rules and report (post_mortem, report), the rest (arguments, JSON out);
-and every request to Prometheus. Prometheus's own CPU per diagnosis comes from /proc.
-
-Every answer must be the post-mortem's one verdict, rank_down of [culprit] with cause out_of_memory; any
-other answer ends the benchmark with one line saying what came. Goal: the command's median < 1 s at 1,024
-ranks.
+Then `flare diagnose --prometheus URL --run RUN --json` runs `--repeats` times in this process (wall and CPU,
+its parts: the live round that finds no rank up, the history round, the rules and report; every request to
+Prometheus) and as many times as a command (start-up included), in turns; Prometheus's CPU per diagnosis
+from /proc. Every answer must be the one verdict rank_down of [culprit], cause out_of_memory. Goal: the
+command's median < 1 s at 1,024 ranks.
 
 Exit status: 0 when every verdict was right (whatever the times), 1 for a wrong verdict or a failure, 2 for
-bad arguments. Prometheus and the server are stopped on exit, Ctrl-C and SIGTERM included.
+bad arguments.
 """
 
 from __future__ import annotations
@@ -42,7 +30,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +43,18 @@ from prometheus_client.utils import floatToGoString
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from attribution import default_culprit, process_cpu, prometheus_version, stats  # noqa: E402  (benchmarks/)
-from cli_runs import BenchError, command, in_process, one_line, verdicts_of  # noqa: E402  (benchmarks/)
+from cli_runs import (  # noqa: E402  (benchmarks/)
+    BenchError,
+    command,
+    in_process,
+    one_line,
+    process_cpu,
+    prometheus_version,
+    revision,
+    seconds_text,
+    stats,
+    verdicts_of,
+)
 
 from flare_exporter.engine import cli, history_source, promql, report
 from flare_exporter.local.prometheus import PrometheusProcess, find_binary, wait_for
@@ -286,13 +283,7 @@ def time_both(args: argparse.Namespace, cli_args: list[str], pid: int) -> dict[s
     """flare in each of MODES in turns, `--repeats` times each (so that both see the same background load),
     each verdict checked: each mode's figures, with Prometheus's CPU seconds meanwhile."""
     runs: dict[str, dict[str, Any]] = {
-        mode: {
-            "wall": [],
-            "cpu": [],
-            "prometheus_cpu": [],
-            "parts": defaultdict(list),
-            "requests": defaultdict(list),
-        }
+        mode: dict(wall=[], cpu=[], prometheus_cpu=[], parts=defaultdict(list), requests=defaultdict(list))
         for mode in MODES
     }
     for index in range(args.repeats):
@@ -320,10 +311,6 @@ def summarized(runs: dict[str, Any], repeats: int) -> dict[str, Any]:
 # the figures
 
 
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.1f} ms" if value < 0.1 else f"{value:.3f} s"
-
-
 def short(expr: str) -> str:
     """A request's expression, the run's selector left out, at most 80 characters."""
     return one_line(expr.replace(f'{{run="{RUN}"}}', ""), 80)
@@ -339,27 +326,24 @@ def print_table(in_process_runs: dict[str, Any], commands: dict[str, Any]) -> No
         ("command (python -m flare_exporter.cli)", commands),
     ):
         wall, cpu = stats(runs["wall"]), stats(runs["cpu"])
-        figures = [_seconds(s[key]) for s in (wall, cpu) for key in ("median", "min", "max")]
+        figures = [seconds_text(s[key]) for s in (wall, cpu) for key in ("median", "min", "max")]
         print(
             f"  {mode:<38} {figures[0]:>12} {figures[1]:>9} {figures[2]:>9}   "
             f"{figures[3]:>11} {figures[4]:>9} {figures[5]:>9}"
         )
-    parts = in_process_runs["parts"]
+    parts = {part: seconds_text(value) for part, value in in_process_runs["parts"].items()}
     print(
-        f"  in-process, medians: live round (no rank up) {_seconds(parts['live round'])}, history round "
-        f"{_seconds(parts['history round'])} (last words from its answers {_seconds(parts['last words'])}), "
-        f"rules and report {_seconds(parts['rules and report'])}, the rest (arguments, JSON out) "
-        f"{_seconds(parts['rest'])}"
+        f"  in-process, medians: live round (no rank up) {parts['live round']}, history round "
+        f"{parts['history round']} (last words from its answers {parts['last words']}), rules and report "
+        f"{parts['rules and report']}, the rest (arguments, JSON out) {parts['rest']}"
     )
     slowest = sorted(in_process_runs["requests"].items(), key=lambda item: -item[1])[:SLOWEST_REQUESTS]
     print(
         f"  {in_process_runs['requests_per_run']:.0f} requests to Prometheus a run, at most 8 at once; "
-        "slowest (median): " + "; ".join(f"{_seconds(value)} {short(expr)}" for expr, value in slowest)
+        "slowest (median): " + "; ".join(f"{seconds_text(value)} {short(expr)}" for expr, value in slowest)
     )
-    print(
-        f"  Prometheus's CPU per diagnosis (median): {_seconds(in_process_runs['prometheus_cpu_per_run'])} "
-        f"(in-process), {_seconds(commands['prometheus_cpu_per_run'])} (command)"
-    )
+    inside, whole = (seconds_text(runs["prometheus_cpu_per_run"]) for runs in (in_process_runs, commands))
+    print(f"  Prometheus's CPU per diagnosis (median): {inside} (in-process), {whole} (command)")
 
 
 def judge(ranks: int, in_process_runs: dict[str, Any], commands: dict[str, Any]) -> bool:
@@ -368,7 +352,7 @@ def judge(ranks: int, in_process_runs: dict[str, Any], commands: dict[str, Any])
     met = whole < GOAL_SECONDS
     print(
         f"goal: < {GOAL_SECONDS:g} s of CLI time at {ranks:,} ranks: {'met' if met else 'missed'} "
-        f"(command median {_seconds(whole)}, in-process {_seconds(inside)})"
+        f"(command median {seconds_text(whole)}, in-process {seconds_text(inside)})"
     )
     return met
 
@@ -400,12 +384,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (Prometheus data)")
     args = parser.parse_args(argv)
-    args.culprit = default_culprit(args.ranks) if args.culprit is None else args.culprit
+    if args.culprit is None:  # 777 at 1,024 ranks; the same relative position in a smaller cluster
+        args.culprit = 777 if args.ranks > 777 else args.ranks * 777 // 1024
     problems = {
         f"--ranks {args.ranks}: at least 2 (a culprit and a follower)": args.ranks < 2,
-        f"--culprit {args.culprit}: must be a rank, 0 to {args.ranks - 1}": not 0
-        <= args.culprit
-        < args.ranks,
+        f"--culprit {args.culprit}: a rank, 0 to {args.ranks - 1}": args.culprit not in range(args.ranks),
         "--repeats must be at least 1": args.repeats < 1,
         "--scrape-interval: between 0.1 and 60 seconds": not 0.1 <= args.scrape_interval <= 60,
         "--healthy-scrapes and --last-scrapes: at least 1": min(args.healthy_scrapes, args.last_scrapes) < 1,
@@ -451,25 +434,14 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "?"
-
-
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The run rendered, trained, killed and gone under a real Prometheus; flare timed on it: the figures."""
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "prometheus": prometheus_version(),
-        },
-        "config": {key: getattr(args, key) for key in ("ranks", "culprit", "repeats", "scrape_interval")}
-        | {"healthy_scrapes": args.healthy_scrapes, "last_scrapes": args.last_scrapes, "run": RUN},
-    }
+    machine = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
+    machine["prometheus"] = prometheus_version()
+    config = {key: getattr(args, key) for key in ("ranks", "culprit", "repeats", "scrape_interval")}
+    config |= {"healthy_scrapes": args.healthy_scrapes, "last_scrapes": args.last_scrapes, "run": RUN}
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results: dict[str, Any] = {"date": date, "commit": revision(), "machine": machine, "config": config}
     machine = results["machine"]
     print(
         f"flare post-mortem benchmark  {results['date']}  {results['commit']}  {machine['cpus']} CPUs  "
@@ -510,18 +482,12 @@ def measure(args: argparse.Namespace, prometheus: PrometheusProcess) -> dict[str
     )
     print_table(in_process_runs, commands)
     met = judge(args.ranks, in_process_runs, commands)
-    return {
-        "verdict": {key: verdict[key] for key in ("kind", "ranks", "cause", "summary")},
-        "in_process": in_process_runs,
-        "command": commands,
-        "summary": {
-            f"{mode}_{time_kind}": stats(runs[time_kind])
-            for mode, runs in figures.items()
-            for time_kind in ("wall", "cpu")
-        },
-        "goal_seconds": GOAL_SECONDS,
-        "goal_met": met,
+    summary = {
+        f"{mode}_{kind}": stats(runs[kind]) for mode, runs in figures.items() for kind in ("wall", "cpu")
     }
+    verdict = {key: verdict[key] for key in ("kind", "ranks", "cause", "summary")}
+    out = {"verdict": verdict, "in_process": in_process_runs, "command": commands, "summary": summary}
+    return out | {"goal_seconds": GOAL_SECONDS, "goal_met": met}
 
 
 if __name__ == "__main__":

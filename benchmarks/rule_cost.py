@@ -3,21 +3,14 @@
     python benchmarks/rule_cost.py [--ranks 6144] [--scrape-interval 15] [--repeats 3] [--rules FILE]
                                    [--json OUT]
 
-A virtual cluster of `--ranks` ranks (benchmarks/scale.py's: every rank's page rendered by flare's own
-collectors, one loopback port each) is scraped by a real Prometheus evaluating flare's rules (or `--rules
-FILE`) at every scrape interval, the slow groups too, until every group has been evaluated three times over
-the job's later pages. Then the targets are taken away, so that Prometheus neither scrapes nor ingests, and
-every rule's expression is asked as an instant query at the time of the last evaluation, `--repeats` times,
-one at a time: the recorded series each one reads are there, as they were when the rule ran. Measured, per
-rule: the samples it reads (Prometheus's own count, which this machine's pace does not move; a range longer
-than the history held reads fewer than it will in a long job), Prometheus's CPU time a query (from /proc,
-over the repeats) and its own evalTotalTime for it (`stats=all`: the engine's wall time, not HTTP's; median
-of the repeats); per group: the sum of its rules, which is what one evaluation of the group costs on one
-core (a group evaluates its rules one after the other), against the group's interval.
-
-Why a quiet server, and CPU time: while Prometheus ingests a 6,144-rank job on two shared cores, a group's
-evaluationTime is mostly waiting for a core (benchmarks/README.md): it says how starved the server is, not
-what the rules cost. The share of the interval is the CPU time's: what the rules cost on one core.
+A virtual cluster of `--ranks` ranks (scale.py's) is scraped by a real Prometheus evaluating flare's rules
+(or `--rules FILE`) at every scrape interval until every group ran three times over the job's later pages.
+Then the targets go (nothing scraped or ingested), and every rule's expression is asked alone as an instant
+query at the last evaluation's time, `--repeats` times, the recorded series it reads in place. Per rule:
+the samples it reads (Prometheus's count, which the machine's pace does not move), Prometheus's CPU time a
+query (/proc) and its evalTotalTime (`stats=all`); per group the sum, what one evaluation costs on one
+core, against the group's interval. A quiet server and CPU time because while Prometheus ingests a
+6,144-rank job on two shared cores, a group's evaluationTime is mostly waiting for a core.
 
 Exit status: 0 when every group's cost is within its interval, 1 otherwise, 2 for bad arguments.
 """
@@ -39,6 +32,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from cli_runs import faulty_ranks, process_cpu  # noqa: E402  (benchmarks/)
 
 from flare_exporter.durations import duration_seconds  # noqa: E402
 from flare_exporter.engine import promql  # noqa: E402
@@ -93,12 +88,6 @@ def evaluated_since(url: str, since: float) -> float | None:
     return min(times)
 
 
-def cpu_seconds(pid: int) -> float:
-    """The process's CPU time so far (user and system, /proc; clock ticks of 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Cost(NamedTuple):
     seconds: float  # the engine's median evalTotalTime
     cpu_seconds: float  # Prometheus's CPU time a query
@@ -110,36 +99,28 @@ def cost_of(url: str, pid: int, expr: str, at: float, repeats: int) -> Cost:
     """What `expr` costs as an instant query at `at`. The CPU time is the measure where the machine is
     shared: the engine's wall time also counts the time it waited for a core."""
     timings, size, samples = [], 0, 0
-    started = cpu_seconds(pid)
+    started = process_cpu(pid)
     for _ in range(repeats):
         params = {"query": expr, "time": repr(at), "stats": "all"}
         data = promql._data(url, "query", params, 120, repr(expr))  # noqa: SLF001 - with its stats
         timings.append(float(data["stats"]["timings"]["evalTotalTime"]))
         samples = int(data["stats"]["samples"]["totalQueryableSamples"])
         size = len(data["result"])
-    return Cost(statistics.median(timings), (cpu_seconds(pid) - started) / repeats, size, samples)
+    return Cost(statistics.median(timings), (process_cpu(pid) - started) / repeats, size, samples)
 
 
 def measure(args: argparse.Namespace, url: str, pid: int, at: float) -> dict[str, Any]:
     intervals = shipped_intervals()
     groups: dict[str, Any] = {}
     for group in groups_of(url):
-        costs = []
-        for rule in group["rules"]:
-            costs.append(
-                {"rule": rule["name"], **cost_of(url, pid, rule["query"], at, args.repeats)._asdict()}
-            )
-        total = sum(cost["seconds"] for cost in costs)
-        cpu = sum(cost["cpu_seconds"] for cost in costs)
+        costs = [
+            {"rule": rule["name"], **cost_of(url, pid, rule["query"], at, args.repeats)._asdict()}
+            for rule in group["rules"]
+        ]
+        figures = {key: sum(cost[key] for cost in costs) for key in ("seconds", "cpu_seconds", "samples")}
         interval = intervals.get(group["name"], float(group["interval"]))
-        groups[group["name"]] = {
-            "seconds": total,
-            "cpu_seconds": cpu,
-            "samples": sum(cost["samples"] for cost in costs),
-            "interval_seconds": interval,
-            "share_of_interval": cpu / interval,
-            "rules": sorted(costs, key=lambda cost: -cost["cpu_seconds"]),
-        }
+        figures |= {"interval_seconds": interval, "share_of_interval": figures["cpu_seconds"] / interval}
+        groups[group["name"]] = figures | {"rules": sorted(costs, key=lambda cost: -cost["cpu_seconds"])}
     return groups
 
 
@@ -176,7 +157,8 @@ def report(groups: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], float]:
     """Every group's cost (measure), and the seconds of history Prometheus held when they were asked."""
     started = time.perf_counter()
-    healthy, later, _ = vc.render_phases(args.ranks, RUN, args.ranks * 3 // 8, args.ranks * 777 // 1024)
+    faults = faulty_ranks(args.ranks)
+    healthy, later, _ = vc.render_phases(args.ranks, RUN, faults["straggler"], faults["hang"])
     print(f"{args.ranks} ranks rendered in {time.perf_counter() - started:.1f} s", flush=True)
     targets = tmp / "targets"
     with vc.ClusterServer(healthy) as server:

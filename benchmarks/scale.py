@@ -3,46 +3,23 @@
     python benchmarks/scale.py [--ranks 6144] [--store prometheus|victoria-metrics|both]
                                [--scrape-interval S] [--hang-seconds 20] [--repeats 3]
                                [--direct-repeats 1 | --no-direct] [--json OUT] [--keep]
-    python benchmarks/scale.py --ranks 1024        # a smaller cluster, 5 s scrapes
 
 The cluster (flare_exporter.local.testing.virtual_cluster): every virtual rank's /metrics rendered by
-flare's own collectors with every signal on (three process groups, straggler windows, ILD, GPU health via
-the fake NVML; about 280 series and 36 KiB each), each served on its own loopback port by one asyncio server
-in this process, and listed in one file_sd file as the ranks write theirs.
+flare's own collectors with every signal on, each served on its own loopback port by one asyncio server,
+listed in one file_sd file. The stores (benchmarks/scale_stores.py), one after the other, each over a fresh
+server of the same pages, with the project's rules (every `for:` at 0 s) paging a real Alertmanager that
+pages a webhook here: one Prometheus; or 2 vmagent shards into VictoriaMetrics, the rules in vmalert.
 
-The stores (benchmarks/scale_stores.py), one after the other (--store both, the default: Prometheus
-first), each scraping a fresh server of the same rendered pages (so that the rank the first store saw die
-answers again), with the project's rules
-(`rules_render.render(Thresholds(hang_seconds, scrape_interval).with_for("0s"))`: every alert without its
-`for:`, the slow signals' groups evaluated every minute as they ship), paging a real Alertmanager with the
-example configuration, which pages a webhook receiver here:
+Phases, each a fault on its own rank (straggler N*3//8, hung N*777//1024, dead N*5//8): a straggler from
+the start; a hang (every rank but one waits in the world group's next all-reduce from a known time); then
+the hang ends (the job 40 steps on: its pages must name no other rank) and a rank's endpoint closes.
 
-- prometheus: one Prometheus scraping every rank and evaluating the rules (alertmanager.AlertingStack);
-- victoria-metrics: 2 vmagent shards scraping half the ranks each into a single-node VictoriaMetrics, the
-  rules in vmalert against it (victoria_metrics.ShardedStack, docs/scaling.md).
-
-Phases, each a fault on a different rank (straggler N*3//8, hung N*777//1024, dead N*5//8):
-
-1. straggler: from the start, one rank's GPU throttles; it waits least in every straggler window.
-2. hang: at a known time every rank but the hung one issues the world group's next all-reduce and waits in it
-   (every page is swapped at once; the pages carry that time); the hung one is stuck in compute.
-3. dead: the hang is over (every rank completed the all-reduce and the job is 40 steps on: sequence numbers
-   only move on, as in a job); once Alertmanager holds none of the hang's alerts, one rank's endpoint is
-   closed (connection refused) at a known time. The pages that come while the hang ends count too: ranks
-   scraped before and after its end meet in the rules' evaluations for up to a scrape interval.
-
-Measured for each store: in steady state, its processes' CPU (cores) and memory, the samples it ingests and
-the series it holds, scrape durations; every rule group's evaluations while it ran (median and longest,
-against the group's interval: Prometheus's /api/v1/rules, vmalert's iteration durations) and the slowest
-rules; the actual interval between scrapes of a target. In each phase: the time from the fault to its page
-at the webhook (FlareRankStraggler from the store's start, FlareCollectiveHangCulprit from the hang's time,
-FlareRankDown from the death), the pages that name a rank other than a fault's (any fails the run; alerts
-about a rank's monitoring, such as FlareRankScrapesLate, are listed apart), and
-`flare diagnose --prometheus STORE --json` (as a command and in-process) timed, its first verdict checked:
-the phase's kind naming the phase's rank; with the first store only, `flare diagnose --targets DIR` (direct
-scrape; the store plays no part in it). The load average of this machine is recorded as it goes. Goals:
-the right culprit in < 1 s of CLI time via the store at 6,144 ranks. The direct scrape here shares the
-machine with the store; its goal (< 3 s at 6,144 ranks) is measured alone by benchmarks/direct_scrape.py.
+Measured per store: its CPU, memory, ingestion and series in steady state; every rule group's evaluations
+(median, longest, share of the interval) and the slowest rules; the interval between a target's scrapes.
+Per phase: the time from the fault to its page, the pages naming another rank (any fails the run; alerts
+about a rank's monitoring are listed apart), and `flare diagnose --prometheus STORE --json` timed as a
+command and in-process, its first verdict checked; with the first store only, `flare diagnose --targets`
+(its goal is benchmarks/direct_scrape.py's). Goal: the right culprit in < 1 s via the store at 6,144 ranks.
 
 Exit status: 0 when every verdict and page was right (whatever the times), 1 otherwise, 2 for bad arguments.
 """
@@ -68,9 +45,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import scale_stores as stores  # noqa: E402  (benchmarks/)
-from cli_runs import BenchError, command, in_process, verdicts_of  # noqa: E402  (benchmarks/)
+from cli_runs import BenchError, command, faulty_ranks, first_verdict, in_process  # noqa: E402  (benchmarks/)
 
-from flare_exporter.engine import cli, promql
+from flare_exporter.engine import promql
 from flare_exporter.local.prometheus import wait_for
 from flare_exporter.local.testing import virtual_cluster as vc
 from flare_exporter.record_names import LAST_WINDOW
@@ -106,9 +83,7 @@ def default_interval(ranks: int) -> int:
 
 
 def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+    return "-" if value is None else f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def load_average() -> list[float]:
@@ -227,44 +202,25 @@ def print_rule_figures(figures: dict[str, Any]) -> None:
 # the CLI, timed and checked
 
 
-def check(code: int, output: str, kind: str, rank: int, where: str) -> str:
-    """The first verdict must be `kind` naming exactly `rank`; returns a one-line summary of all."""
-    result, summary = verdicts_of(code, output, where)
-    verdicts = result.get("verdicts", [])
-    if (
-        code != cli.EXIT_ANOMALY
-        or not verdicts
-        or (verdicts[0]["kind"], verdicts[0]["ranks"]) != (kind, [rank])
-    ):
-        raise BenchError(f"{where}: exit code {code}, verdicts {summary} (expected {kind} [{rank}] first)")
-    return f"{summary}; {result.get('ranks_seen')} ranks seen"
-
-
-def as_subprocess(argv: list[str]) -> tuple[float, int, str, float]:
-    """(wall seconds, exit code, output, CPU seconds) of `python -m flare_exporter.cli ARGV`."""
-    return command(["-m", "flare_exporter.cli", *argv], CLI_TIMEOUT_S)
-
-
 def attribution(run: StoreRun, phase: str) -> dict[str, Any]:
     """Time `flare diagnose` via the store (in-process, subprocess) and via direct scrape; check verdicts."""
-    args, kind, rank = run.args, VERDICT_KIND[phase], run.faults[phase]
+    args, kind, rank, where = run.args, VERDICT_KIND[phase], run.faults[phase], f"{run.store.name}, {phase}"
     common = ["diagnose", "--hang-seconds", str(args.hang_seconds), "--json", "--run", RUN]
-    via_store = [*common, "--prometheus", run.store.url, "--timeout", "30"]
-    direct = [*common, "--targets", run.targets_dir]
+    via_store = ["-m", "flare_exporter.cli", *common, "--prometheus", run.store.url, "--timeout", "30"]
+    direct = ["-m", "flare_exporter.cli", *common, "--targets", run.targets_dir]
     times: dict[str, list[float]] = {"in_process": [], "subprocess": [], "subprocess_cpu": [], "direct": []}
-    summary = ""
+    summary = direct_summary = ""
     for index in range(args.repeats):
-        elapsed, code, output = in_process(via_store)
-        summary = check(code, output, kind, rank, f"{run.store.name}, {phase}: in-process run {index + 1}")
+        elapsed, code, output = in_process(via_store[2:])
+        summary = first_verdict(code, output, kind, rank, f"{where}: in-process run {index + 1}")
         times["in_process"].append(elapsed)
-        elapsed, code, output, cpu = as_subprocess(via_store)
-        check(code, output, kind, rank, f"{run.store.name}, {phase}: subprocess run {index + 1}")
+        elapsed, code, output, cpu = command(via_store, CLI_TIMEOUT_S)
+        first_verdict(code, output, kind, rank, f"{where}: subprocess run {index + 1}")
         times["subprocess"].append(elapsed)
         times["subprocess_cpu"].append(cpu)
-    direct_summary = ""
     for index in range(run.direct_repeats):
-        elapsed, code, output, cpu = as_subprocess(direct)
-        direct_summary = check(code, output, kind, rank, f"{phase}: direct scrape run {index + 1}")
+        elapsed, code, output, cpu = command(direct, CLI_TIMEOUT_S)
+        direct_summary = first_verdict(code, output, kind, rank, f"{phase}: direct scrape run {index + 1}")
         times["direct"].append(elapsed)
     medians = {name: statistics.median(values) for name, values in times.items() if values}
     line = (
@@ -331,15 +287,11 @@ def pages_since(run: StoreRun, since: float) -> dict[str, Any]:
 
 
 def print_pages(pages: dict[str, Any]) -> None:
-    wrong = pages["wrong"]
+    wrong, monitoring = pages["wrong"], pages["monitoring"]
     print(
         f"  pages: right {', '.join(pages['right']) or 'none'}; naming another rank: {len(wrong)} "
-        f"{', '.join(list(wrong)[:20])}; without a rank: {', '.join(pages['without_rank']) or 'none'}"
-        + (
-            f"; monitoring: {len(pages['monitoring'])} {', '.join(pages['monitoring'][:10])}"
-            if pages["monitoring"]
-            else ""
-        )
+        f"{', '.join(list(wrong)[:20])}; without a rank: {', '.join(pages['without_rank']) or 'none'}; "
+        f"monitoring: {len(monitoring)} {', '.join(monitoring[:10])}"
     )
     for name, detail in list(wrong.items())[:20]:
         print(f"    wrong: {name} {detail['after_seconds']} s into the phase, labels {detail['labels']}")
@@ -425,7 +377,7 @@ def hang_over(run: StoreRun, timeout: float) -> dict[str, Any]:
         return not [alert for alert in active if alert["labels"]["alertname"] in HANG_ALERTS]
 
     wait_for(settled, timeout, "the hang's alerts to resolve")
-    out = {"seconds": time.time() - over_at, "pages": pages_since(run, over_at)}
+    out: dict[str, Any] = {"seconds": time.time() - over_at, "pages": pages_since(run, over_at)}
     print(f"the hang is over: its alerts resolved {out['seconds']:.1f} s later")
     print_pages(out["pages"])
     return out
@@ -526,23 +478,13 @@ def render(args: argparse.Namespace, faults: dict[str, int]) -> tuple[vc.PhasePa
 
 def benchmark(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ranks = args.ranks
-    faults = {"straggler": ranks * 3 // 8, "hang": ranks * 777 // 1024, "dead": ranks * 5 // 8}
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_average_at_start": load_average(),
-        },
-        "config": {
-            "ranks": ranks,
-            "stores": args.stores,
-            "scrape_interval_seconds": args.scrape_interval,
-            "hang_seconds": args.hang_seconds,
-            "faults": faults,
-        },
-    }
+    faults = faulty_ranks(ranks)
+    machine = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
+    config = dict(ranks=ranks, stores=args.stores, scrape_interval_seconds=args.scrape_interval)
+    config.update(hang_seconds=args.hang_seconds, faults=faults)
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results: dict[str, Any] = {"date": date, "machine": machine | {"load_average": load_average()}}
+    results["config"] = config
     print(
         f"flare scale benchmark  {results['date']}  {os.cpu_count()} CPUs  python {platform.python_version()}"
         f"  load average {load_average()}"
@@ -697,27 +639,17 @@ def failures(results: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=6144, help="virtual ranks (default 6144)")
     parser.add_argument(
-        "--store",
-        choices=[*stores.STORES, "both"],
-        default="both",
-        help="the store to run against; both: one after the other, Prometheus first (default)",
+        "--store", choices=[*stores.STORES, "both"], default="both", help="both (default): Prometheus first"
     )
-    parser.add_argument(
-        "--scrape-interval",
-        type=int,
-        default=0,
-        metavar="S",
-        help="seconds (default: 5 up to 1,024 ranks, 10 up to 3,072, else 15)",
-    )
-    parser.add_argument(
-        "--hang-seconds", type=int, default=20, help="hang threshold of rules and CLI (default 20)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="CLI runs via the store per phase (default 3)")
-    parser.add_argument(
-        "--direct-repeats", type=int, default=1, help="direct-scrape runs per phase, first store (default 1)"
-    )
+    for flag, default, says in (
+        ("--ranks", 6144, "virtual ranks (default 6144)"),
+        ("--scrape-interval", 0, "seconds (default: 5 up to 1,024 ranks, 10 up to 3,072, else 15)"),
+        ("--hang-seconds", 20, "hang threshold of rules and CLI (default 20)"),
+        ("--repeats", 3, "CLI runs via the store per phase (default 3)"),
+        ("--direct-repeats", 1, "direct-scrape runs per phase, first store (default 1)"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=says)
     parser.add_argument("--no-direct", action="store_true", help="no direct-scrape run (--direct-repeats 0)")
     parser.add_argument("--json", default="", metavar="OUT", help="also write every number as JSON to OUT")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")

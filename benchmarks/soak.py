@@ -3,16 +3,12 @@
     python benchmarks/soak.py [--collectives 1000000] [--collectives-per-step 100] [--scrape-interval 1]
                               [--json OUT]
 
-One rank (gloo, world size 1) runs under the flare launcher and issues `--collectives` tiny all-reduces
-(one float each) through the wrapped process group, as fast as it can, with an optimizer step after every
-`--collectives-per-step` of them (0: no step at all, like an evaluation loop). This process scrapes the rank's
-/metrics every `--scrape-interval` seconds (as Prometheus would) and reads its resident memory (VmRSS in
-/proc/PID/status) at each scrape, with the collectives issued so far (flare_collective_last_issued_seq).
-
-Printed: collectives issued and completed, errors and dropped events the exporter counted, RSS at 10 %
-of the collectives (start: torch and the exporter are warm) and at the end, and the least-squares slope
-of RSS over the second half of the run, in KiB per million collectives. Memory is flat when that slope is
-near zero. Exit status: 0 when the rank completed every collective, 1 otherwise.
+One gloo rank under the flare launcher issues `--collectives` tiny all-reduces through the wrapped process
+group, an optimizer step after every `--collectives-per-step` (0: none), while this process scrapes its
+/metrics every `--scrape-interval` seconds and reads its VmRSS at each scrape. Printed: collectives issued
+and completed, errors and dropped events, RSS at 10 % of the run and at the end, and the slope of RSS over
+the second half in KiB per million collectives (flat: near zero). Exit status: 0 when the rank completed
+every collective, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,15 +56,6 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of y over x."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
 class SoakError(Exception):
@@ -121,19 +109,9 @@ def main() -> int:
 
 def start_rank(args: argparse.Namespace, port: int, done_file: str, log: IO[bytes]) -> subprocess.Popen:
     """The rank, under flare's launcher, its exporter on `port`; its output to `log`."""
-    env = dict(os.environ)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1", FLARE_RUN="soak")
     env.update(
-        {
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "OMP_NUM_THREADS": "1",
-            "FLARE_PORT": str(port),
-            "FLARE_ADDR": "127.0.0.1",
-            "FLARE_RUN": "soak",
-        }
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), FLARE_PORT=str(port), FLARE_ADDR="127.0.0.1"
     )
     command = [sys.executable, "-m", "flare_exporter.launch", __file__, "--worker"]
     command += ["--collectives", str(args.collectives), "--done-file", done_file]
@@ -177,6 +155,7 @@ def soak_result(
     start = next(s for s in samples if s[1] >= 0.1 * args.collectives)
     end = samples[-1]
     second_half = [(issued, rss) for _, issued, rss in samples if issued >= 0.5 * args.collectives]
+    slope = statistics.linear_regression(*zip(*second_half, strict=True)).slope  # bytes per collective
     seconds = end[0] - samples[0][0]
     return {
         "collectives_issued": int(end[1]),
@@ -189,7 +168,7 @@ def soak_result(
         "rss_start_mib": round(start[2] / 2**20, 2),
         "rss_end_mib": round(end[2] / 2**20, 2),
         "rss_max_mib": round(max(s[2] for s in samples) / 2**20, 2),
-        "rss_slope_kib_per_million_collectives_second_half": round(slope(second_half) * 1_000_000 / 1024, 1),
+        "rss_slope_kib_per_million_collectives_second_half": round(slope * 1_000_000 / 1024, 1),
     }
 
 

@@ -17,9 +17,9 @@ def attach(config: Config | None = None) -> Attachment:
 
     Imported lazily so that `import flare_exporter` (and the launcher's argument checks) need no torch.
     """
-    from .rank.attach import attach as attach_agent
+    from .rank import attach as attach_module
 
-    return attach_agent(config)
+    return attach_module.attach(config)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import errno
 import re
-from typing import NamedTuple
+from typing import Literal, NamedTuple, TypeGuard, get_args
 
 CAUSE_RULES_VERSION = 1
 
-CAUSES = (
+Cause = Literal[
     "out_of_memory",
     "software_exception",
     "data_stall",
@@ -37,9 +37,17 @@ CAUSES = (
     "node_failure",
     "communication",
     "unknown",
+]
+CAUSES: tuple[Cause, ...] = get_args(Cause)
+# The causes the classifier (exception_cause) names; the engine's rules decide the others.
+EXCEPTION_CAUSES: tuple[Cause, ...] = (
+    "out_of_memory",
+    "storage",
+    "data_stall",
+    "communication",
+    "software_exception",
 )
-EXCEPTION_CAUSES = ("out_of_memory", "storage", "data_stall", "communication", "software_exception")
-SECONDARY_CAUSES = frozenset({"communication"})  # what survivors of a lost peer raise
+SECONDARY_CAUSES: frozenset[Cause] = frozenset({"communication"})  # what survivors of a lost peer raise
 
 MAX_MESSAGE_CHARS = 2000  # of a message the classifier reads, and an incident file keeps
 STORAGE_ERRNOS = frozenset(
@@ -84,7 +92,12 @@ class Raised(NamedTuple):
     errno: int | None = None
 
 
-def exception_cause(raised: Raised) -> str:
+def is_cause(text: str, among: tuple[Cause, ...] = CAUSES) -> TypeGuard[Cause]:
+    """Whether `text` (a label's value, an incident file's field) is one of `among` (CAUSES)."""
+    return text in among
+
+
+def exception_cause(raised: Raised) -> Cause:
     """The cause an exception names (one of EXCEPTION_CAUSES), by its type, message and errno."""
     text = f"{raised.type}: {raised.message[:MAX_MESSAGE_CHARS]}"
     if _OUT_OF_MEMORY.search(text):
@@ -155,7 +168,7 @@ def root_cause(raised_chain: list[Raised]) -> Raised:
 class Classified(NamedTuple):
     """An exception classified: its cause, what really failed, and the chain it was found in."""
 
-    cause: str
+    cause: Cause
     root: Raised
     chain: list[Raised]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -282,6 +283,8 @@ class Config:
         "Samples the baseline and the current window each need before the ILD drift gauges are exported.",
         *_between(1, 10_000_000),
     )
+    # Healthy 3- and 4-rank jobs sharing this machine's 2 cores reached 128-263 ns beyond their peers'
+    # median; a per-op delay of 8 % of the benchmark's step moves it 515-601 ns.
     ild_op_shift_seconds: float = _setting(
         4e-7,
         "The per-op shift of host dispatch latency (docs/ild.md) beyond the ranks' median at or above which "
@@ -566,25 +569,32 @@ def load(
     return config
 
 
+# The keys of the thresholds that `flare diagnose` and `flare rules` take as flags (add_engine_arguments),
+# with what each flag's help says it is.
+HANG_KEY = "hang_seconds"
+ILD_OP_SHIFT_KEY = "ild_op_shift_seconds"
+ENGINE_KEYS = {HANG_KEY: "hang threshold", ILD_OP_SHIFT_KEY: "per-op shift that counts as an ILD regression"}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of the thresholds that `flare diagnose` and `flare rules` share (see engine_config)."""
-    parser.add_argument(
-        "--hang-seconds", default=None, help="hang threshold (default: FLARE_HANG_SECONDS, 300)"
-    )
-    parser.add_argument(
-        "--ild-op-shift-seconds",
-        default=None,
-        help="per-op shift that counts as an ILD regression (default: FLARE_ILD_OP_SHIFT_SECONDS, 4e-7)",
-    )
+    for name, what in ENGINE_KEYS.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            default=None,
+            help=f"{what} (default: {ENV_PREFIX}{name.upper()}, {FIELDS[name].default:g})",
+        )
 
 
 def engine_config(args: argparse.Namespace) -> Config:
     """The config, the engine's thresholds from add_engine_arguments' flags over FLARE_* over the file."""
-    return load({"hang_seconds": args.hang_seconds, "ild_op_shift_seconds": args.ild_op_shift_seconds})
+    return load({name: getattr(args, name) for name in ENGINE_KEYS})
 
 
-# Where a setting was told (told_by)
+# Where a setting was told (told_by); a hang threshold may also be the run's own (the largest its ranks
+# export, flare_hang_threshold_seconds) or the default: `flare diagnose`'s JSON key hang_seconds_from
 FLAG, ENVIRONMENT, CONFIG_FILE = "flag", "environment", "config"
+RUN, DEFAULT = "run", "default"
 
 
 def told_by(name: str, flag_value: Any, environ: Mapping[str, str] | None = None) -> str | None:
@@ -600,6 +610,38 @@ def told_by(name: str, flag_value: Any, environ: Mapping[str, str] | None = None
     if path and name in read_file(path):
         return CONFIG_FILE
     return None
+
+
+@dataclass(frozen=True)
+class HangThreshold:
+    """The hang threshold `flare diagnose` judges a run by, in seconds, and where it came from (FLAG,
+    ENVIRONMENT, CONFIG_FILE, RUN or DEFAULT): the one the engine was told (told_by's order), else the
+    run's own, else the config's default. From Prometheus the run's own is one query, asked before the
+    snapshot (engine/prometheus_source.resolve_hang_threshold); from a direct scrape or flight-recorder
+    dumps it comes with the snapshot (Snapshot.hang_seconds)."""
+
+    seconds: float
+    source: str
+
+
+def hang_told_by(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
+    """Where the engine was told its hang threshold: FLAG (--hang-seconds given), ENVIRONMENT
+    (FLARE_HANG_SECONDS set, even to the default), CONFIG_FILE (the file FLARE_CONFIG names has
+    hang_seconds); None where nothing told it."""
+    return told_by(HANG_KEY, getattr(args, HANG_KEY, None), environ)
+
+
+def configured_hang(seconds: float, told: str | None) -> HangThreshold:
+    """The hang threshold of the engine's config (`seconds`): told by `told`, else its default."""
+    return HangThreshold(seconds, told or DEFAULT)
+
+
+def hang_of_run(found: float | None, fallback: HangThreshold) -> HangThreshold:
+    """The run's own hang threshold (`found`, None where no rank exports one) where the engine was not told
+    one; `fallback` otherwise."""
+    if fallback.source != DEFAULT or found is None or not 0 < found < math.inf:
+        return fallback
+    return HangThreshold(found, RUN)
 
 
 def _env_source(name: str) -> str:

@@ -44,7 +44,6 @@ COLLECTIVE_OPS = (
 
 # Point-to-point ops: their own kind, with a peer and no group-wide sequence number (flare_p2p_*).
 POINT_TO_POINT_OPS = frozenset({"send", "recv", "recv_anysource"})
-P2P_DIRECTIONS = ("send", "recv")
 ANY_PEER = "any"  # the peer label of a receive from any source
 
 
@@ -59,12 +58,8 @@ def peer_label(peer: int) -> str:
 
 
 GROUP_ROLES = ("world", "dp", "tp", "pp", "ep", "cp", "other")
-# The group label of collectives the native shim (cuda_hooks/) saw: NCCL calls carry no group name. They are
-# the ones the wrapped process groups also report, so sums over a rank's collective time leave it out.
-NATIVE_GROUP = "native"
 IN_FLIGHT_STATES = ("issued", "started")
 TERMINATION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
-SIGNAL_SENDERS = ("launcher", "unknown")
 ACTIVITIES = ("collective", "data", "compute")
 # Where a step's time goes (flare_step_phase_seconds_total; rank/perf.py); compute: the rest of the step.
 # bubble: waits in sends and receives (a pipeline stage waiting for the stages before and after it)
@@ -103,9 +98,6 @@ PROFILE_TRIGGERS = ("asked", "alert", "peer", "straggler", "ild_shift", "canary_
 PROFILE_ASKED_TRIGGERS = PROFILE_TRIGGERS[:3]  # those an HTTP request may name
 # Where a captured step's time went (profile_summary.py): shares of the capture's step time
 PROFILE_PARTS = ("compute", "communication", "exposed_communication", "copy", "idle", "data")
-# A failed preflight under canary=enforce ends every rank with this status (sysexits' EX_TEMPFAIL: the job
-# may succeed elsewhere; a scheduler reschedules it without the named host).
-CANARY_EXIT_CODE = 75
 
 # The reasons of flare_gpu_clock_event_active that slow a busy GPU against the user's wishes: what a
 # straggler verdict and the rules report (the others: idle, an application's clock setting, sync boost).

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .config import Config
+
 
 @dataclass(frozen=True)
 class StragglerPolicy:
@@ -40,10 +42,8 @@ class IldPolicy:
     partial_ks: float = 0.12
     far_factor: float = 50.0
     # Host dispatch: a delay added to every op, estimated from each op's fastest time (ild.py's per-op
-    # shift), at or above which it shifted whatever KS and W1 say. Healthy 3- and 4-rank jobs sharing this
-    # machine's 2 cores reached 128-263 ns beyond their peers' median; a per-op delay of 8 % of the
-    # benchmark's step moves it 515-601 ns.
-    op_shift_seconds: float = 4e-7
+    # shift), at or above which it shifted whatever KS and W1 say (the config key ild_op_shift_seconds).
+    op_shift_seconds: float = Config.ild_op_shift_seconds
 
     def floors(self) -> tuple[float, float, float]:
         """(op shift, KS, W1): a drift counts as shifted (ild_shifted), whatever its peers', only if its op
@@ -90,7 +90,8 @@ class BottleneckPolicy:
     version: int = 3
     input_share: float = 0.3  # of the step in the data loader's next
     # of the step waiting for collectives: 4 compute-bound gloo ranks sharing 2 cores waited 31-40 % of
-    # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 % (tests/test_perf.py)
+    # their steps (scheduling skew), 19 MB all-reduced over a batch of 1 waited 70-75 %
+    # (tests/engine/test_perf.py)
     communication_share: float = 0.5
     bubble_share: float = 0.5  # of the step waiting in sends and receives for the other pipeline stages
     transfer_share: float = 0.3  # of the step in host-device copies

@@ -2,7 +2,7 @@
 (mixin/straggler_rules.py), read by `flare diagnose` from Prometheus (engine/prometheus_source.py).
 
 The straggler summary's records (straggler_summary_rules, with the per-window median and MAD of
-straggler_recording_rules), as sources.from_prometheus reads them in place of every rank's windows.
+straggler_recording_rules), as prometheus_source.from_prometheus reads them in place of every rank's windows.
 """
 
 from __future__ import annotations

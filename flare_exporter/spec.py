@@ -134,6 +134,27 @@ METRICS: tuple[MetricSpec, ...] = (
         detail="Its input; for scatter and receives, what it received.",
     ),
     MetricSpec(
+        "flare_shim_collective_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "Device time of the NCCL calls the launch shim sampled.",
+        ("op",),
+        COLLECTIVE_DURATION_BUCKETS,
+        detail=(
+            "The collectives flare_collective_duration_seconds counts by group, seen from below Python "
+            "(docs/shim.md), where NCCL calls carry no group name: compare them, do not add them up. "
+            "Calls grouped by ncclGroupStart/End time the whole group. Absent without the shim."
+        ),
+    ),
+    MetricSpec(
+        "flare_shim_collective_bytes_total",
+        COUNTER,
+        "bytes",
+        "Bytes of the NCCL calls the launch shim sampled.",
+        ("op",),
+        detail="Their element count times the element size. Absent without the shim.",
+    ),
+    MetricSpec(
         "flare_collective_last_issued_seq",
         GAUGE,
         "",
@@ -750,3 +771,22 @@ def exposed_series_names(metric: MetricSpec) -> tuple[str, ...]:
 def all_series_names() -> frozenset[str]:
     """Every sample name the exporter may expose; rules and dashboards may only name these."""
     return frozenset(name for metric in METRICS for name in exposed_series_names(metric))
+
+
+_SERIES = all_series_names()
+
+
+def series(name: str) -> str:
+    """`name`, a sample name the exporter exposes (a declared metric, or a declared histogram's _bucket,
+    _sum or _count); ValueError otherwise. Code that names a metric takes the name through here (or
+    histogram), once, where the module is imported, so that a misspelt or undeclared one fails at once."""
+    if name not in _SERIES:
+        raise ValueError(f"{name} is no series of a metric the spec declares (flare_exporter/spec.py)")
+    return name
+
+
+def histogram(name: str) -> str:
+    """`name`, a metric the spec declares as a histogram; ValueError otherwise."""
+    if name not in BY_NAME or BY_NAME[name].type != HISTOGRAM:
+        raise ValueError(f"{name} is no histogram the spec declares (flare_exporter/spec.py)")
+    return name

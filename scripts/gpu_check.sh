@@ -7,12 +7,12 @@
 #   1. nvidia-smi summary            2. torch.cuda events (and flare's TorchCudaEvents)
 #   3. cupy events (CupyEvents)      4. build the native shim (make -C cuda_hooks)
 #   5. a torch CUDA workload (matmuls + NCCL all-reduce, world size 1) under LD_PRELOAD: the ring's records
-#   6. flare-run --native end to end: the kernel_issue histogram and the `native` collective statistics
+#   6. flare-run --shim end to end: the kernel_issue histogram and the shim's collective statistics
 #   7. NVML through flare_exporter.rank.gpu_health (pynvml)
 #   8. the C step hook: ILD windows handed to it on CPU, taken back for the dispatch mode once CUDA is up
 #   9. the overhead benchmark on the GPU (benchmarks/overhead.py --device cuda): one NCCL rank per job, an
-#      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS interleaved pairs
-#      (default 10; 0 skips it); its JSON goes to GPU_CHECK_OUT if set (a directory)
+#      MLP of width GPU_OVERHEAD_WIDTH (default 4096) at batch 512, GPU_OVERHEAD_PAIRS pairs without and with
+#      flare (default 10; 0 skips it); its JSON goes to GPU_CHECK_OUT if set (a directory)
 # Exit status: 0 if no part failed, 1 otherwise.
 # shellcheck disable=SC2317  # the part functions are called indirectly, through part()
 set -u
@@ -160,7 +160,7 @@ sys.exit(0 if kernels and nccl else 1)
 EOF
 }
 
-flare_run_native() {
+flare_run_shim() {
     [ -f cuda_hooks/build/libflare_hooks.so ] || { echo "the shim is not built (part 4)"; exit 77; }
     "$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("torch sees no CUDA device")' || exit 77
     cat >"$WORK/train.py" <<'EOF'
@@ -179,17 +179,17 @@ for _ in range(30):
     optimizer.step()
     optimizer.zero_grad()
 torch.cuda.synchronize()
-state = attach._attachment.state
+state = attach.attached().state
 state.manager.drain()
 kernel = state.ild.kernel_issue.histogram
-stats = {key: sum(s.durations.counts) for key, s in state.manager.stats.items() if key[0] == "native"}
+stats = {op: sum(s.durations.counts) for op, s in state.shim_feed.collectives.items()}
 print("shim loaded:", shim.shim_loaded(), "kernel_issue samples:", sum(kernel.counts),
-      "native collectives:", stats, "dropped:", dict(state.health.dropped), "errors:", dict(state.health.errors))
+      "shim collectives:", stats, "dropped:", dict(state.health.dropped), "errors:", dict(state.health.errors))
 dist.destroy_process_group()
 sys.exit(0 if shim.shim_loaded() and sum(kernel.counts) > 0 and stats else 1)
 EOF
     FLARE_SHIM_RING_DIR="$WORK" MASTER_ADDR=127.0.0.1 MASTER_PORT=29572 RANK=0 WORLD_SIZE=1 \
-        "$PY" -m flare_exporter.launch --native --port 0 "$WORK/train.py"
+        "$PY" -m flare_exporter.launch --shim --port 0 "$WORK/train.py"
 }
 
 nvml_health() {
@@ -260,7 +260,7 @@ overhead_on_gpu() {
     [ "$GPU_OVERHEAD_PAIRS" -gt 0 ] || { echo "GPU_OVERHEAD_PAIRS=0"; exit 77; }
     "$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("torch sees no CUDA device")' || exit 77
     "$PY" benchmarks/overhead.py --device cuda --ranks 1 --width "$GPU_OVERHEAD_WIDTH" --batch 512 \
-        --pairs "$GPU_OVERHEAD_PAIRS" --interleave 1 --steps 2000 --warmup 100 \
+        --pairs "$GPU_OVERHEAD_PAIRS" --steps 2000 --warmup 100 \
         --json "${GPU_CHECK_OUT:-$WORK}/overhead-gpu-width$GPU_OVERHEAD_WIDTH.json"
 }
 
@@ -270,7 +270,7 @@ part "2 torch.cuda events" torch_events
 part "3 cupy events" cupy_events
 part "4 build the native shim" build_shim
 part "5 shim under a torch CUDA + NCCL workload" shim_under_torch
-part "6 flare-run --native end to end" flare_run_native
+part "6 flare-run --shim end to end" flare_run_shim
 part "7 NVML via flare_exporter.rank.gpu_health" nvml_health
 part "8 the C step hook on CUDA: ILD windows back to the dispatch mode" c_step_hook_on_cuda
 part "9 the overhead benchmark on the GPU" overhead_on_gpu 480

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests and the demo need from Debian: Prometheus, Alertmanager (promtool comes with
-# Prometheus), VictoriaMetrics with vmagent and vmalert (docs/scaling.md, tests/test_victoria_metrics.py).
+# Prometheus), VictoriaMetrics with vmagent and vmalert (docs/scaling.md, tests/e2e/test_victoria_metrics.py).
 # Does nothing when they are there; without root and sudo it says what to install.
 set -euo pipefail
 missing=()

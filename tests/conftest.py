@@ -1,4 +1,5 @@
-"""Shared fixtures: a real 4-rank gloo DDP job under the launcher, scraped by a real Prometheus."""
+"""Shared fixtures: a real 4-rank gloo DDP job under the launcher, scraped by a real Prometheus; certificates
+made with the openssl command and a basic-auth password, for a secured rank and a secured Prometheus."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import io
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import bcrypt
 import pytest
 
 from flare_exporter.config import Config
@@ -61,7 +65,7 @@ def flare_json(*args: str) -> tuple[int, dict]:
 
 # Four ranks share this machine's two cores, and one starved of CPU really is a straggler: the healthy-run
 # tests of the other verdicts leave straggler verdicts and alerts out. That a light, paced healthy job gets
-# none is shown in tests/test_stragglers.py.
+# none is shown in tests/rank/test_stragglers.py.
 STRAGGLER_ALERTS = ("FlareRankStraggler", "FlareJobSlowdown")
 
 
@@ -224,3 +228,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for skip in item.iter_markers("skipif"):
             if "prometheus" in str(skip.kwargs.get("reason", "")):
                 item.add_marker("prometheus")
+
+
+PASSWORD = "s3cret-scrape"
+PASSWORD_HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()  # cheap for tests
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def signed(cwd: Path, name: str, usage: str, san: str) -> None:
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
+    (cwd / f"{name}.ext").write_text(
+        f"extendedKeyUsage={usage}\n" + (f"subjectAltName={san}\n" if san else "")
+    )
+    openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    cwd = tmp_path_factory.mktemp("certs")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=flare-test-ca",
+            "-days", "2", cwd=cwd)  # fmt: skip
+    signed(cwd, "server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
+    signed(cwd, "client", "clientAuth", "")
+    return cwd

@@ -1,5 +1,5 @@
 /* Drives the fakes through whatever defines the CUDA/NCCL symbols first (the shim, when preloaded), and
- * prints what happened as JSON lines for tests/test_native.py and benchmarks/native_launch.py.
+ * prints what happened as JSON lines for tests/rank/test_native.py and benchmarks/native_launch.py.
  *
  *   launch_driver LIBDIR LIBS forward            every API once succeeding, once failing; arguments checked
  *   launch_driver LIBDIR LIBS threads T N        64 launches, then T threads x N kernel launches (+ one

@@ -26,6 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .. import label_values, spec
+from .verdict_terms import Domain
+
+CANARY_DRIFT = spec.series("flare_canary_drift")
+CANARY_EWMA_RATIO = spec.series("flare_canary_ewma_ratio")
+CANARY_FAILED = spec.series("flare_canary_failed")
+CANARY_RELATIVE = spec.series("flare_canary_relative")
+CANARY_VALUE = spec.series("flare_canary_value")
 
 Key = tuple[str, str]  # (measurement, scope)
 Rows = Sequence[tuple[Mapping[str, str], float]]  # (labels, value) of one metric (records.Series)
@@ -34,10 +41,10 @@ PREFLIGHT, IN_FLIGHT = label_values.CANARY_PHASES
 DRIFT = "drift"
 CHECKS = (PREFLIGHT, IN_FLIGHT, DRIFT)  # the order a rank's failures are named in
 LINK_SCOPES = ("intra_host", "inter_host")
-PREFLIGHT_PASSED = "flare_canary_preflight_passed"
+PREFLIGHT_PASSED = spec.series("flare_canary_preflight_passed")
 # What the engine reads of a rank's canary: every flare_canary_* metric of the spec but the canary's own
 # bookkeeping (how often it ran, for how long), which says nothing of the hardware.
-BOOKKEEPING = ("flare_canary_runs_total", "flare_canary_duration_seconds")
+BOOKKEEPING = (spec.series("flare_canary_runs_total"), spec.series("flare_canary_duration_seconds"))
 METRICS = tuple(
     metric.name
     for metric in spec.METRICS
@@ -85,18 +92,18 @@ def canary_fields(series: Mapping[str, Rows]) -> dict[int, dict[str, Any]]:
         key = (labels.get("measurement", ""), labels.get("scope", ""))
         return found[int(labels["rank"])].setdefault(key, {"failed": ()})
 
-    for labels, value in series.get("flare_canary_value", []):
+    for labels, value in series.get(CANARY_VALUE, []):
         if labels.get("phase") in label_values.CANARY_PHASES:
             reading(labels)[labels["phase"]] = value
-    for labels, value in series.get("flare_canary_relative", []):
+    for labels, value in series.get(CANARY_RELATIVE, []):
         reading(labels)["relative"] = value
-    for labels, value in series.get("flare_canary_ewma_ratio", []):
+    for labels, value in series.get(CANARY_EWMA_RATIO, []):
         reading(labels)["ewma_ratio"] = value
-    for labels, value in series.get("flare_canary_failed", []):
+    for labels, value in series.get(CANARY_FAILED, []):
         if value == 1 and labels.get("phase") in label_values.CANARY_PHASES:
             entry = reading(labels)
             entry["failed"] = tuple(sorted({*entry["failed"], labels["phase"]}, key=CHECKS.index))
-    for labels, value in series.get("flare_canary_drift", []):
+    for labels, value in series.get(CANARY_DRIFT, []):
         reading(labels)["drift"] = value == 1
     passed = {int(labels["rank"]): value == 1 for labels, value in series.get(PREFLIGHT_PASSED, [])}
     return {
@@ -167,7 +174,7 @@ def rank_findings(rank: int, host: str, state: CanaryState | None) -> list[Findi
 class CanaryFault:
     """Ranks named for the same check of the same measurement and scope, and the domain they make."""
 
-    domain: str  # rank | host | link
+    domain: Domain  # rank, host or link
     findings: tuple[Finding, ...]  # one per rank named, by rank
     host: str = ""  # the host of a host fault, or of an intra-host link
     also: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # a rank's other failed checks

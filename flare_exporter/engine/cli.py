@@ -28,9 +28,10 @@ them merges the incident files lying beside them.
 When no rank of the run answers, the run is gone: the verdict comes from each rank's last word instead
 (post_mortem.py), from Prometheus's history within --window before --at (default: now), or from the
 incident files beside the targets (their `incidents` subdirectory). The hang threshold is --hang-seconds, else
-FLARE_HANG_SECONDS / the config file's hang_seconds, else the one the run's ranks export (thresholds.py), else
-300 s; the per-op shift that counts as an ILD regression likewise (--ild-op-shift-seconds,
-FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, 400 ns).
+FLARE_HANG_SECONDS / the config file's hang_seconds, else the one the run's ranks export, else the config's
+default (config.HangThreshold); the per-op shift that counts as an ILD regression likewise
+(--ild-op-shift-seconds, FLARE_ILD_OP_SHIFT_SECONDS, ild_op_shift_seconds, its default): config.py declares
+both.
 
 Exit codes: 0 healthy; 1 anomaly found; 2 usage, input or connection error; 3 could not decide (no
 rank answered, or several runs and no --run). `answer(argv)` computes what a diagnosis command's --json
@@ -63,21 +64,23 @@ from . import (
     perf_command,
     post_mortem,
     profile_command,
+    prometheus_source,
     promql,
     prune,
+    records,
     report,
     scrape,
-    sources,
-    thresholds,
+    scrape_source,
 )
 from .host_load import WARNING
 from .promql import PrometheusError
 from .rule_types import Snapshot, Verdict
 from .targets import TargetsError, read_targets
-from .views import SORTS, RankSelection, format_verdicts, hang_view, ranks_view, stragglers_view
+from .verdict_terms import VerdictKind
+from .views import SORTS, RankSelection, hang_view, ranks_view, stragglers_view
 
 EXIT_OK, EXIT_ANOMALY, EXIT_USAGE, EXIT_UNDECIDED = 0, 1, 2, 3
-HANG_KINDS = ("host_fault", "rank_down", "mismatch", "hang")
+HANG_KINDS: tuple[VerdictKind, ...] = ("host_fault", "rank_down", "mismatch", "hang")
 # the commands answer() answers
 ANSWERING = ("diagnose", "ranks", "hang", "stragglers", "canary", "perf", "report")
 
@@ -577,20 +580,20 @@ def _answer(args: argparse.Namespace) -> Answer:
         snapshot, source = _snapshot(args, hang.seconds, ild)
         if snapshot.ranks_seen == 0:
             return _dead_run_answer(_dead_run(args))
-        hang = thresholds.of_snapshot(snapshot, hang)
+        hang = config_module.hang_of_run(snapshot.hang_seconds, hang)
     except ENGINE_ERRORS as error:
         raise CommandError(EXIT_USAGE, f"flare: {error}") from None
-    except sources.SourceError as error:
+    except records.SourceError as error:
         raise CommandError(EXIT_UNDECIDED, f"flare: cannot decide: {error}") from None
     return _snapshot_answer(args, snapshot, source, hang, ild)
 
 
-def _hang_threshold(args: argparse.Namespace, configured: float) -> thresholds.Threshold:
+def _hang_threshold(args: argparse.Namespace, configured: float) -> config_module.HangThreshold:
     """The hang threshold the engine was told (`configured`: its config's), else, from Prometheus, the run's
-    own (args.run resolved then, as from_prometheus would); a direct scrape's comes with its snapshot."""
-    hang = thresholds.configured(configured, thresholds.told(args))
+    own (args.run resolved then, as run_hang_threshold would); a direct scrape's comes with its snapshot."""
+    hang = config_module.configured_hang(configured, config_module.hang_told_by(args))
     if args.prometheus:
-        args.run, hang = thresholds.resolve_prometheus(
+        args.run, hang = prometheus_source.resolve_hang_threshold(
             args.prometheus_connection, args.run, args.window, args.timeout, hang, time.time()
         )
     return hang
@@ -639,7 +642,7 @@ def _snapshot(args: argparse.Namespace, hang_seconds: float, ild: IldPolicy) -> 
     """The live snapshot the source flags name, and the source's name."""
     if args.prometheus:
         detail_for = _detail_for(args.command, hang_seconds, ild)
-        snapshot = sources.from_prometheus(
+        snapshot = prometheus_source.from_prometheus(
             args.prometheus_connection,
             args.run,
             args.window,
@@ -654,7 +657,7 @@ def _snapshot(args: argparse.Namespace, hang_seconds: float, ild: IldPolicy) -> 
         return flight_recorder.snapshot_from(args.flight_recorder, args.run), (
             f"flight-recorder {args.flight_recorder}"
         )
-    snapshot = sources.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
+    snapshot = scrape_source.from_targets(read_targets(args.targets), args.run, args.timeout, _client(args))
     return snapshot, f"targets {args.targets}"
 
 
@@ -673,7 +676,7 @@ def _dead_run(args: argparse.Namespace) -> post_mortem.DeadRun:
             found.append(incident_source.dead_run_from_incidents(directory, run))
     if not found:
         what = args.targets or args.incidents or args.prometheus
-        raise sources.SourceError(f"no rank answered and no incident file lies in {what}")
+        raise records.SourceError(f"no rank answered and no incident file lies in {what}")
     return post_mortem.merge_runs(found)
 
 
@@ -711,7 +714,8 @@ def _report(args: argparse.Namespace) -> Answer:
         )
     _check_common(args)
     if args.flight_recorder:
-        hang = thresholds.configured(config_module.engine_config(args).hang_seconds, thresholds.told(args))
+        configured = config_module.engine_config(args).hang_seconds
+        hang = config_module.configured_hang(configured, config_module.hang_told_by(args))
         others = [_dead_run(args)] if args.prometheus or args.targets or args.incidents else []
         found = flight_recorder.incident_report(args.flight_recorder, args.run, hang, others)
     else:
@@ -723,7 +727,7 @@ def _snapshot_answer(
     args: argparse.Namespace,
     snapshot: Snapshot,
     source: str,
-    hang: thresholds.Threshold,
+    hang: config_module.HangThreshold,
     ild: IldPolicy,
 ) -> Answer:
     """The live verdicts of a snapshot, and the command's view (judged by the hang threshold `hang`)."""
@@ -755,12 +759,27 @@ def _snapshot_answer(
             result["scores"], lines = perf_command.stragglers_with_losses(result["scores"], ledger)
     elif args.command == "canary":
         found, lines = canary_view.canary_view(snapshot)
-        every_rank = not args.prometheus or sources.canary_reads_every_rank(snapshot.ranks_seen)
+        every_rank = not args.prometheus or prometheus_source.canary_reads_every_rank(snapshot.ranks_seen)
         result.update(found, every_rank=every_rank)
     header = f"run {snapshot.run}: {snapshot.ranks_seen} of {len(snapshot.ranks)} ranks answered ({source})"
     text = "\n".join([header, *lines, *([""] if lines else []), *format_verdicts(shown)]) + "\n"
     pages = [verdict for verdict in shown if verdict.severity != WARNING]  # a busy host: exit 0
     return Answer(EXIT_ANOMALY if pages else EXIT_OK, result, text)
+
+
+def format_verdicts(verdicts: list[Verdict]) -> list[str]:
+    """A line per verdict, as every command prints them under its view: kind, domain, ranks, group, cause
+    and summary (WARNING first where it does not page); one line saying so where there is none."""
+    if not verdicts:
+        return ["no anomaly found"]
+    lines = []
+    for verdict in verdicts:
+        culprits = f"rank {','.join(map(str, verdict.ranks))}" if verdict.ranks else "no single rank"
+        group = f" [group {verdict.group}]" if verdict.group else ""
+        warning = "WARNING " if verdict.severity == WARNING else ""
+        head = f"{warning}{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
+        lines.append(f"{head}: {verdict.summary}")
+    return lines
 
 
 if __name__ == "__main__":  # the engine's commands alone; all of `flare`'s: python -m flare_exporter.cli

@@ -1,7 +1,7 @@
 """The rules engine: a snapshot of every rank's state in, verdicts out. Pure functions, no I/O.
 
-A Snapshot comes from Prometheus or from scraping the ranks (sources.py); the rules follow DESIGN.md's
-"Attribution", most severe first:
+A Snapshot comes from Prometheus or from scraping the ranks (prometheus_source, scrape_source); the rules
+(docs/diagnosis.md, "The rules") run most severe first:
 
 1. Ranks that are gone (endpoint down or missing, or an exception recorded) -> `rank_down`.
 2. A group is hung when one of its ranks has had a collective unfinished for `hang_seconds`. Then:
@@ -52,9 +52,10 @@ from .hang_verdicts import (
 )
 from .host_load import WARNING, judged_with_host_load
 from .ild_verdicts import ild_verdicts
-from .rule_types import KINDS, RankRecord, Snapshot, Verdict, age_of, rank_list
+from .rule_types import RankRecord, Snapshot, Verdict, age_of, rank_list
 from .straggler_verdicts import straggler_verdicts
 from .verdict_causes import cause_of
+from .verdict_terms import KINDS
 
 
 def diagnose(

@@ -25,7 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import diagnosis, incident_source, post_mortem, report, thresholds
+from ..config import HangThreshold, hang_of_run
+from . import diagnosis, incident_source, post_mortem, report
 from .flight_recorder_records import (
     Dump,
     DumpError,
@@ -216,7 +217,7 @@ def _count(value: Any) -> int:
 
 
 def incident_report(
-    path: str, run: str, hang: thresholds.Threshold, also: Sequence[post_mortem.DeadRun] = ()
+    path: str, run: str, hang: HangThreshold, also: Sequence[post_mortem.DeadRun] = ()
 ) -> dict[str, Any]:
     """`flare report --flight-recorder`: the report (report.incident_report) over every rank's last word:
     its dump's groups, and its incident file's (and those of `also`, other sources) where there is one.
@@ -231,7 +232,7 @@ def incident_report(
         runs.append(post_mortem.DeadRun(recorder.run, recorder.world_size, recorder.incident_words, where))
     found = report.incident_report(post_mortem.merge_runs([*runs, *also]))
     snapshot = recorder.snapshot()
-    threshold = thresholds.of_snapshot(snapshot, hang)
+    threshold = hang_of_run(snapshot.hang_seconds, hang)
     found["verdicts_from"] = "post_mortem"
     if not found["verdicts"]:
         found["verdicts"] = [verdict.to_json() for verdict in diagnosis.diagnose(snapshot, threshold.seconds)]

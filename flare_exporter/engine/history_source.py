@@ -15,15 +15,32 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
+from .. import causes, spec
+from ..causes import Cause
 from ..durations import duration_seconds
 from . import prometheus_source, promql
 from .post_mortem import DeadRun, ExceptionWord, LastWord, Termination
-from .records import FLIGHT_INFO, FLIGHT_NUMBERS, FLIGHT_STARTED, Series, SourceError, group_fields, per_rank
+from .records import (
+    COLLECTIVE_LAST_COMPLETED_SEQ,
+    COLLECTIVE_LAST_ISSUED_SEQ,
+    FLIGHT_INFO,
+    FLIGHT_NUMBERS,
+    FLIGHT_STARTED,
+    HEARTBEAT_TIMESTAMP_SECONDS,
+    RANK_EXCEPTION_INFO,
+    RANK_EXCEPTION_TIMESTAMP_SECONDS,
+    RANK_INFO,
+    STEPS_TOTAL,
+    Series,
+    SourceError,
+    group_fields,
+    per_rank,
+)
 
 LAST_SEEN = "last_seen"  # when each rank was last scraped
 FLIGHT_SEEN = "flight_seen"  # when each (rank, group)'s in-flight collective was last scraped
 INFO_SEEN = "flight_info_seen"  # when each (rank, group, op, state) of one was last scraped
-TERMINATED = "flare_rank_terminated_timestamp_seconds"
+TERMINATED = spec.series("flare_rank_terminated_timestamp_seconds")
 
 
 def history_queries(step: str) -> dict[str, str]:
@@ -37,15 +54,15 @@ def history_queries(step: str) -> dict[str, str]:
         return f"max by (rank{labels}) (max_over_time(timestamp({name}{{sel}})[{{window}}:{step}]))"
 
     return {
-        "flare_rank_info": looked_back("flare_rank_info", ", host, world_size, switch, rack"),
-        LAST_SEEN: last_scraped("flare_rank_info", ""),
-        "flare_rank_exception_info": looked_back("flare_rank_exception_info", ", type, cause"),
-        "flare_rank_exception_timestamp_seconds": looked_back("flare_rank_exception_timestamp_seconds"),
+        RANK_INFO: looked_back(RANK_INFO, ", host, world_size, switch, rack"),
+        LAST_SEEN: last_scraped(RANK_INFO, ""),
+        RANK_EXCEPTION_INFO: looked_back(RANK_EXCEPTION_INFO, ", type, cause"),
+        RANK_EXCEPTION_TIMESTAMP_SECONDS: looked_back(RANK_EXCEPTION_TIMESTAMP_SECONDS),
         TERMINATED: looked_back(TERMINATED, ", signal, sender"),
-        "flare_heartbeat_timestamp_seconds": looked_back("flare_heartbeat_timestamp_seconds"),
-        "flare_steps_total": looked_back("flare_steps_total"),
-        "flare_collective_last_issued_seq": looked_back("flare_collective_last_issued_seq", ", group"),
-        "flare_collective_last_completed_seq": looked_back("flare_collective_last_completed_seq", ", group"),
+        HEARTBEAT_TIMESTAMP_SECONDS: looked_back(HEARTBEAT_TIMESTAMP_SECONDS),
+        STEPS_TOTAL: looked_back(STEPS_TOTAL),
+        COLLECTIVE_LAST_ISSUED_SEQ: looked_back(COLLECTIVE_LAST_ISSUED_SEQ, ", group"),
+        COLLECTIVE_LAST_COMPLETED_SEQ: looked_back(COLLECTIVE_LAST_COMPLETED_SEQ, ", group"),
         FLIGHT_STARTED: looked_back(FLIGHT_STARTED, ", group"),
         FLIGHT_SEEN: last_scraped(FLIGHT_STARTED, ", group"),
         FLIGHT_INFO: looked_back(FLIGHT_INFO, ", group, op, state"),
@@ -76,7 +93,7 @@ def dead_run_from_prometheus(
         connection, prometheus_source.matcher(run), window, timeout, now
     )
     series = prometheus.fetch(history_queries(subquery_step(seconds)))
-    if not series.get("flare_rank_info"):
+    if not series.get(RANK_INFO):
         raise SourceError(
             f"Prometheus at {connection.url}: no rank of run {run!r} was scraped in the {window} before "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(now))} UTC (widen --window or set --at)"
@@ -86,7 +103,7 @@ def dead_run_from_prometheus(
 
 def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) -> DeadRun:
     """The DeadRun Prometheus's answers describe (pure: the answers in, the last words out)."""
-    info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
+    info = {int(labels["rank"]): labels for labels, _ in series.get(RANK_INFO, [])}
     last_seen = per_rank(series, LAST_SEEN)
     groups = group_fields(_at_the_end(series, last_seen), now)
     exceptions = _exceptions(series)
@@ -94,8 +111,8 @@ def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) ->
         int(labels["rank"]): Termination(labels.get("signal", ""), labels.get("sender", "unknown"), value)
         for labels, value in series.get(TERMINATED, [])
     }
-    heartbeat = per_rank(series, "flare_heartbeat_timestamp_seconds")
-    steps = per_rank(series, "flare_steps_total")
+    heartbeat = per_rank(series, HEARTBEAT_TIMESTAMP_SECONDS)
+    steps = per_rank(series, STEPS_TOTAL)
     words = {
         rank: LastWord(
             rank,
@@ -116,15 +133,20 @@ def dead_run(series: Mapping[str, Series], run: str, source: str, now: float) ->
 
 
 def _exceptions(series: Mapping[str, Series]) -> dict[int, ExceptionWord]:
-    raised_at = per_rank(series, "flare_rank_exception_timestamp_seconds")
+    raised_at = per_rank(series, RANK_EXCEPTION_TIMESTAMP_SECONDS)
     return {
         int(labels["rank"]): ExceptionWord(
             labels.get("type", ""),
-            labels.get("cause", "") or "software_exception",
+            _exception_cause(labels.get("cause", "")),
             raised_at.get(int(labels["rank"])),
         )
-        for labels, _ in series.get("flare_rank_exception_info", [])
+        for labels, _ in series.get(RANK_EXCEPTION_INFO, [])
     }
+
+
+def _exception_cause(label: str) -> Cause:
+    """The cause a rank's flare_rank_exception_info names; software_exception where it names none."""
+    return label if causes.is_cause(label, causes.EXCEPTION_CAUSES) else "software_exception"
 
 
 def _at_the_end(series: Mapping[str, Series], last_seen: Mapping[int, float]) -> dict[str, Series]:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import spec
 from ..policies import HostLoadPolicy
 
 WARNING = "warning"  # a verdict's severity where no rank is at fault (the others: "page")
@@ -39,11 +40,11 @@ class HostLoadState:
 
 # HostLoadState attribute -> the metric it is read from
 HOST_LOAD_METRICS = {
-    "cpu_pressure": "flare_host_cpu_pressure_ratio",
-    "cpu_pressure_floor": "flare_host_cpu_pressure_floor_ratio",
-    "runnable_tasks": "flare_host_runnable_tasks",
-    "cpus": "flare_host_cpus",
-    "thread_cpu_ratio": "flare_training_thread_cpu_ratio",
+    "cpu_pressure": spec.series("flare_host_cpu_pressure_ratio"),
+    "cpu_pressure_floor": spec.series("flare_host_cpu_pressure_floor_ratio"),
+    "runnable_tasks": spec.series("flare_host_runnable_tasks"),
+    "cpus": spec.series("flare_host_cpus"),
+    "thread_cpu_ratio": spec.series("flare_training_thread_cpu_ratio"),
 }
 
 

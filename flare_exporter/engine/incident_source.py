@@ -123,7 +123,7 @@ def _exception(found: Any, written_at: Any) -> ExceptionWord | None:
     root = _dict(found.get("root_cause"))
     root_type, root_message = _str(root.get("type")), _str(root.get("message"))
     cause = _str(found.get("cause"))
-    if cause not in causes.EXCEPTION_CAUSES:  # version 1, or a value no rank writes: classify it here
+    if not causes.is_cause(cause, causes.EXCEPTION_CAUSES):  # version 1, or one no rank writes: classify it
         raised = causes.Raised(root_type or kind, root_message or message, _int(root.get("errno")))
         cause = causes.exception_cause(raised)
     at = _float(found.get("timestamp_seconds")) or _float(written_at)

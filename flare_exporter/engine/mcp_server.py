@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..config import HANG_KEY, ILD_OP_SHIFT_KEY, Config
 from . import report
 from .mcp_policy import Policy, Refused
 
@@ -184,16 +185,18 @@ ARGUMENTS = (
     ),
     Argument("timeout", "--timeout", "seconds per scrape or query (default 5)", NUMBER, WITH_PROFILE),
     Argument(
-        "hang_seconds",
+        HANG_KEY,
         "--hang-seconds",
-        "hang threshold in seconds (default: the server's FLARE_HANG_SECONDS, else the run's own, else 300)",
+        "hang threshold in seconds (default: the server's FLARE_HANG_SECONDS, else the run's own, else "
+        f"{Config.hang_seconds:g})",
         NUMBER,
         DIAGNOSING,
     ),
     Argument(
-        "ild_op_shift_seconds",
+        ILD_OP_SHIFT_KEY,
         "--ild-op-shift-seconds",
-        "per-op issue-latency shift that counts as an ILD regression (default 4e-7)",
+        "per-op issue-latency shift that counts as an ILD regression "
+        f"(default {Config.ild_op_shift_seconds:g})",
         NUMBER,
         DIAGNOSING,
     ),

@@ -31,19 +31,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import label_values
+from .. import label_values, spec
 from ..policies import BottleneckPolicy
 from . import promql, scrape
 from .prometheus_source import matcher, the_run
-from .records import Series, SourceError, one_run
+from .records import RANK_INFO, Series, SourceError, one_run
 from .targets import Target
 
-PHASES = "flare_step_phase_seconds_total"
-STEPS = "flare_step_phase_steps_total"
-ROLES = "flare_step_collective_seconds_total"
-GAUGES = ("flare_model_flops_per_step", "flare_achieved_flops", "flare_mfu_ratio")
-GROUP_INFO, P2P_DONE = "flare_process_group_info", "flare_p2p_completed_total"
-PERF_METRICS = frozenset([PHASES, STEPS, ROLES, *GAUGES, "flare_rank_info", GROUP_INFO, P2P_DONE])
+PHASES = spec.series("flare_step_phase_seconds_total")
+STEPS = spec.series("flare_step_phase_steps_total")
+ROLES = spec.series("flare_step_collective_seconds_total")
+GAUGES = (
+    spec.series("flare_model_flops_per_step"),
+    spec.series("flare_achieved_flops"),
+    spec.series("flare_mfu_ratio"),
+)
+GROUP_INFO, P2P_DONE = spec.series("flare_process_group_info"), spec.series("flare_p2p_completed_total")
+PERF_METRICS = frozenset([PHASES, STEPS, ROLES, *GAUGES, RANK_INFO, GROUP_INFO, P2P_DONE])
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class PerfRank:
 
 def records_from_series(series: Mapping[str, Series]) -> dict[int, PerfRank]:
     """Per rank, its PerfRank from series by metric name ((labels, value) lists), of one run."""
-    hosts = {int(labels["rank"]): labels.get("host", "") for labels, _ in series.get("flare_rank_info", [])}
+    hosts = {int(labels["rank"]): labels.get("host", "") for labels, _ in series.get(RANK_INFO, [])}
     phases = _per_rank_and(series.get(PHASES, []), "phase", label_values.STEP_PHASES)
     roles = _per_rank_and(series.get(ROLES, []), "role", label_values.GROUP_ROLES)
     values = {name: _per_rank(series.get(name, [])) for name in (STEPS, *GAUGES)}
@@ -364,11 +368,11 @@ def from_targets(
         [target.address for target in targets], timeout=timeout, via=via, wanted=PERF_METRICS
     )
     answered = [samples for samples in results.values() if isinstance(samples, list)]
-    runs = [scrape.labels_of(samples, "flare_rank_info").get("run", "") for samples in answered]
+    runs = [scrape.labels_of(samples, RANK_INFO).get("run", "") for samples in answered]
     run = one_run([r for r in runs if r], run, f"{len(targets)} targets")
     series: dict[str, Series] = {}
     for samples in answered:
-        if scrape.labels_of(samples, "flare_rank_info").get("run") != run:
+        if scrape.labels_of(samples, RANK_INFO).get("run") != run:
             continue
         for sample in samples:
             series.setdefault(sample.name, []).append((sample.labels, sample.value))
@@ -388,7 +392,7 @@ def from_prometheus(
         STEPS: f"increase({STEPS}{{{selected}}}[{window}])",
         ROLES: f"increase({ROLES}{{{selected}}}[{window}])",
         "gauges": f'{{__name__=~"{gauges}",{selected}}}',  # their current values (instant: names kept)
-        "flare_rank_info": f"last_over_time(flare_rank_info{{{selected}}}[{window}])",
+        RANK_INFO: f"last_over_time({RANK_INFO}{{{selected}}}[{window}])",
         GROUP_INFO: (
             f"max by (rank, group, group_rank) (last_over_time({GROUP_INFO}{{{selected}}}[{window}]))"
         ),
@@ -400,6 +404,6 @@ def from_prometheus(
             labels = item["metric"]
             metric = labels.get("__name__", name) if name == "gauges" else name
             series.setdefault(metric, []).append((labels, float(item["value"][1])))
-    if not series.get("flare_rank_info"):
+    if not series.get(RANK_INFO):
         raise SourceError(f"Prometheus has no rank of run {run!r} within {window}")
     return run, records_from_series(series)

@@ -2,7 +2,7 @@
 
 When every rank of a run is gone, nothing answers; what is left is each rank's last word: the last values
 Prometheus scraped of it (history_source.py), or the incident file it wrote (incident_source.py). The rules
-(DESIGN.md, "Attribution", post-mortem), most telling first:
+(docs/diagnosis.md, "A run that is gone"), most telling first:
 
 1. A rank that raised an exception of its own (not what a survivor of a lost peer raises: a connection reset,
    a collective timeout; see flare_exporter.causes) -> `rank_down`, its cause from the exception's root
@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import causes
+from ..causes import Cause
 from .hang_verdicts import explain_hang, hung_groups, point_to_point_verdicts
 from .rule_types import GroupState, InFlight, RankRecord, Snapshot, Verdict
+from .verdict_terms import Domain
 
-TOPOLOGY_DOMAINS = ("host", "switch", "rack")  # the shared fault domains, narrowest first
+TOPOLOGY_DOMAINS: tuple[Domain, ...] = ("host", "switch", "rack")  # the shared fault domains, narrowest first
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ExceptionWord:
     """The exception that ended a rank: its type, cause, Unix time, and root cause where one is known."""
 
     type: str
-    cause: str
+    cause: Cause
     at: float | None = None
     root_type: str = ""
     root_message: str = ""
@@ -222,7 +224,7 @@ def _in_flight_at_the_end(run: DeadRun, words: Mapping[int, LastWord]) -> Verdic
     for hang in hung_groups(snapshot, 0.0):
         verdict = explain_hang(snapshot, hang)
         if verdict.kind in ("hang", "mismatch") and verdict.domain == "rank":
-            cause = "collective_mismatch" if verdict.kind == "mismatch" else "deadlock"
+            cause: Cause = "collective_mismatch" if verdict.kind == "mismatch" else "deadlock"
             return dataclasses.replace(verdict, cause=cause)
     for verdict in point_to_point_verdicts(snapshot, 0.0, set()):  # a send or receive its peer never met
         return dataclasses.replace(verdict, cause="deadlock")

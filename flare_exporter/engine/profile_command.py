@@ -31,7 +31,7 @@ from . import promql, scrape
 from .perf_command import add_source_arguments
 from .prometheus_source import matcher, the_run
 from .rank_auth import Client
-from .records import SourceError, one_run
+from .records import RANK_INFO, SourceError, one_run
 from .targets import read_targets
 
 MAX_RANKS = 64  # asked at once: a capture costs each rank's training steps
@@ -101,15 +101,13 @@ def endpoints(args: argparse.Namespace, connection: Any, client: Client) -> tupl
     if args.prometheus:
         now = time.time()
         run = args.run or the_run(connection, "5m", args.timeout, now)
-        expr = f"max by (rank, instance) (last_over_time(flare_rank_info{{{matcher(run)}}}[5m]))"
+        expr = f"max by (rank, instance) (last_over_time({RANK_INFO}{{{matcher(run)}}}[5m]))"
         found = promql.query(connection, expr, args.timeout, now)
         return run, {int(item["metric"]["rank"]): item["metric"].get("instance", "") for item in found}
     targets = [target.address for target in read_targets(args.targets)]
-    results = scrape.scrape_all(
-        targets, timeout=args.timeout, via=client, wanted=frozenset(["flare_rank_info"])
-    )
+    results = scrape.scrape_all(targets, timeout=args.timeout, via=client, wanted=frozenset([RANK_INFO]))
     identities = {
-        address: scrape.labels_of(samples, "flare_rank_info")
+        address: scrape.labels_of(samples, RANK_INFO)
         for address, samples in results.items()
         if isinstance(samples, list)
     }

@@ -16,22 +16,42 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import label_values, record_names
+from .. import record_names
+from ..config import DEFAULT, HangThreshold, hang_of_run
 from ..durations import duration_seconds
 from ..policies import IldPolicy, StragglerPolicy
 from . import canary, diagnosis, hang_verdicts, promql, straggler_verdicts
 from .host_load import HOST_LOAD_METRICS
+from .pace_queries import (
+    CUMULATIVE_QUERIES,
+    SUMMARY_AT_QUERY,
+    SUMMARY_FIGURES,
+    ild_candidates,
+    ild_screen,
+    recent_windows,
+    summary_candidates,
+)
 from .promql import Prometheus
 from .records import (
+    COLLECTIVE_LAST_COMPLETED_SEQ,
+    COLLECTIVE_LAST_ISSUED_SEQ,
     FLIGHT_INFO,
     FLIGHT_NUMBERS,
     FLIGHT_STARTED,
+    GPU_CLOCK_EVENT_ACTIVE,
     GPU_HEALTH_METRICS,
+    HANG_THRESHOLD,
     ILD_METRICS,
     ISSUED_AT,
     P2P_COUNTS,
     P2P_STARTED,
+    PROCESS_GROUP_INFO,
     PROGRESS_METRICS,
+    RANK_EXCEPTION_INFO,
+    RANK_EXCEPTION_TIMESTAMP_SECONDS,
+    RANK_INFO,
+    RANK_STACK_INFO,
+    STEP_DURATION_SECONDS_COUNT,
     STRAGGLER_METRICS,
     Liveness,
     Series,
@@ -48,8 +68,8 @@ from .rule_types import Snapshot, WindowSummary
 # The queries. Each keeps only the labels build_snapshot reads (`max by` them): the other labels of every
 # series (instance, job, run, ...) would be most of the answer, for Prometheus to write and for us to parse.
 # A query's answer is named by its key (or by `__name__` where it keeps one). Placeholders: `{sel}` the
-# selector of the run (or of its named ranks), `{sel, more="matchers"}` it with more matchers,
-# `{sel_not_native}` it without the native shim's collectives, `{window}` the lookback.
+# selector of the run (or of its named ranks), `{sel, more="matchers"}` it with more matchers, `{window}`
+# the lookback.
 # Identity, groups and exceptions look back (a dead rank's last word); the rest is the current state.
 
 
@@ -75,7 +95,9 @@ def _canary_series(ranks: str = "") -> str:
 # per series of those ranks, none when every rank passed); records.with_canary makes them fields once the
 # pace is read, so that they mask neither a straggler nor a hang (from_prometheus).
 CANARY_FAILING = "canary_failing"
-CANARY_FAILING_QUERY = _canary_series("flare_canary_failed{sel} == 1 or flare_canary_drift{sel} == 1")
+CANARY_FAILING_QUERY = _canary_series(
+    f"{canary.CANARY_FAILED}{{sel}} == 1 or {canary.CANARY_DRIFT}{{sel}} == 1"
+)
 # `flare canary`'s view: every rank's up to CANARY_EVERY_RANK ranks, beyond them the bottom CANARY_BOTTOM
 # ranks of each measurement and scope, by their share of the job's median and by their moving average.
 CANARY_EVERY_RANK = 64
@@ -83,24 +105,24 @@ CANARY_BOTTOM = 3
 CANARY_VIEW_QUERIES = {"canary_every_rank": _canary_series()}
 CANARY_BOTTOM_QUERIES = {
     "canary_bottom": _canary_series(
-        f"bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_relative{{sel}})"
-        f" or bottomk by (measurement, scope) ({CANARY_BOTTOM}, flare_canary_ewma_ratio{{sel}})"
+        f"bottomk by (measurement, scope) ({CANARY_BOTTOM}, {canary.CANARY_RELATIVE}{{sel}})"
+        f" or bottomk by (measurement, scope) ({CANARY_BOTTOM}, {canary.CANARY_EWMA_RATIO}{{sel}})"
     )
 }
 
 # Is a rank gone, is a group hung, and who is behind in it: every rank (and the canary's failing ranks).
 FAULT_QUERIES = {
-    "flare_rank_info": "max by (rank, host, world_size) (last_over_time(flare_rank_info{sel}[{window}]))",
-    "flare_rank_exception_info": (
-        "max by (rank, type, cause) (last_over_time(flare_rank_exception_info{sel}[{window}]))"
+    RANK_INFO: f"max by (rank, host, world_size) (last_over_time({RANK_INFO}{{sel}}[{{window}}]))",
+    RANK_EXCEPTION_INFO: (
+        f"max by (rank, type, cause) (last_over_time({RANK_EXCEPTION_INFO}{{sel}}[{{window}}]))"
     ),
-    "flare_rank_exception_timestamp_seconds": (
-        "max by (rank) (last_over_time(flare_rank_exception_timestamp_seconds{sel}[{window}]))"
+    RANK_EXCEPTION_TIMESTAMP_SECONDS: (
+        f"max by (rank) (last_over_time({RANK_EXCEPTION_TIMESTAMP_SECONDS}{{sel}}[{{window}}]))"
     ),
     "up": "max by (rank) (up{sel})",
     # the ranks whose own series Prometheus has now: where a target's labels carry no rank (pods that service
     # discovery finds and drops as they die), `up` cannot say which rank is gone; this can
-    RANK_INFO_NOW: "max by (rank) (flare_rank_info{sel})",
+    RANK_INFO_NOW: f"max by (rank) ({RANK_INFO}{{sel}})",
     **_current([FLIGHT_STARTED], ", group"),
     **_current([P2P_STARTED], ", group, peer, direction"),
     CANARY_FAILING: CANARY_FAILING_QUERY,
@@ -112,11 +134,11 @@ PROGRESS_QUERIES = _current(PROGRESS_METRICS, "")
 # the hang threshold, or when from_prometheus is not told the threshold; the rules need them only then), of
 # the groups the hang rules read (diagnosis.what_hang_rules_read) when told the threshold.
 GROUP_QUERIES = {
-    "flare_collective_last_issued_seq": "max by (rank, group) (flare_collective_last_issued_seq{sel})",
+    **_current([COLLECTIVE_LAST_ISSUED_SEQ], ", group"),
     # when each number was scraped: one scraped at or before its group's newest issue (the latest start the
     # faults round read) is late (rule_types.GroupState.seen_before_stall). Compared here, not in
     # Prometheus, which read every rank's start again for it (at 6,144 ranks, twice as long).
-    ISSUED_AT: "max by (rank, group) (timestamp(flare_collective_last_issued_seq{sel}))",
+    ISSUED_AT: f"max by (rank, group) (timestamp({COLLECTIVE_LAST_ISSUED_SEQ}{{sel}}))",
 }
 # The issued numbers alone: a hang's rounds ask the scrape times after them, of the few ranks they could
 # leave unjudged (_late_scrapes).
@@ -134,105 +156,31 @@ P2P_QUERIES = _current(P2P_COUNTS, ", group, peer, direction")
 # a rank that is down has no current series. Asked with the groups, of the ranks that are down; five minutes
 # of every rank's group info would be the slowest query of the round.
 GONE_GROUP_QUERIES = {
-    "flare_process_group_info": (
-        "max by (rank, group) (last_over_time(flare_process_group_info{sel}[{window}]))"
-        " unless on (rank, group) flare_collective_last_issued_seq{sel}"
+    PROCESS_GROUP_INFO: (
+        f"max by (rank, group) (last_over_time({PROCESS_GROUP_INFO}{{sel}}[{{window}}]))"
+        f" unless on (rank, group) {COLLECTIVE_LAST_ISSUED_SEQ}{{sel}}"
     ),
 }
 # Is a rank slower than the others: every rank (asked when no rank is gone or hung; the rules weigh
 # stragglers and ILD only then). The straggler windows are most of the series of the round: the rounds
-# read the last few of each rank first (see recent_windows).
+# read the last few of each rank first (see pace_queries.recent_windows).
 PACE_QUERIES = {
     **_current(STRAGGLER_METRICS, ", ago"),
     **_current(HOST_LOAD_METRICS.values(), ""),
-    "flare_step_duration_seconds_count": (
-        "sum by (rank) (increase(flare_step_duration_seconds_count{sel}[{window}]))"
+    STEP_DURATION_SECONDS_COUNT: (
+        f"sum by (rank) (increase({STEP_DURATION_SECONDS_COUNT}{{sel}}[{{window}}]))"
     ),
 }
-WINDOW_METRICS = ("flare_straggler_window_step_seconds", "flare_straggler_window_wait_seconds")
-
-
-def recent_windows(policy: StragglerPolicy) -> tuple[dict[str, str], dict[str, str]]:
-    """The straggler windows' queries in two parts: each rank's last `hold_windows` (label ago below it),
-    which the rules read when every rank closed the same last window
-    (straggler_verdicts.decided_by_last_windows), and the older ones, read only when they do not: a quarter of
-    the pace round's series at 6,144 ranks."""
-    recent = "|".join(str(ago) for ago in range(policy.hold_windows))
-
-    def windows(match: str) -> dict[str, str]:
-        return {name: f'max by (rank, ago) ({name}{{sel, ago{match}"{recent}"}})' for name in WINDOW_METRICS}
-
-    return windows("=~"), windows("!~")
-
-
-# At thousands of ranks, what Prometheus's recording rules say of every rank's straggler windows
-# (record_names.py; WindowSummary), read in place of them where it stands for them: the time of the
-# rules' last evaluation, then the figures at that time and the ranks that could be named.
-SUMMARY_AT_QUERY = {"summary_at": f"max(timestamp({record_names.SUMMARY_AT}{{sel}}))"}
-SUMMARY_FIGURES = 'max by (__name__, ago) ({sel, __name__=~"run(_ago)?:flare_straggler_.+"})'
-SUMMARY_SLACK = 0.999  # the screen's distance below the median, against rounding: it may name more ranks
-
-
-def summary_candidates(policy: StragglerPolicy) -> str:
-    """The ranks whose wait share over the windows lies far enough below the median (pooled_z robust sigmas
-    and min_wait_gap of the step; straggler_verdicts.WindowScores.stands_out) that the rules could name
-    them."""
-    pooled, figure = record_names.SUMMARY_POOLED, record_names.POOLED_SHARE
-    spread = f"clamp_min(1.4826 * {figure}:mad{{sel}}, {straggler_verdicts.MIN_SHARE_SPREAD!r})"
-    distance = (
-        f"clamp_min({policy.pooled_z * SUMMARY_SLACK!r} * {spread}, {policy.min_wait_gap * SUMMARY_SLACK!r})"
-    )
-    return f"max by (rank) ({pooled}{{sel}} <= on (run) group_left () ({figure}:median{{sel}} - {distance}))"
-
-
 # Has a rank's issue latency shifted: every rank's drift (its peers' medians decide), asked with the pace
 # only when ild_screen finds a rank whose drift could count as shifted; most of the time none does.
 ILD_QUERIES = _current(ILD_METRICS, ", distribution")
-
-
-def ild_screen(policy: IldPolicy) -> dict[str, str]:
-    """The query for the ranks whose drift could count as shifted under `policy` (IldPolicy.floors), one
-    series each, without the drift itself (key `ild_screen`, which no record reads)."""
-    op_shift, ks, wasserstein = (repr(float(bound)) for bound in policy.floors())
-    return {
-        "ild_screen": (
-            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
-            f" or (flare_ild_drift_ks{{sel}} >= {ks} unless on (rank, distribution)"
-            f" flare_ild_drift_wasserstein_seconds{{sel}} < {wasserstein}))"
-        )
-    }
-
-
-def ild_candidates(policy: IldPolicy) -> dict[str, str]:
-    """The ranks ild_screen may name and more (key `ild_candidates`): its floors without the W1 one, so
-    that the pace round need not read every rank's W1 (a third of the screen's series); ild_screen is
-    asked of them only when there are any."""
-    op_shift, ks, _ = (repr(float(bound)) for bound in policy.floors())
-    return {
-        "ild_candidates": (
-            f"max by (rank) (flare_ild_op_shift_seconds{{sel}} >= {op_shift}"
-            f" or flare_ild_drift_ks{{sel}} >= {ks})"
-        )
-    }
-
-
-# The same from the cumulative step and collective times: every rank (asked when not every rank exports
-# straggler windows; see straggler_verdicts.judged_by_windows).
-CUMULATIVE_QUERIES = {
-    "flare_step_duration_seconds_sum": (
-        "sum by (rank) (increase(flare_step_duration_seconds_sum{sel}[{window}]))"
-    ),
-    "flare_collective_duration_seconds_sum": (
-        "sum by (rank) (increase(flare_collective_duration_seconds_sum{sel_not_native}[{window}]))"
-    ),
-}
 # What explains a verdict without deciding it, of every rank (the views).
 DETAIL_QUERIES = {
     **PROGRESS_QUERIES,
-    "flare_rank_stack_info": "max by (rank, activity, frames) (flare_rank_stack_info{sel})",
+    RANK_STACK_INFO: f"max by (rank, activity, frames) ({RANK_STACK_INFO}{{sel}})",
     **_current(GPU_HEALTH_METRICS, ""),
     # only the clock events that are active: the others would be most of the answer
-    "flare_gpu_clock_event_active": "max by (rank, reason) (flare_gpu_clock_event_active{sel} == 1)",
+    GPU_CLOCK_EVENT_ACTIVE: f"max by (rank, reason) ({GPU_CLOCK_EVENT_ACTIVE}{{sel}} == 1)",
 }
 # The same of the few ranks a verdict names, in three queries instead of fifteen: the one-value metrics in
 # one query (each row named by its __name__). Of a few ranks Prometheus finds them at once; the per-metric
@@ -244,7 +192,7 @@ NAMED_DETAIL_QUERIES = {
 }
 # What only a view shows (`flare hang`): every rank.
 VIEW_QUERIES = {
-    "flare_collective_last_completed_seq": "max by (rank, group) (flare_collective_last_completed_seq{sel})",
+    **_current([COLLECTIVE_LAST_COMPLETED_SEQ], ", group"),
 }
 PROMETHEUS_QUERIES = {
     **FAULT_QUERIES,
@@ -398,7 +346,7 @@ def _restarts_round(fetch: Fetch, series: dict[str, Series]) -> None:
     """The progress of the ranks that raised (PROGRESS_QUERIES, 2 queries), added to `series`: whether each
     restarted since decides whether it is gone, so it is asked before the records are built. Nothing is
     asked where no rank raised."""
-    raised = sorted({int(labels["rank"]) for labels, _ in series.get("flare_rank_exception_info", [])})
+    raised = sorted({int(labels["rank"]) for labels, _ in series.get(RANK_EXCEPTION_INFO, [])})
     if raised:
         series.update(fetch(PROGRESS_QUERIES, _selectable(raised)))
 
@@ -696,10 +644,10 @@ def the_run(server: Prometheus, window: str, timeout: float, now: float) -> str:
     request, or 2."""
     where = f"Prometheus at {promql.connection(server).url}"
     start = now - duration_seconds(window, "flag --window")
-    named = promql.label_values(server, "run", "flare_rank_info", start, now, timeout)
+    named = promql.label_values(server, "run", RANK_INFO, start, now, timeout)
     if len(named) == 1 and named[0]:
         return named[0]
-    runs = promql.query(server, f"count by (run) (last_over_time(flare_rank_info[{window}]))", timeout, now)
+    runs = promql.query(server, f"count by (run) (last_over_time({RANK_INFO}[{window}]))", timeout, now)
     return one_run([item["metric"].get("run", "") for item in runs], "", where)
 
 
@@ -707,6 +655,31 @@ def matcher(run: str) -> str:
     """The matcher of `run` in a selector."""
     escaped = run.replace("\\", "\\\\").replace('"', '\\"')
     return f'run="{escaped}"'
+
+
+def hang_threshold_query(run: str, window: str) -> str:
+    """The one query of the run's hang threshold: the largest its ranks exported within `window`."""
+    return f"max(last_over_time({HANG_THRESHOLD}{{{matcher(run)}}}[{window}]))"
+
+
+def run_hang_threshold(server: Prometheus, run: str, window: str, timeout: float, now: float) -> float | None:
+    """The run's hang threshold from Prometheus as of `now` (one query); None where no rank of it exported
+    one."""
+    answer = promql.query(server, hang_threshold_query(run, window), timeout, now)
+    return float(answer[0]["value"][1]) if answer else None
+
+
+def resolve_hang_threshold(
+    server: Prometheus, run: str, window: str, timeout: float, fallback: HangThreshold, now: float
+) -> tuple[str, HangThreshold]:
+    """The run (`run`, else the one Prometheus saw within `window`: the_run, as run_hang_threshold would
+    resolve it) and the hang threshold to judge it by, asked before the snapshot (the faults round reads
+    ahead with it): `fallback` where the engine was told one, else the run's own (one query) or, where no
+    rank of it exports one, `fallback`."""
+    if fallback.source != DEFAULT:
+        return run, fallback
+    run = run or the_run(promql.connection(server), window, timeout, now)
+    return run, hang_of_run(run_hang_threshold(server, run, window, timeout, now), fallback)
 
 
 def _selectable(ranks: Sequence[int]) -> Sequence[int]:
@@ -741,12 +714,12 @@ def _snapshot(series: Mapping[str, Series], now: float, run: str) -> Snapshot:
         rank: Liveness(value == 1.0, "" if value == 1.0 else "target down (up == 0)")
         for rank, value in up.items()
     }
-    for labels, _ in series.get("flare_rank_info", []):
+    for labels, _ in series.get(RANK_INFO, []):
         liveness.setdefault(int(labels["rank"]), Liveness(False, "no longer scraped by Prometheus"))
     return build_snapshot(series, liveness, now, run)
 
 
-PLACEHOLDERS = re.compile(r"\{sel_not_native\}|\{sel|\{window\}")
+PLACEHOLDERS = re.compile(r"\{sel|\{window\}")
 
 
 def _fetch(
@@ -767,7 +740,6 @@ def _answers(
 ) -> list[list[dict[str, Any]]]:
     """Prometheus's answers to `queries` (at once) over the series that `matchers` select, at `now`."""
     values = {
-        "{sel_not_native}": f'{{{matchers}, group!="{label_values.NATIVE_GROUP}"}}',
         "{sel": f"{{{matchers}",  # `{sel}`, or `{sel, more="matchers"}`
         "{window}": window,
     }

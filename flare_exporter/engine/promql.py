@@ -2,7 +2,7 @@
 
 A Prometheus is named by its base URL, or by a `Connection` where it is secured (TLS with a private CA or a
 client certificate, basic auth, a bearer token, headers such as Thanos's or Mimir's X-Scope-OrgID): `connect`
-builds one from the `flare` flags that name them (cli.add_prometheus_arguments). A VictoriaMetrics store is
+builds one from the `flare` flags that name them (cli._add_prometheus_arguments). A VictoriaMetrics store is
 asked for its newest samples, which it would otherwise hold back for its latency offset (see _data).
 """
 

@@ -34,9 +34,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import config as config_module
+from .. import spec
 from ..durations import duration_seconds
 from . import incident_source, scrape
 from .targets import Target, TargetsError, read_targets
+
+RANK_INFO = spec.series("flare_rank_info")
 
 EXIT_OK, EXIT_USAGE = 0, 2
 DEFAULT_OLDER_THAN = "10m"
@@ -188,7 +191,7 @@ def ended(runs: dict[str, RunFiles], written_before: float, timeout: float) -> l
     answers as the run, within `timeout` seconds each (all scraped at once)."""
     old = [files for files in runs.values() if files.newest < written_before]
     addresses = sorted({address for files in old for address in files.addresses})
-    answers = scrape.scrape_all(addresses, timeout, SCRAPES_AT_ONCE, wanted={"flare_rank_info"})
+    answers = scrape.scrape_all(addresses, timeout, SCRAPES_AT_ONCE, wanted={RANK_INFO})
     return [
         files
         for files in old
@@ -202,7 +205,7 @@ def answers_as(answer: list[scrape.Sample] | scrape.ScrapeError, run: str) -> bo
     if isinstance(answer, scrape.ScrapeError):
         message = str(answer)
         return not any(marker in message for marker in NOBODY_THERE)
-    return any(sample.name == "flare_rank_info" and sample.labels.get("run") == run for sample in answer)
+    return any(sample.name == RANK_INFO and sample.labels.get("run") == run for sample in answer)
 
 
 def remove(files: RunFiles, dry_run: bool) -> bool:

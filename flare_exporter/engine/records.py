@@ -11,34 +11,59 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .. import label_values
+from .. import spec
 from . import canary
 from .host_load import HOST_LOAD_METRICS, HostLoadState
 from .rule_types import GROUP_INDEX_FIELDS, GpuState, GroupState, InFlight, PointToPoint, RankRecord, Snapshot
+
+COLLECTIVE_DURATION_SECONDS_SUM = spec.series("flare_collective_duration_seconds_sum")
+COLLECTIVE_LAST_COMPLETED_SEQ = spec.series("flare_collective_last_completed_seq")
+COLLECTIVE_LAST_ISSUED_SEQ = spec.series("flare_collective_last_issued_seq")
+GPU_CLOCK_EVENT_ACTIVE = spec.series("flare_gpu_clock_event_active")
+GPU_HEALTH_UP = spec.series("flare_gpu_health_up")
+HEARTBEAT_TIMESTAMP_SECONDS = spec.series("flare_heartbeat_timestamp_seconds")
+PROCESS_GROUP_INFO = spec.series("flare_process_group_info")
+RANK_EXCEPTION_INFO = spec.series("flare_rank_exception_info")
+RANK_EXCEPTION_TIMESTAMP_SECONDS = spec.series("flare_rank_exception_timestamp_seconds")
+RANK_INFO = spec.series("flare_rank_info")
+RANK_STACK_INFO = spec.series("flare_rank_stack_info")
+STEPS_TOTAL = spec.series("flare_steps_total")
+STEP_DURATION_SECONDS_COUNT = spec.series("flare_step_duration_seconds_count")
+STEP_DURATION_SECONDS_SUM = spec.series("flare_step_duration_seconds_sum")
+STRAGGLER_BEST_STEP_SECONDS = spec.series("flare_straggler_best_step_seconds")
+STRAGGLER_LAST_WINDOW = spec.series("flare_straggler_last_window")
+STRAGGLER_WINDOW_STEP_SECONDS = spec.series("flare_straggler_window_step_seconds")
+STRAGGLER_WINDOW_WAIT_SECONDS = spec.series("flare_straggler_window_wait_seconds")
 
 Series = list[tuple[dict[str, str], float]]  # (labels, value) of one metric
 ISSUED_AT = "issued_at"  # the series key of the time each rank's last issued number was scraped
 
 # Since when each rank has had a collective in flight in each group: is a group hung? (every rank, faults)
-FLIGHT_STARTED = "flare_collective_in_flight_started_timestamp_seconds"
+FLIGHT_STARTED = spec.series("flare_collective_in_flight_started_timestamp_seconds")
 # Which collective (op and state; its number and bytes): what a hang's verdict weighs only where no member
 # of the group is behind, or most are (diagnosis.what_hang_rules_read).
-FLIGHT_INFO = "flare_collective_in_flight_info"
-FLIGHT_NUMBERS = ("flare_collective_in_flight_seq", "flare_collective_in_flight_bytes")
+FLIGHT_INFO = spec.series("flare_collective_in_flight_info")
+FLIGHT_NUMBERS = (
+    spec.series("flare_collective_in_flight_seq"),
+    spec.series("flare_collective_in_flight_bytes"),
+)
 # Sends and receives: counted per peer, and the oldest in flight (the wait-for graph's point-to-point edges)
-P2P_STARTED = "flare_p2p_in_flight_started_timestamp_seconds"
-P2P_COUNTS = ("flare_p2p_issued_total", "flare_p2p_completed_total")
+P2P_STARTED = spec.series("flare_p2p_in_flight_started_timestamp_seconds")
+P2P_COUNTS = (spec.series("flare_p2p_issued_total"), spec.series("flare_p2p_completed_total"))
 P2P_METRICS = (P2P_STARTED, *P2P_COUNTS)
 STRAGGLER_METRICS = (
-    "flare_straggler_last_window",
-    "flare_straggler_best_step_seconds",
-    "flare_straggler_window_step_seconds",
-    "flare_straggler_window_wait_seconds",
+    STRAGGLER_LAST_WINDOW,
+    STRAGGLER_BEST_STEP_SECONDS,
+    STRAGGLER_WINDOW_STEP_SECONDS,
+    STRAGGLER_WINDOW_WAIT_SECONDS,
 )
-PROGRESS_METRICS = ("flare_heartbeat_timestamp_seconds", "flare_steps_total")
-ILD_METRICS = ("flare_ild_drift_ks", "flare_ild_drift_wasserstein_seconds", "flare_ild_op_shift_seconds")
+PROGRESS_METRICS = (HEARTBEAT_TIMESTAMP_SECONDS, STEPS_TOTAL)
+ILD_DRIFT_KS = spec.series("flare_ild_drift_ks")
+ILD_DRIFT_WASSERSTEIN_SECONDS = spec.series("flare_ild_drift_wasserstein_seconds")
+ILD_OP_SHIFT_SECONDS = spec.series("flare_ild_op_shift_seconds")
+ILD_METRICS = (ILD_DRIFT_KS, ILD_DRIFT_WASSERSTEIN_SECONDS, ILD_OP_SHIFT_SECONDS)
 # The hang threshold each rank was started with: what the engine judges the run by when not told one
-HANG_THRESHOLD = "flare_hang_threshold_seconds"
+HANG_THRESHOLD = spec.series("flare_hang_threshold_seconds")
 
 
 class SourceError(RuntimeError):
@@ -55,15 +80,13 @@ def build_snapshot(
     series: Mapping[str, Series], liveness: Mapping[int, Liveness], now: float, run: str
 ) -> Snapshot:
     """RankRecords from series of one run; `liveness` says which ranks answered (others: only from series)."""
-    info = {int(labels["rank"]): labels for labels, _ in series.get("flare_rank_info", [])}
+    info = {int(labels["rank"]): labels for labels, _ in series.get(RANK_INFO, [])}
     world_size = max((int(labels.get("world_size", 0) or 0) for labels in info.values()), default=0)
     ranks = set(info) | set(liveness) | set(range(world_size))
     per_rank_groups = group_fields(series, now)
-    exception_info = {
-        int(labels["rank"]): labels for labels, _ in series.get("flare_rank_exception_info", [])
-    }
+    exception_info = {int(labels["rank"]): labels for labels, _ in series.get(RANK_EXCEPTION_INFO, [])}
     exceptions = {rank: labels["type"] for rank, labels in exception_info.items()}
-    exception_at = per_rank(series, "flare_rank_exception_timestamp_seconds")
+    exception_at = per_rank(series, RANK_EXCEPTION_TIMESTAMP_SECONDS)
     heartbeat = _progress(series)["heartbeat"]
     pace_fields = _pace_fields(series)
     detail_fields = _detail_fields(series)
@@ -117,8 +140,8 @@ def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str
     def per_group(name: str) -> dict[tuple[int, str], float]:
         return {(int(labels["rank"]), labels["group"]): value for labels, value in series.get(name, [])}
 
-    issued = per_group("flare_collective_last_issued_seq")
-    completed = per_group("flare_collective_last_completed_seq")
+    issued = per_group(COLLECTIVE_LAST_ISSUED_SEQ)
+    completed = per_group(COLLECTIVE_LAST_COMPLETED_SEQ)
     flight_started = per_group(FLIGHT_STARTED)
     # in flight since when, always; which collective (op and state, number and bytes) where read
     flights = {key: InFlight("", 0, 0, "issued", started) for key, started in flight_started.items()}
@@ -139,9 +162,7 @@ def group_fields(series: Mapping[str, Series], now: float) -> dict[int, dict[str
         }
     point_to_point = p2p_fields(series)
     group_keys = issued.keys() | completed.keys() | flights.keys() | point_to_point.keys()
-    group_keys |= {
-        (int(labels["rank"]), labels["group"]) for labels, _ in series.get("flare_process_group_info", [])
-    }
+    group_keys |= {(int(labels["rank"]), labels["group"]) for labels, _ in series.get(PROCESS_GROUP_INFO, [])}
     newest_issue: dict[str, float] = {}  # group -> the latest start of a collective in flight in it
     for (_, group), started in flight_started.items():
         newest_issue[group] = max(started, newest_issue.get(group, started))
@@ -193,27 +214,26 @@ def _progress(series: Mapping[str, Series]) -> dict[str, dict[int, float]]:
     return {
         attribute: {int(labels["rank"]): value for labels, value in series.get(name, [])}
         for attribute, name in (
-            ("steps", "flare_steps_total"),
-            ("heartbeat", "flare_heartbeat_timestamp_seconds"),
+            ("steps", STEPS_TOTAL),
+            ("heartbeat", HEARTBEAT_TIMESTAMP_SECONDS),
         )
     }
 
 
 def per_rank(series: Mapping[str, Series], name: str) -> dict[int, float]:
-    """Rank -> the sum of its series named `name` (but the native shim's, which repeat the others); a rank's
-    one value where a query kept one series per rank (`max by (rank)`)."""
+    """Rank -> the sum of its series named `name`; a rank's one value where a query kept one series per
+    rank (`max by (rank)`)."""
     values: dict[int, float] = defaultdict(float)
     for labels, value in series.get(name, []):
-        if labels.get("group") != label_values.NATIVE_GROUP:  # the shim's view of collectives counted already
-            values[int(labels["rank"])] += value
+        values[int(labels["rank"])] += value
     return dict(values)
 
 
 # RankRecord field -> the metric it is read from, per distribution (label `distribution`)
 ILD_FIELDS = {
-    "ild_ks": "flare_ild_drift_ks",
-    "ild_wasserstein": "flare_ild_drift_wasserstein_seconds",
-    "ild_op_shift": "flare_ild_op_shift_seconds",
+    "ild_ks": ILD_DRIFT_KS,
+    "ild_wasserstein": ILD_DRIFT_WASSERSTEIN_SECONDS,
+    "ild_op_shift": ILD_OP_SHIFT_SECONDS,
 }
 
 
@@ -222,9 +242,9 @@ def _pace_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
     step and collective times over the window, straggler windows, ILD drift. A rank none of these series
     name keeps the fields' defaults."""
     fields: dict[int, dict[str, Any]] = defaultdict(dict)
-    collective_seconds = per_rank(series, "flare_collective_duration_seconds_sum")
-    step_seconds = per_rank(series, "flare_step_duration_seconds_sum")
-    step_count = per_rank(series, "flare_step_duration_seconds_count")
+    collective_seconds = per_rank(series, COLLECTIVE_DURATION_SECONDS_SUM)
+    step_seconds = per_rank(series, STEP_DURATION_SECONDS_SUM)
+    step_count = per_rank(series, STEP_DURATION_SECONDS_COUNT)
     for rank in collective_seconds.keys() | step_seconds.keys() | step_count.keys():
         fields[rank].update(
             collective_seconds=collective_seconds.get(rank, 0.0 if rank in step_count else None),
@@ -253,36 +273,34 @@ def _host_loads(series: Mapping[str, Series]) -> dict[int, HostLoadState]:
 def _straggler_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
     """Per rank, the RankRecord fields of its straggler windows (numbered) and its best window."""
     fields: dict[int, dict[str, Any]] = defaultdict(dict)
-    last = {
-        int(labels["rank"]): int(value) for labels, value in series.get("flare_straggler_last_window", [])
-    }
+    last = {int(labels["rank"]): int(value) for labels, value in series.get(STRAGGLER_LAST_WINDOW, [])}
     waits = {
         (int(labels["rank"]), labels.get("ago", "")): value
-        for labels, value in series.get("flare_straggler_window_wait_seconds", [])
+        for labels, value in series.get(STRAGGLER_WINDOW_WAIT_SECONDS, [])
     }
-    for labels, step in series.get("flare_straggler_window_step_seconds", []):
+    for labels, step in series.get(STRAGGLER_WINDOW_STEP_SECONDS, []):
         rank, ago = int(labels["rank"]), labels.get("ago", "")
         if rank in last and ago.isdigit() and (rank, ago) in waits:
             fields[rank].setdefault("step_windows", {})[last[rank] - int(ago)] = (step, waits[rank, ago])
-    for labels, value in series.get("flare_straggler_best_step_seconds", []):
+    for labels, value in series.get(STRAGGLER_BEST_STEP_SECONDS, []):
         fields[int(labels["rank"])]["best_step_seconds"] = value
     return fields
 
 
 # GpuState attribute -> the metric it is read from (besides flare_gpu_health_up and the clock events)
 GPU_METRICS = {
-    "sm_clock_hertz": "flare_gpu_sm_clock_hertz",
-    "sm_clock_max_hertz": "flare_gpu_sm_clock_max_hertz",
-    "pcie_link_generation": "flare_gpu_pcie_link_generation",
-    "pcie_link_generation_max": "flare_gpu_pcie_link_generation_max",
-    "pcie_link_width": "flare_gpu_pcie_link_width",
-    "pcie_link_width_max": "flare_gpu_pcie_link_width_max",
-    "temperature_celsius": "flare_gpu_temperature_celsius",
-    "xid_events": "flare_gpu_xid_events_total",
-    "last_xid": "flare_gpu_last_xid",
-    "row_remap_failed": "flare_gpu_row_remap_failed",
+    "sm_clock_hertz": spec.series("flare_gpu_sm_clock_hertz"),
+    "sm_clock_max_hertz": spec.series("flare_gpu_sm_clock_max_hertz"),
+    "pcie_link_generation": spec.series("flare_gpu_pcie_link_generation"),
+    "pcie_link_generation_max": spec.series("flare_gpu_pcie_link_generation_max"),
+    "pcie_link_width": spec.series("flare_gpu_pcie_link_width"),
+    "pcie_link_width_max": spec.series("flare_gpu_pcie_link_width_max"),
+    "temperature_celsius": spec.series("flare_gpu_temperature_celsius"),
+    "xid_events": spec.series("flare_gpu_xid_events_total"),
+    "last_xid": spec.series("flare_gpu_last_xid"),
+    "row_remap_failed": spec.series("flare_gpu_row_remap_failed"),
 }
-GPU_HEALTH_METRICS = ("flare_gpu_health_up", *GPU_METRICS.values())
+GPU_HEALTH_METRICS = (GPU_HEALTH_UP, *GPU_METRICS.values())
 
 
 def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
@@ -294,7 +312,7 @@ def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
     for attribute, values in _progress(series).items():
         for rank, value in values.items():
             fields[rank][attribute] = value
-    for labels, _ in series.get("flare_rank_stack_info", []):
+    for labels, _ in series.get(RANK_STACK_INFO, []):
         fields[int(labels["rank"])].update(
             activity=labels.get("activity", ""), frames=labels.get("frames", "")
         )
@@ -303,11 +321,11 @@ def _detail_fields(series: Mapping[str, Series]) -> dict[int, dict[str, Any]]:
         return {int(labels["rank"]): value for labels, value in series.get(name, [])}
 
     events: dict[int, list[str]] = defaultdict(list)
-    for labels, value in series.get("flare_gpu_clock_event_active", []):
+    for labels, value in series.get(GPU_CLOCK_EVENT_ACTIVE, []):
         if value == 1:
             events[int(labels["rank"])].append(labels.get("reason", ""))
     scalars = {attribute: gpu_values(name) for attribute, name in GPU_METRICS.items()}
-    for rank, value in gpu_values("flare_gpu_health_up").items():
+    for rank, value in gpu_values(GPU_HEALTH_UP).items():
         fields[rank]["gpu"] = GpuState(
             up=value == 1,
             clock_events=tuple(sorted(events.get(rank, []))),
@@ -370,27 +388,27 @@ def one_run(runs: Iterable[str], run: str, where: str) -> str:
 # the Prometheus source's queries ask for each.
 SNAPSHOT_METRICS = frozenset(
     [
-        "flare_rank_info",
-        "flare_process_group_info",
-        "flare_rank_exception_info",
-        "flare_rank_exception_timestamp_seconds",
-        "flare_heartbeat_timestamp_seconds",
-        "flare_collective_last_issued_seq",
-        "flare_collective_last_completed_seq",
+        RANK_INFO,
+        PROCESS_GROUP_INFO,
+        RANK_EXCEPTION_INFO,
+        RANK_EXCEPTION_TIMESTAMP_SECONDS,
+        HEARTBEAT_TIMESTAMP_SECONDS,
+        COLLECTIVE_LAST_ISSUED_SEQ,
+        COLLECTIVE_LAST_COMPLETED_SEQ,
         FLIGHT_STARTED,
         FLIGHT_INFO,
         *FLIGHT_NUMBERS,
         *P2P_METRICS,
         *STRAGGLER_METRICS,
         *ILD_METRICS,
-        "flare_step_duration_seconds_count",
-        "flare_step_duration_seconds_sum",
-        "flare_collective_duration_seconds_sum",
-        "flare_rank_stack_info",
-        "flare_steps_total",
+        STEP_DURATION_SECONDS_COUNT,
+        STEP_DURATION_SECONDS_SUM,
+        COLLECTIVE_DURATION_SECONDS_SUM,
+        RANK_STACK_INFO,
+        STEPS_TOTAL,
         *GPU_HEALTH_METRICS,
         *HOST_LOAD_METRICS.values(),
-        "flare_gpu_clock_event_active",
+        GPU_CLOCK_EVENT_ACTIVE,
         HANG_THRESHOLD,
         *canary.METRICS,
     ]

@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from .. import causes
 from .canary import CanaryState
 from .host_load import HostLoadState
-
-# Verdict kinds, most severe first.
-KINDS = ("host_fault", "rank_down", "mismatch", "hang", "straggler", "canary", "ild_regression")
-DOMAINS = ("rank", "host", "link", "switch", "rack", "group", "job")
+from .verdict_terms import Domain, VerdictKind
 
 
 # InFlight and GroupState are NamedTuples, not frozen dataclasses: a source builds one of each per rank and
@@ -209,13 +207,13 @@ GROUP_INDEX_FIELDS = frozenset({"groups", "up", "exception"})
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str
+    kind: VerdictKind
     ranks: tuple[int, ...]
-    domain: str
+    domain: Domain
     summary: str
     evidence: dict[str, Any]
     group: str | None = None
-    cause: str = "unknown"  # one of flare_exporter.causes.CAUSES (verdict_causes.py sets it)
+    cause: causes.Cause = "unknown"  # verdict_causes.py sets it
     severity: str = "page"  # or host_load.WARNING: no rank's fault (a busy host), exit 0
 
     def to_json(self) -> dict[str, Any]:

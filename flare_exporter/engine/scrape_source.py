@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from . import scrape
-from .records import SNAPSHOT_METRICS, Liveness, Series, build_snapshot, one_run
+from .records import RANK_INFO, SNAPSHOT_METRICS, Liveness, Series, build_snapshot, one_run
 from .rule_types import Snapshot
 from .targets import Target
 
@@ -52,7 +52,7 @@ def _targets_snapshot(
 ) -> Snapshot:
     """build_snapshot over the direct scrape's results: a rank is up if its target answered."""
     answered = {address: samples for address, samples in results.items() if isinstance(samples, list)}
-    runs = [scrape.labels_of(samples, "flare_rank_info").get("run", "") for samples in answered.values()]
+    runs = [scrape.labels_of(samples, RANK_INFO).get("run", "") for samples in answered.values()]
     run = one_run([r for r in runs if r], run, f"{len(targets)} targets")
     series: dict[str, Series] = defaultdict(list)
     liveness: dict[int, Liveness] = {}
@@ -65,11 +65,11 @@ def _targets_snapshot(
                     False, reason, target.labels.get("__meta_flare_host", "")
                 )
             continue
-        if scrape.labels_of(result, "flare_rank_info").get("run") != run:
+        if scrape.labels_of(result, RANK_INFO).get("run") != run:
             continue
         for sample in result:
             series[sample.name].append((sample.labels, sample.value))
-        rank = scrape.labels_of(result, "flare_rank_info").get("rank")
+        rank = scrape.labels_of(result, RANK_INFO).get("rank")
         if rank is not None:
             liveness[int(rank)] = Liveness(True)
     return build_snapshot(series, liveness, now, run)
@@ -85,7 +85,7 @@ def _bad_identity(samples: list[scrape.Sample]) -> str:
     """Why one target's flare_rank_info cannot name its rank and job ('' if it can): build_snapshot makes a
     record for every rank below world_size."""
     for sample in samples:
-        if sample.name == "flare_rank_info":
+        if sample.name == RANK_INFO:
             for name in ("rank", "world_size"):
                 text = sample.labels.get(name, "0") or "0"
                 if not (text.isascii() and text.isdigit() and int(text) <= MAX_RANKS):
@@ -100,8 +100,8 @@ def _unusable(samples: list[scrape.Sample], now: float) -> str:
         series[sample.name].append((sample.labels, sample.value))
     # Only this target's own records: with its world_size (_bad_identity checked it), build_snapshot would
     # also make one for every other rank of the job, for every target: O(ranks²) over a direct scrape.
-    series["flare_rank_info"] = [
-        ({**labels, "world_size": "0"}, value) for labels, value in series.get("flare_rank_info", [])
+    series[RANK_INFO] = [
+        ({**labels, "world_size": "0"}, value) for labels, value in series.get(RANK_INFO, [])
     ]
     try:
         build_snapshot(series, {}, now, "")

@@ -55,7 +55,7 @@ def decided_by_last_windows(snapshot: Snapshot, policy: StragglerPolicy) -> bool
     """Whether the straggler rules weigh no window older than each live rank's last `hold_windows`, so that
     older ones would change no verdict: every live rank has the same last window and the `hold_windows - 1`
     before it, and exports its best step time (else its fastest window, however old, stands in for it). A
-    source can leave the older windows unread then (sources.from_prometheus)."""
+    source can leave the older windows unread then (prometheus_source.from_prometheus)."""
     live = [record for record in snapshot.ranks.values() if record.up]
     if policy.hold_windows < 1 or not live:
         return False

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from .. import causes
+from ..causes import Cause
+from .verdict_terms import Domain, VerdictKind
 
 
 class Culprit(Protocol):
@@ -36,7 +38,7 @@ class Culprit(Protocol):
     def activity(self) -> str: ...
 
 
-CANARY_CAUSES = {
+CANARY_CAUSES: dict[str, Cause] = {
     "storage_read": "storage",
     "allreduce_busbw": "communication",
     "allgather_busbw": "communication",
@@ -44,8 +46,8 @@ CANARY_CAUSES = {
 
 
 def cause_of(
-    kind: str, domain: str, culprits: Sequence[Culprit], evidence: Mapping[str, Any] | None = None
-) -> str:
+    kind: VerdictKind, domain: Domain, culprits: Sequence[Culprit], evidence: Mapping[str, Any] | None = None
+) -> Cause:
     """The cause of a verdict of `kind` over `domain` that names `culprits` (their records), with its
     `evidence` (a canary verdict's names its measurement)."""
     if kind == "canary":
@@ -63,17 +65,17 @@ def cause_of(
     return "unknown"
 
 
-def _gone_cause(records: Sequence[Culprit]) -> str:
+def _gone_cause(records: Sequence[Culprit]) -> Cause:
     if not records or any(not record.exception for record in records):
         return "node_failure"
-    found = {record.exception_cause for record in records if record.exception_cause in causes.CAUSES}
+    found = {cause for cause in (record.exception_cause for record in records) if causes.is_cause(cause)}
     primary = sorted(found - causes.SECONDARY_CAUSES)
     if primary:
         return primary[0]
     return "communication" if found else "software_exception"
 
 
-def _hang_cause(domain: str, records: Sequence[Culprit]) -> str:
+def _hang_cause(domain: Domain, records: Sequence[Culprit]) -> Cause:
     if domain == "group":
         return "communication"
     activities = {record.activity for record in records}

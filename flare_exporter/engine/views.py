@@ -1,6 +1,6 @@
-"""The views of `flare ranks`, `flare hang` and `flare stragglers`, and the verdict lines every command
-prints: each turns a snapshot (and its verdicts) into rows for JSON and lines for people. Runs in the `flare`
-command.
+"""The views of `flare ranks`, `flare hang` and `flare stragglers`: each turns a snapshot (and its verdicts)
+into rows for JSON and lines for people; the verdict lines under them are cli.format_verdicts'. Runs in the
+`flare` command.
 
 At thousands of ranks `flare ranks` lists what matters first: --problems keeps the ranks that are down,
 dying, behind in a hung group, stalled (their stack sampled after stall_seconds without progress, outside a
@@ -18,7 +18,6 @@ from typing import Any
 
 from ..group_roles import group_role
 from . import hang_verdicts, straggler_verdicts, wait_for
-from .host_load import WARNING
 from .rule_types import InFlight, RankRecord, Snapshot, Verdict, age_of
 
 
@@ -219,19 +218,6 @@ def stragglers_view(snapshot: Snapshot) -> tuple[list[dict[str, Any]], list[str]
     if not rows:
         lines.append("(no step and collective timings yet)")
     return rows, lines
-
-
-def format_verdicts(verdicts: list[Verdict]) -> list[str]:
-    if not verdicts:
-        return ["no anomaly found"]
-    lines = []
-    for verdict in verdicts:
-        culprits = f"rank {_ranks(list(verdict.ranks))}" if verdict.ranks else "no single rank"
-        group = f" [group {verdict.group}]" if verdict.group else ""
-        warning = "WARNING " if verdict.severity == WARNING else ""
-        head = f"{warning}{verdict.kind.upper()} ({verdict.domain}: {culprits}){group}, cause {verdict.cause}"
-        lines.append(f"{head}: {verdict.summary}")
-    return lines
 
 
 def _oldest_in_flight(record: RankRecord) -> tuple[str, InFlight | None]:

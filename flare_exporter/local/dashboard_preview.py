@@ -10,7 +10,7 @@ twice as long from step 20) and, at the end, a hang (rank 2 loops in its own cod
 with a real Prometheus evaluating the rules (hang threshold HANG_SECONDS). Once every panel's query returns
 data, each dashboard's panels are queried over the run (query_range, the dashboard's variables filled in as
 Grafana would) and drawn in their grid layout with matplotlib into <out>/<uid>.png. The tests use the same
-job to run every panel's query (tests/test_dashboards.py).
+job to run every panel's query (tests/mixin/test_dashboards.py).
 """
 
 from __future__ import annotations

@@ -25,22 +25,31 @@ import sys
 import tempfile
 from collections.abc import Callable
 
+from .. import spec
 from ..engine import cli, promql, scrape
 from .alertmanager import AlertingStack, WebhookReceiver, can_alert
 from .jobs import ObservedJob
 from .prometheus import PrometheusProcess, find_binary, wait_for
 from .workloads import train_ddp
 
+COLLECTIVE_DURATION_SECONDS_BUCKET = spec.series("flare_collective_duration_seconds_bucket")
+COLLECTIVE_DURATION_SECONDS_COUNT = spec.series("flare_collective_duration_seconds_count")
+COLLECTIVE_DURATION_SECONDS_SUM = spec.series("flare_collective_duration_seconds_sum")
+RANK_INFO = spec.series("flare_rank_info")
+STEPS_TOTAL = spec.series("flare_steps_total")
+STEP_DURATION_SECONDS_COUNT = spec.series("flare_step_duration_seconds_count")
+STEP_DURATION_SECONDS_SUM = spec.series("flare_step_duration_seconds_sum")
+
 # PromQL the summary is made of, over the whole run (the job is short); each gives one series per rank.
-STEPS = 'flare_steps_total{run="demo"}'
-STEP_RATE = 'flare_step_duration_seconds_count{run="demo"} / flare_step_duration_seconds_sum{run="demo"}'
+STEPS = f'{STEPS_TOTAL}{{run="demo"}}'
+STEP_RATE = f'{STEP_DURATION_SECONDS_COUNT}{{run="demo"}} / {STEP_DURATION_SECONDS_SUM}{{run="demo"}}'
 ALLREDUCE_QUANTILE = (
     "histogram_quantile({q}, sum by (rank, le) "
-    '(flare_collective_duration_seconds_bucket{{run="demo", op="allreduce"}}))'
+    f'({COLLECTIVE_DURATION_SECONDS_BUCKET}{{{{run="demo", op="allreduce"}}}}))'
 )
 ALLREDUCE_MEAN = (
-    'sum by (rank) (flare_collective_duration_seconds_sum{run="demo", op="allreduce"})'
-    ' / sum by (rank) (flare_collective_duration_seconds_count{run="demo", op="allreduce"})'
+    f'sum by (rank) ({COLLECTIVE_DURATION_SECONDS_SUM}{{run="demo", op="allreduce"}})'
+    f' / sum by (rank) ({COLLECTIVE_DURATION_SECONDS_COUNT}{{run="demo", op="allreduce"}})'
 )
 
 
@@ -179,7 +188,7 @@ def _print_pages(pages: WebhookReceiver) -> None:
 def _all_stepped(targets: list[str], steps: int, prometheus: PrometheusProcess | None) -> bool:
     results = scrape.scrape_all(targets, timeout=2)
     if not all(
-        isinstance(samples, list) and (scrape.value(samples, "flare_steps_total") or 0) >= steps
+        isinstance(samples, list) and (scrape.value(samples, STEPS_TOTAL) or 0) >= steps
         for samples in results.values()
     ):
         return False
@@ -229,7 +238,7 @@ def summary_from_scrape(targets: list[str], steps: int) -> str:
         if any(isinstance(result, scrape.ScrapeError) for result in results.values()):
             return None
         done = all(
-            (scrape.value(samples, "flare_steps_total") or 0) >= steps  # type: ignore[arg-type]
+            (scrape.value(samples, STEPS_TOTAL) or 0) >= steps  # type: ignore[arg-type]
             for samples in results.values()
         )
         return results if done else None
@@ -240,14 +249,14 @@ def summary_from_scrape(targets: list[str], steps: int) -> str:
         f"{'rank':>4}  {'steps':>6}  {'steps/s':>8}  {'allreduce mean':>14}",
     ]
     for samples in results.values():
-        step_count = scrape.value(samples, "flare_step_duration_seconds_count") or 0
-        step_sum = scrape.value(samples, "flare_step_duration_seconds_sum") or 0
-        count = scrape.value(samples, "flare_collective_duration_seconds_count", op="allreduce") or 0
-        total = scrape.value(samples, "flare_collective_duration_seconds_sum", op="allreduce") or 0
-        rank_label = scrape.labels_of(samples, "flare_rank_info").get("rank", "?")
+        step_count = scrape.value(samples, STEP_DURATION_SECONDS_COUNT) or 0
+        step_sum = scrape.value(samples, STEP_DURATION_SECONDS_SUM) or 0
+        count = scrape.value(samples, COLLECTIVE_DURATION_SECONDS_COUNT, op="allreduce") or 0
+        total = scrape.value(samples, COLLECTIVE_DURATION_SECONDS_SUM, op="allreduce") or 0
+        rank_label = scrape.labels_of(samples, RANK_INFO).get("rank", "?")
         rate = step_count / step_sum if step_sum else 0.0
         lines.append(
-            f"{rank_label:>4}  {scrape.value(samples, 'flare_steps_total') or 0:6.0f}  {rate:8.1f}  "
+            f"{rank_label:>4}  {scrape.value(samples, STEPS_TOTAL) or 0:6.0f}  {rate:8.1f}  "
             f"{_ms(total / count if count else None):>14}"
         )
     return "\n".join(lines)

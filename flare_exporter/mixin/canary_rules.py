@@ -7,8 +7,13 @@ a minute's evaluation interval loses nothing), and its runbook sections are thos
 
 from __future__ import annotations
 
+from .. import spec
 from .rule_model import Alert, Thresholds, link, selector
 from .rule_model import with_host as _with_host
+
+CANARY_DRIFT = spec.series("flare_canary_drift")
+CANARY_FAILED = spec.series("flare_canary_failed")
+CANARY_RELATIVE = spec.series("flare_canary_relative")
 
 
 def canary_alerts(t: Thresholds) -> list[Alert]:
@@ -18,7 +23,7 @@ def canary_alerts(t: Thresholds) -> list[Alert]:
 def _failed(t: Thresholds, phase: str) -> str:
     """Per rank, measurement and scope: 1 where the rank failed the canary in `phase`."""
     matcher = f'phase="{phase}"'
-    return f"max by (run, rank, measurement, scope) (flare_canary_failed{selector(t, matcher)}) == 1"
+    return f"max by (run, rank, measurement, scope) ({CANARY_FAILED}{selector(t, matcher)}) == 1"
 
 
 def _preflight_failed(t: Thresholds) -> Alert:
@@ -32,7 +37,7 @@ def _preflight_failed(t: Thresholds) -> Alert:
         "Rank {{ $labels.rank }} of run {{ $labels.run }} failed the canary's {{ $labels.measurement }}",
         "Rank {{ $labels.rank }} on host {{ $labels.host }} measured {{ $labels.measurement }} "
         "({{ $labels.scope }}) below the canary's floor before the first step: its hardware sets the job's "
-        "pace. `flare_canary_relative` says how far below the job's median; reschedule without the host.",
+        f"pace. `{CANARY_RELATIVE}` says how far below the job's median; reschedule without the host.",
         "flarecanarypreflightfailed",
         link("rank", "rank"),
     )
@@ -56,7 +61,7 @@ def _in_flight_failed(t: Thresholds) -> Alert:
 
 def _drift(t: Thresholds) -> Alert:
     """A measurement whose moving average fell below the drift band: slow, sustained loss."""
-    expr = f"max by (run, rank, measurement, scope) (flare_canary_drift{selector(t)}) == 1"
+    expr = f"max by (run, rank, measurement, scope) ({CANARY_DRIFT}{selector(t)}) == 1"
     return Alert(
         "FlareCanaryDrift",
         _with_host(expr),

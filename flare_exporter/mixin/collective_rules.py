@@ -7,8 +7,21 @@ flare.recording, the alerts as the group flare.collectives.
 
 from __future__ import annotations
 
-from .rule_model import DEFAULT_HANG_SECONDS, Alert, Recording, Thresholds, link, selector, up_selector
+from .. import config as config_module
+from .. import spec
+from .rule_model import Alert, Recording, Thresholds, link, selector, up_selector
 from .rule_model import with_host as _with_host
+
+COLLECTIVE_IN_FLIGHT_BYTES = spec.series("flare_collective_in_flight_bytes")
+COLLECTIVE_IN_FLIGHT_INFO = spec.series("flare_collective_in_flight_info")
+COLLECTIVE_IN_FLIGHT_SEQ = spec.series("flare_collective_in_flight_seq")
+IN_FLIGHT_STARTED = spec.series("flare_collective_in_flight_started_timestamp_seconds")
+COLLECTIVE_LAST_ISSUED_SEQ = spec.series("flare_collective_last_issued_seq")
+HANG_THRESHOLD_SECONDS = spec.series("flare_hang_threshold_seconds")
+P2P_COMPLETED_TOTAL = spec.series("flare_p2p_completed_total")
+P2P_IN_FLIGHT_STARTED_TIMESTAMP_SECONDS = spec.series("flare_p2p_in_flight_started_timestamp_seconds")
+P2P_ISSUED_TOTAL = spec.series("flare_p2p_issued_total")
+RANK_STACK_INFO = spec.series("flare_rank_stack_info")
 
 # Each run's own hang threshold (see Thresholds.hang_seconds).
 RUN_HANG_THRESHOLD = "run:flare_hang_threshold_seconds:max"
@@ -34,8 +47,7 @@ def _in_flight_age_recordings(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             "run_group_rank:flare_collective_in_flight:age_seconds",
-            "max by (run, group, rank) "
-            f"(time() - flare_collective_in_flight_started_timestamp_seconds{selector(t)})",
+            f"max by (run, group, rank) (time() - {IN_FLIGHT_STARTED}{selector(t)})",
         ),
         Recording(
             "run_group:flare_collective_in_flight:max_age_seconds",
@@ -52,10 +64,10 @@ def _hang_threshold_recordings(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             RUN_HANG_THRESHOLD,
-            f"max by (run) (flare_hang_threshold_seconds{selector(t)})\n"
+            f"max by (run) ({HANG_THRESHOLD_SECONDS}{selector(t)})\n"
             "or on (run)\n"
-            f"  0 * max by (run) (flare_collective_in_flight_started_timestamp_seconds{selector(t)})"
-            f" + {DEFAULT_HANG_SECONDS:g}",
+            f"  0 * max by (run) ({IN_FLIGHT_STARTED}{selector(t)})"
+            f" + {config_module.Config.hang_seconds:g}",
         )
     ]
 
@@ -69,8 +81,8 @@ def _behind_recordings(t: Thresholds) -> list[Recording]:
         Recording(
             f"{issued}:behind",
             "max by (run, group, rank) (\n"
-            f"  max by (run, group) (flare_collective_last_issued_seq{s})\n"
-            f"  - on (run, group) group_right flare_collective_last_issued_seq{s}\n)",
+            f"  max by (run, group) ({COLLECTIVE_LAST_ISSUED_SEQ}{s})\n"
+            f"  - on (run, group) group_right {COLLECTIVE_LAST_ISSUED_SEQ}{s}\n)",
         ),
         # The same, of the ranks whose issued number was scraped after the evidence against them: after
         # their group's newest issue (the newest collective in flight in it) and once the group was hung (its
@@ -83,11 +95,11 @@ def _behind_recordings(t: Thresholds) -> list[Recording]:
             f"{issued}:behind_since_stall",
             f"{issued}:behind\n"
             "and on (run, group, rank) (\n"
-            f"  max by (run, group, rank) (timestamp(flare_collective_last_issued_seq{s}))\n"
+            f"  max by (run, group, rank) (timestamp({COLLECTIVE_LAST_ISSUED_SEQ}{s}))\n"
             "  > on (run, group) group_left\n"
-            f"    max by (run, group) (flare_collective_in_flight_started_timestamp_seconds{s})\n"
+            f"    max by (run, group) ({IN_FLIGHT_STARTED}{s})\n"
             "  >= on (run, group) group_left () (\n"
-            f"    min by (run, group) (flare_collective_in_flight_started_timestamp_seconds{s})\n"
+            f"    min by (run, group) ({IN_FLIGHT_STARTED}{s})\n"
             f"    + {_threshold(t)}\n"
             "  )\n)",
         ),
@@ -97,7 +109,7 @@ def _behind_recordings(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             "run_group:flare_collective_issued:ranks",
-            f"count by (run, group) (flare_collective_last_issued_seq{s})",
+            f"count by (run, group) ({COLLECTIVE_LAST_ISSUED_SEQ}{s})",
         ),
     ]
 
@@ -109,10 +121,10 @@ def _front_recordings(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             "run_group_rank_op:flare_collective_in_flight:at_front",
-            f"max by (run, group, rank, op) (flare_collective_in_flight_info{s})\n"
+            f"max by (run, group, rank, op) ({COLLECTIVE_IN_FLIGHT_INFO}{s})\n"
             f"and on (run, group, rank)\n"
-            f"  (flare_collective_in_flight_seq{s}\n"
-            f"   == on (run, group) group_left max by (run, group) (flare_collective_last_issued_seq{s}))",
+            f"  ({COLLECTIVE_IN_FLIGHT_SEQ}{s}\n"
+            f"   == on (run, group) group_left max by (run, group) ({COLLECTIVE_LAST_ISSUED_SEQ}{s}))",
         ),
         Recording(
             "run_group_op:flare_collective_in_flight:at_front_ranks",
@@ -120,7 +132,7 @@ def _front_recordings(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             "run_group_rank:flare_collective_in_flight:at_front_bytes",
-            f"max by (run, group, rank) (flare_collective_in_flight_bytes{s})\n"
+            f"max by (run, group, rank) ({COLLECTIVE_IN_FLIGHT_BYTES}{s})\n"
             "and on (run, group, rank) run_group_rank_op:flare_collective_in_flight:at_front",
         ),
     ]
@@ -141,7 +153,7 @@ def _matching_issued(t: Thresholds, direction: str, opposite: str) -> str:
     """The peers' counts of their ops of `direction`, as the view of the rank at the other end, whose op is
     of the `opposite` direction: the n-th send from A to B is B's n-th receive from A."""
     matcher = 'direction="' + direction + '"'
-    issued = f"max by ({P2P_KEY}) (flare_p2p_issued_total{selector(t, matcher)})"
+    issued = f"max by ({P2P_KEY}) ({P2P_ISSUED_TOTAL}{selector(t, matcher)})"
     flipped = f'label_replace({issued}, "direction", "{opposite}", "direction", "{direction}")'
     return _peer_view(flipped, P2P_KEY)
 
@@ -155,20 +167,20 @@ def _point_to_point_recordings(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             "run_group_rank_peer:flare_p2p_in_flight:age_seconds",
-            f"max by ({P2P_KEY}) (time() - flare_p2p_in_flight_started_timestamp_seconds{s})",
+            f"max by ({P2P_KEY}) (time() - {P2P_IN_FLIGHT_STARTED_TIMESTAMP_SECONDS}{s})",
         ),
         # the peer's count of the matching op, as this rank's series; 0 where the peer has none (it never
         # issued one, or it is gone)
         Recording(
             counterpart,
             f"{_matching_issued(t, 'recv', 'send')}\nor\n{_matching_issued(t, 'send', 'recv')}\n"
-            f"or\n0 * max by ({P2P_KEY}) (flare_p2p_issued_total{s})",
+            f"or\n0 * max by ({P2P_KEY}) ({P2P_ISSUED_TOTAL}{s})",
         ),
         Recording(
             P2P_WAITS,
             "run_group_rank_peer:flare_p2p_in_flight:age_seconds\n"
             f"and on ({P2P_KEY}) (\n"
-            f"  max by ({P2P_KEY}) (flare_p2p_completed_total{s}) + 1 > on ({P2P_KEY}) {counterpart}\n)",
+            f"  max by ({P2P_KEY}) ({P2P_COMPLETED_TOTAL}{s}) + 1 > on ({P2P_KEY}) {counterpart}\n)",
         ),
     ]
 
@@ -190,7 +202,7 @@ def _hung(t: Thresholds) -> str:
 
 
 _RANK_FRAMES = (
-    '{{ with printf "flare_rank_stack_info{run=%q, rank=%q}" $labels.run $labels.rank | query }}'
+    f'{{{{ with printf "{RANK_STACK_INFO}{{run=%q, rank=%q}}" $labels.run $labels.rank | query }}}}'
     "{{ with first . }} It is in {{ .Labels.activity }}: {{ .Labels.frames }}.{{ end }}{{ end }}"
 )
 

@@ -24,6 +24,11 @@ from collections.abc import Sequence
 from .. import spec
 from .rule_model import Recording, Thresholds, selector
 
+ILD_DRIFT_KS = spec.series("flare_ild_drift_ks")
+STEP_DURATION_SECONDS = spec.histogram("flare_step_duration_seconds")
+STRAGGLER_WINDOW_STEP_SECONDS = spec.series("flare_straggler_window_step_seconds")
+STRAGGLER_WINDOW_WAIT_SECONDS = spec.series("flare_straggler_window_wait_seconds")
+
 # Named as Prometheus names a histogram's bucket recordings: level `run`, `le` implied by `_bucket`.
 STEP_TIME_RANKS = "run:flare_straggler_window_step_seconds_bucket:ranks"
 WAIT_SHARE_RANKS = "run:flare_straggler_window_wait_share_bucket:ranks"
@@ -35,16 +40,16 @@ DRIFT_KS_OF_RANK = "run_rank:flare_ild_drift_ks:max"
 
 # The heatmaps' bucket bounds. Step time: the step-duration histogram's (1 ms to 1000 s); wait share: finer
 # near 0, where a straggler is; KS drift: 5 % to 100 %.
-STEP_TIME_BOUNDS = spec.BY_NAME["flare_step_duration_seconds"].buckets
+STEP_TIME_BOUNDS = spec.BY_NAME[STEP_DURATION_SECONDS].buckets
 WAIT_SHARE_BOUNDS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 KS_BOUNDS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def dashboard_recording_rules(t: Thresholds) -> list[Recording]:
     last_window = selector(t, 'ago="0"')
-    step = f"max by (run, rank) (flare_straggler_window_step_seconds{last_window})"
-    wait = f"max by (run, rank) (flare_straggler_window_wait_seconds{last_window})"
-    drift = f"max by (run, rank) (flare_ild_drift_ks{selector(t)})"
+    step = f"max by (run, rank) ({STRAGGLER_WINDOW_STEP_SECONDS}{last_window})"
+    wait = f"max by (run, rank) ({STRAGGLER_WINDOW_WAIT_SECONDS}{last_window})"
+    drift = f"max by (run, rank) ({ILD_DRIFT_KS}{selector(t)})"
     return [
         Recording(STEP_TIME_OF_RANK, step),
         Recording(WAIT_SHARE_OF_RANK, f"{wait}\n/ {step}"),

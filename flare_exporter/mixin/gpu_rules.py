@@ -6,10 +6,22 @@ slowdowns in flare.slow_signals.
 
 from __future__ import annotations
 
-from .. import label_values
+from .. import label_values, spec
 from ..durations import duration_seconds
 from .rule_model import Alert, Recording, Thresholds, link, selector
 from .rule_model import with_host as _with_host
+
+GPU_CLOCK_EVENT_ACTIVE = spec.series("flare_gpu_clock_event_active")
+GPU_ECC_ERRORS_TOTAL = spec.series("flare_gpu_ecc_errors_total")
+GPU_LAST_XID = spec.series("flare_gpu_last_xid")
+GPU_PCIE_LINK_GENERATION = spec.series("flare_gpu_pcie_link_generation")
+GPU_PCIE_LINK_GENERATION_MAX = spec.series("flare_gpu_pcie_link_generation_max")
+GPU_PCIE_LINK_WIDTH = spec.series("flare_gpu_pcie_link_width")
+GPU_PCIE_LINK_WIDTH_MAX = spec.series("flare_gpu_pcie_link_width_max")
+GPU_ROW_REMAP_FAILED = spec.series("flare_gpu_row_remap_failed")
+GPU_SM_CLOCK_HERTZ = spec.series("flare_gpu_sm_clock_hertz")
+GPU_SM_CLOCK_MAX_HERTZ = spec.series("flare_gpu_sm_clock_max_hertz")
+GPU_XID_EVENTS_TOTAL = spec.series("flare_gpu_xid_events_total")
 
 # The clock event reasons that slow a GPU down (FlareRankStraggler's description names its GPU's).
 GPU_SLOWDOWN = "|".join(sorted(label_values.GPU_SLOWDOWN_REASONS))
@@ -19,12 +31,12 @@ def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:
     """A GPU that runs slower than it could: clocks held down, a PCIe link below its maximum."""
     s = selector(t)
     idle = selector(t, 'reason="gpu_idle"')
-    busy = f"unless on (run, rank) (flare_gpu_clock_event_active{idle} == 1)"
+    busy = f"unless on (run, rank) ({GPU_CLOCK_EVENT_ACTIVE}{idle} == 1)"
     slowing = selector(t, f'reason=~"{GPU_SLOWDOWN}"')
     return [
         Alert(
             "FlareGPUThrottled",
-            _with_host(f"max by (run, rank, reason) (flare_gpu_clock_event_active{slowing} == 1)"),
+            _with_host(f"max by (run, rank, reason) ({GPU_CLOCK_EVENT_ACTIVE}{slowing} == 1)"),
             t.gpu_for,
             "warning",
             "The GPU of rank {{ $labels.rank }} is throttled ({{ $labels.reason }})",
@@ -37,7 +49,7 @@ def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareGPUClockBelowMax",
             _with_host(
-                f"max by (run, rank) (flare_gpu_sm_clock_hertz{s} / flare_gpu_sm_clock_max_hertz{s} "
+                f"max by (run, rank) ({GPU_SM_CLOCK_HERTZ}{s} / {GPU_SM_CLOCK_MAX_HERTZ}{s} "
                 f"< {t.stragglers.clock_below_max:g})\n{busy}"
             ),
             t.gpu_for,
@@ -51,10 +63,10 @@ def gpu_slowdown_alerts(t: Thresholds) -> list[Alert]:
         Alert(
             "FlareGPUPCIeLinkDegraded",
             _with_host(
-                f"max by (run, rank) (flare_gpu_pcie_link_width{s} < flare_gpu_pcie_link_width_max{s})\n"
+                f"max by (run, rank) ({GPU_PCIE_LINK_WIDTH}{s} < {GPU_PCIE_LINK_WIDTH_MAX}{s})\n"
                 f"or on (run, rank)\n"
-                f"(max by (run, rank) (flare_gpu_pcie_link_generation{s}\n"
-                f"  < flare_gpu_pcie_link_generation_max{s})"
+                f"(max by (run, rank) ({GPU_PCIE_LINK_GENERATION}{s}\n"
+                f"  < {GPU_PCIE_LINK_GENERATION_MAX}{s})"
                 f"\n{busy})"
             ),
             t.gpu_for,
@@ -77,8 +89,8 @@ def gpu_error_recordings(t: Thresholds) -> list[Recording]:
     """When each rank's GPU error counters last rose, while gpu_errors_window still holds the rise."""
     uncorrected = selector(t, 'type="uncorrected"')
     return [
-        _rise_memory(XID_RISE, f"flare_gpu_xid_events_total{selector(t)}", t),
-        _rise_memory(ECC_RISE, f"flare_gpu_ecc_errors_total{uncorrected}", t),
+        _rise_memory(XID_RISE, f"{GPU_XID_EVENTS_TOTAL}{selector(t)}", t),
+        _rise_memory(ECC_RISE, f"{GPU_ECC_ERRORS_TOTAL}{uncorrected}", t),
     ]
 
 
@@ -108,7 +120,7 @@ def gpu_error_alerts(t: Thresholds) -> list[Alert]:
             "NVML delivered critical XID events for the GPU of rank {{ $labels.rank }} (host "
             "{{ $labels.host }}) of run {{ $labels.run }} in the last "
             f"{t.gpu_errors_window}"
-            '{{ with printf "flare_gpu_last_xid{run=%q, rank=%q}" $labels.run $labels.rank | query }}'
+            f'{{{{ with printf "{GPU_LAST_XID}{{run=%q, rank=%q}}" $labels.run $labels.rank | query }}}}'
             "{{ with first . }} (the last: XID {{ .Value }}){{ end }}{{ end }}.",
             "flaregpuxiderrors",
             link("rank", "rank"),
@@ -117,7 +129,7 @@ def gpu_error_alerts(t: Thresholds) -> list[Alert]:
             "FlareGPUMemoryErrors",
             _with_host(
                 f"max by (run, rank) ({ECC_RISE})\n"
-                f"or on (run, rank) max by (run, rank) (flare_gpu_row_remap_failed{s} == 1)"
+                f"or on (run, rank) max by (run, rank) ({GPU_ROW_REMAP_FAILED}{s} == 1)"
             ),
             t.gpu_errors_for,
             "critical",

@@ -9,8 +9,15 @@ FlareJobSlowdown (straggler_rules.straggler_alerts) stays quiet where every host
 
 from __future__ import annotations
 
+from .. import spec
 from ..policies import HostLoadPolicy
 from .rule_model import Alert, Recording, Thresholds, link, selector
+
+HOST_CPUS = spec.series("flare_host_cpus")
+HOST_CPU_PRESSURE_FLOOR_RATIO = spec.series("flare_host_cpu_pressure_floor_ratio")
+HOST_CPU_PRESSURE_RATIO = spec.series("flare_host_cpu_pressure_ratio")
+HOST_RUNNABLE_TASKS = spec.series("flare_host_runnable_tasks")
+STRAGGLER_SLOWDOWN_RATIO = spec.series("flare_straggler_slowdown_ratio")
 
 BUSY = "run_host:flare_host:busy"
 SLOWED = "run_host:flare_straggler_slowdown_ratio:min"
@@ -34,13 +41,13 @@ def host_load_recording_rules(t: Thresholds) -> list[Recording]:
     )
     per_cpu = "run_host:flare_host_runnable_per_cpu:median"
     return [
-        Recording(pressure, _per_host(f"max by (run, rank) (flare_host_cpu_pressure_ratio{s})")),
-        Recording(floor, _per_host(f"max by (run, rank) (flare_host_cpu_pressure_floor_ratio{s})")),
+        Recording(pressure, _per_host(f"max by (run, rank) ({HOST_CPU_PRESSURE_RATIO}{s})")),
+        Recording(floor, _per_host(f"max by (run, rank) ({HOST_CPU_PRESSURE_FLOOR_RATIO}{s})")),
         Recording(
             per_cpu,
             _per_host(
-                f"max by (run, rank) (flare_host_runnable_tasks{s})\n"
-                f"  / on (run, rank) max by (run, rank) (flare_host_cpus{s})",
+                f"max by (run, rank) ({HOST_RUNNABLE_TASKS}{s})\n"
+                f"  / on (run, rank) max by (run, rank) ({HOST_CPUS}{s})",
             ),
         ),
         # busy (its value: the pressure, or the runnable tasks per CPU where the host has no PSI)
@@ -52,7 +59,7 @@ def host_load_recording_rules(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             SLOWED,
-            _per_host(f"max by (run, rank) (flare_straggler_slowdown_ratio{s})", "min by (run, host) ("),
+            _per_host(f"max by (run, rank) ({STRAGGLER_SLOWDOWN_RATIO}{s})", "min by (run, host) ("),
         ),
     ]
 
@@ -67,7 +74,7 @@ def host_load_alerts(t: Thresholds) -> list[Alert]:
             "Host {{ $labels.host }} of run {{ $labels.run }} is busy: its ranks slowed alike",
             "Every rank of run {{ $labels.run }} on host {{ $labels.host }} takes at least "
             '{{ $value | printf "%.2f" }} times its own best step time, while the host\'s runnable tasks '
-            "wait for its CPUs more than ever before in the run (`flare_host_cpu_pressure_ratio`): the "
+            f"wait for its CPUs more than ever before in the run (`{HOST_CPU_PRESSURE_RATIO}`): the "
             "host's load (other processes, data workers, another job), not a rank's fault. Find what else "
             "runs there.",
             "flarehostbusy",

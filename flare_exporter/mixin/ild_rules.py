@@ -1,19 +1,24 @@
 """Recording and alert rules of issue latency (ILD, rank/ild.py): a rank whose distribution shifted from its
-own baseline, as diagnosis.ild_shifted judges it (policies.IldPolicy), and a shift on most ranks of a run.
+own baseline, as ild_verdicts.ild_shifted judges it (policies.IldPolicy), and a shift on most ranks of a run.
 Wired into the rules file as part of the group flare.slow_signals of RULE_GROUPS (rules.py).
 """
 
 from __future__ import annotations
 
+from .. import spec
 from .rule_model import Alert, Recording, Thresholds, link, selector
 from .rule_model import with_host as _with_host
+
+ILD_DRIFT_KS = spec.series("flare_ild_drift_ks")
+ILD_DRIFT_WASSERSTEIN_SECONDS = spec.series("flare_ild_drift_wasserstein_seconds")
+ILD_OP_SHIFT_SECONDS = spec.series("flare_ild_op_shift_seconds")
 
 
 def ild_recording_rules(t: Thresholds) -> list[Recording]:
     s = selector(t)
     return [
-        # A rank's distribution shifted from its own baseline (diagnosis.ild_shifted), and how many ranks of
-        # the run shifted.
+        # A rank's distribution shifted from its own baseline (ild_verdicts.ild_shifted), and how many
+        # ranks of the run shifted.
         Recording("run_rank_distribution:flare_ild_drift:shifted_ks", _ild_shifted(t)),
         Recording(
             "run_distribution:flare_ild_drift:shifted_ranks",
@@ -21,14 +26,14 @@ def ild_recording_rules(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             "run_distribution:flare_ild_drift:ranks",
-            f"count by (run, distribution) (flare_ild_drift_ks{s})",
+            f"count by (run, distribution) ({ILD_DRIFT_KS}{s})",
         ),
     ]
 
 
 def _op_shift_beyond_peers(s: str, threshold: float) -> str:
     """Ranks whose per-op shift exceeds the ranks' median (if positive; 3+ ranks) by `threshold`."""
-    shift, peers = f"flare_ild_op_shift_seconds{s}", "on (run, distribution)"
+    shift, peers = f"{ILD_OP_SHIFT_SECONDS}{s}", "on (run, distribution)"
     ranks = f"count by (run, distribution) ({shift})"
     return (
         "(\n"
@@ -49,20 +54,20 @@ def _ild_shifted(t: Thresholds) -> str:
     per_rank = "on (run, rank, distribution)"
     return (
         "max by (run, rank, distribution) (\n"
-        f"  flare_ild_drift_ks{s}\n"
+        f"  {ILD_DRIFT_KS}{s}\n"
         f"  and {per_rank} (\n"
-        f"    (flare_ild_drift_wasserstein_seconds{s} >= {floor})\n"
+        f"    ({ILD_DRIFT_WASSERSTEIN_SECONDS}{s} >= {floor})\n"
         f"    and {per_rank} (\n"
-        f"      flare_ild_drift_ks{s} >= {policy.ks:g}\n"
+        f"      {ILD_DRIFT_KS}{s} >= {policy.ks:g}\n"
         f"      or {per_rank} (\n"
-        f"        flare_ild_drift_ks{s} >= {policy.partial_ks:g}\n"
+        f"        {ILD_DRIFT_KS}{s} >= {policy.partial_ks:g}\n"
         f"        and {per_rank} (\n"
-        f"          flare_ild_drift_wasserstein_seconds{s}\n"
+        f"          {ILD_DRIFT_WASSERSTEIN_SECONDS}{s}\n"
         f"          >= on (run, distribution) group_left {policy.far_factor:g} * clamp_min(\n"
         "            quantile by (run, distribution)\n"
-        f"              (0.5, flare_ild_drift_wasserstein_seconds{s}), {floor})\n"
+        f"              (0.5, {ILD_DRIFT_WASSERSTEIN_SECONDS}{s}), {floor})\n"
         "        )\n"
-        f"        and on (run, distribution) (count by (run, distribution) (flare_ild_drift_ks{s}) >= 3)\n"
+        f"        and on (run, distribution) (count by (run, distribution) ({ILD_DRIFT_KS}{s}) >= 3)\n"
         "      )\n"
         "    )\n"
         f"    or {per_rank} {_op_shift_beyond_peers(s, policy.op_shift_seconds)}"

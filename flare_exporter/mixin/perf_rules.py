@@ -8,8 +8,14 @@ one group of RULE_GROUPS (rules.py):
 
 from __future__ import annotations
 
+from .. import spec
 from ..policies import BottleneckPolicy
 from .rule_model import Recording, Thresholds, selector
+
+RANK_INFO = spec.series("flare_rank_info")
+STEP_COLLECTIVE_SECONDS_TOTAL = spec.series("flare_step_collective_seconds_total")
+STEP_PHASE_SECONDS_TOTAL = spec.series("flare_step_phase_seconds_total")
+STEP_PHASE_STEPS_TOTAL = spec.series("flare_step_phase_steps_total")
 
 PERF_WINDOW = "5m"  # the span each rule's rates cover
 PER_STEP = "run_rank_phase:flare_step_phase_seconds:per_step"
@@ -25,11 +31,11 @@ ROLE_SHARE = "run_role:flare_step_collective_seconds:share"  # of the run's step
 
 def perf_recording_rules(t: Thresholds, policy: BottleneckPolicy = BottleneckPolicy()) -> list[Recording]:  # noqa: B008
     s = selector(t)
-    steps = f"sum by (run, rank) (increase(flare_step_phase_steps_total{s}[{PERF_WINDOW}]))"
+    steps = f"sum by (run, rank) (increase({STEP_PHASE_STEPS_TOTAL}{s}[{PERF_WINDOW}]))"
     return [
         Recording(
             PER_STEP,
-            f"sum by (run, rank, phase) (increase(flare_step_phase_seconds_total{s}[{PERF_WINDOW}]))\n"
+            f"sum by (run, rank, phase) (increase({STEP_PHASE_SECONDS_TOTAL}{s}[{PERF_WINDOW}]))\n"
             f"/ on (run, rank) group_left {steps}",
         ),
         Recording(SHARE, f"{JUDGED}\n/ on (run, rank) group_left sum by (run, rank) ({JUDGED})"),
@@ -46,8 +52,8 @@ def role_share_expr(t: Thresholds) -> str:
     as a share of the run's step time (both summed over its ranks): as `flare perf` shows it."""
     s = selector(t)
     return (
-        f"sum by (run, role) (increase(flare_step_collective_seconds_total{s}[{PERF_WINDOW}]))\n"
-        f"/ on (run) group_left sum by (run) (increase(flare_step_phase_seconds_total{s}[{PERF_WINDOW}]))"
+        f"sum by (run, role) (increase({STEP_COLLECTIVE_SECONDS_TOTAL}{s}[{PERF_WINDOW}]))\n"
+        f"/ on (run) group_left sum by (run) (increase({STEP_PHASE_SECONDS_TOTAL}{s}[{PERF_WINDOW}]))"
     )
 
 
@@ -108,8 +114,8 @@ def ledger_recordings(t: Thresholds) -> list[Recording]:
     s = selector(t)
     excess = f"sum by (run) ({EXPOSED}) - count by (run) ({EXPOSED}) * min by (run) ({EXPOSED})"
     last = f"0 * ({EXPOSED} == on (run) group_left min by (run) ({EXPOSED}))"
-    step_rate = f"sum by (run, rank) (rate(flare_step_phase_steps_total{s}[{PERF_WINDOW}]))"
-    host = f"max by (run, rank, host) (flare_rank_info{s})"
+    step_rate = f"sum by (run, rank) (rate({STEP_PHASE_STEPS_TOTAL}{s}[{PERF_WINDOW}]))"
+    host = f"max by (run, rank, host) ({RANK_INFO}{s})"
     return [
         Recording(EXPOSED, f'sum without (phase) ({PER_STEP}{{phase="collective"}})'),
         Recording(

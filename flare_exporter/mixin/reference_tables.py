@@ -3,7 +3,7 @@
     python -m flare_exporter.mixin.reference_tables            # writes docs/reference.md
     python -m flare_exporter.mixin.reference_tables --check    # exit 1 if docs/reference.md is stale
 
-The page is a short header and two tables, the configuration keys and the metrics; tests/test_docs.py
+The page is a short header and two tables, the configuration keys and the metrics; tests/package/test_docs.py
 checks that the committed page is exactly this output.
 """
 
@@ -15,6 +15,9 @@ from pathlib import Path
 
 from .. import config, spec
 
+PROCESS_GROUP_INFO = spec.series("flare_process_group_info")
+RANK_INFO = spec.series("flare_rank_info")
+
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 
 HEADER = """\
@@ -22,7 +25,7 @@ HEADER = """\
 
 Generated from `flare_exporter/config.py` and `flare_exporter/spec.py` by
 `python -m flare_exporter.mixin.reference_tables`; do not edit it by hand. With `--check` the command exits
-with status 1 when this page is stale, and `tests/test_docs.py` fails.
+with status 1 when this page is stale, and `tests/package/test_docs.py` fails.
 """
 
 CONFIG_INTRO = """\
@@ -33,22 +36,22 @@ environment variables, then from launcher flags. Later sources win. Unknown keys
 out-of-range values are errors that name the key and the file, variable or flag.
 """
 
-METRICS_INTRO = """\
+METRICS_INTRO = f"""\
 ## Metrics
 
 Every metric is declared once, in `flare_exporter/spec.py`. Every series carries `rank` (the global rank)
-and `run` (the training run's id). Everything else about a rank lives in `flare_rank_info`: join on `rank`
+and `run` (the training run's id). Everything else about a rank lives in `{RANK_INFO}`: join on `rank`
 with `group_left`.
 """
 
-LABELS_NOTE = """\
+LABELS_NOTE = f"""\
 Collective ops (label `op`) are the ProcessGroup method names: `allreduce`, `broadcast`, `allgather`,
 `allgather_base`, `reduce_scatter`, `reduce_scatter_base`, `alltoall_base`, `barrier`, `send`, `recv`, and
 so on. Point-to-point ops are timed but take no sequence number, since they are not group-wide.
 
 Process groups (label `group`) are `world` for the default group. Any other group is named by its
 description plus a hash of its sorted global ranks (e.g. `data_parallel-3f2a9c1e`), identical on every
-member. `flare_process_group_info` gives its role (`dp`, `tp`, `pp`, `ep`, `cp`, `world`, `other`) and
+member. `{PROCESS_GROUP_INFO}` gives its role (`dp`, `tp`, `pp`, `ep`, `cp`, `world`, `other`) and
 its size.
 """
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .. import config as config_module
 from ..policies import IldPolicy, StragglerPolicy
 
-# The hang threshold of a run whose ranks export none (see Thresholds.hang_seconds).
-DEFAULT_HANG_SECONDS = config_module.Config().hang_seconds
 RUNBOOK_URL = "https://github.com/flare-exporter/flare-exporter/blob/main/docs/runbook.md"
 # The alerts that name a culprit rank (the group-level hang and the warnings name none).
 CULPRIT_ALERTS = (
@@ -47,7 +44,8 @@ class Thresholds:
     selector: str = ""
     # A collective unfinished this long is a hang. None (what `flare rules` uses unless told one, as `flare
     # diagnose` does): each run's own, the largest its ranks export (flare_hang_threshold_seconds, from
-    # FLARE_HANG_SECONDS where they run), else DEFAULT_HANG_SECONDS for a run whose ranks export none.
+    # FLARE_HANG_SECONDS where they run), else the config's default (Config.hang_seconds) for a run whose
+    # ranks export none.
     hang_seconds: float | None = None
     # The scrape interval of the flare job; ranks' deaths and exceptions are compared only once two scrapes
     # have passed, so that a rank that vanished silently is seen before the exceptions it caused.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import label_values
+from .. import spec
 from ..durations import duration_seconds
 from .canary_rules import canary_alerts
 from .collective_rules import collective_alerts, collective_recordings
@@ -32,6 +32,16 @@ from .rule_model import DASHBOARD_PATHS as DASHBOARD_PATHS
 from .rule_model import Alert, Recording, Thresholds, link, selector, up_selector
 from .rule_model import with_host as _with_host
 from .straggler_rules import straggler_alerts, straggler_recording_rules, straggler_summary_rules
+
+COLLECTIVE_IN_FLIGHT_INFO = spec.series("flare_collective_in_flight_info")
+EXPORTER_COLLECTOR_SUCCESS = spec.series("flare_exporter_collector_success")
+EXPORTER_DROPPED_EVENTS_TOTAL = spec.series("flare_exporter_dropped_events_total")
+EXPORTER_ERRORS_TOTAL = spec.series("flare_exporter_errors_total")
+RANK_EXCEPTION_INFO = spec.series("flare_rank_exception_info")
+RANK_EXCEPTION_TIMESTAMP_SECONDS = spec.series("flare_rank_exception_timestamp_seconds")
+RANK_INFO = spec.series("flare_rank_info")
+RANK_TERMINATED_TIMESTAMP_SECONDS = spec.series("flare_rank_terminated_timestamp_seconds")
+WORLD_SIZE = spec.series("flare_world_size")
 
 # ---------------------------------------------------------------------------------------------------------
 # recording rules: per rank, per group and per run aggregates the alerts are made of
@@ -55,7 +65,7 @@ def _rank_recordings(t: Thresholds) -> list[Recording]:
         # rank at 15 s), twice, every evaluation.
         Recording(
             RANK_SEEN,
-            f"max by (run, rank, host) (timestamp(flare_rank_info{s}))\n"
+            f"max by (run, rank, host) (timestamp({RANK_INFO}{s}))\n"
             f"or ({RANK_SEEN} > time() - {duration_seconds(t.lookback, 'lookback'):g})",
         ),
         # Every rank's host, one series per rank: the one it was last seen on, else no host (a rank that
@@ -76,18 +86,18 @@ def _rank_recordings(t: Thresholds) -> list[Recording]:
                 f"(\n  max by (run, rank) (up{up_selector(t)}) == 0\n"
                 "  or 0 * (\n"
                 f"    max by (run, rank) ({RANK_SEEN})\n"
-                f"    unless on (run, rank) flare_rank_info{s}\n"
-                f"    and on (run) flare_rank_info{s}\n"
+                f"    unless on (run, rank) {RANK_INFO}{s}\n"
+                f"    and on (run) {RANK_INFO}{s}\n"
                 "  )\n)\n"
-                f"unless on (run, rank) last_over_time(flare_rank_exception_info{s}[{t.lookback}])\n"
+                f"unless on (run, rank) last_over_time({RANK_EXCEPTION_INFO}{s}[{t.lookback}])\n"
                 # a survivor its launcher stopped (SIGTERM) said so: it is not down without a word
                 "unless on (run, rank) "
-                f"last_over_time(flare_rank_terminated_timestamp_seconds{s}[{t.lookback}])"
+                f"last_over_time({RANK_TERMINATED_TIMESTAMP_SECONDS}{s}[{t.lookback}])"
             ),
         ),
         Recording(
             "run_rank:flare_rank_exception:timestamp_seconds",
-            f"max by (run, rank) (last_over_time(flare_rank_exception_timestamp_seconds{s}[{t.lookback}]))",
+            f"max by (run, rank) (last_over_time({RANK_EXCEPTION_TIMESTAMP_SECONDS}{s}[{t.lookback}]))",
         ),
     ]
 
@@ -117,7 +127,7 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareRanksMissing",
-            f"max by (run) (flare_world_size{selector(t)})\n"
+            f"max by (run) ({WORLD_SIZE}{selector(t)})\n"
             "- count by (run) (run_rank:flare_rank_info:host)\n"
             "> 0",
             t.rank_down_for,
@@ -153,7 +163,7 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
                 "  unless on (run) run_rank:flare_rank_down:no_exception"
             )
             + "\n* on (run, rank) group_left (type) max by (run, rank, type) "
-            f"(last_over_time(flare_rank_exception_info{selector(t)}[{t.lookback}]))",
+            f"(last_over_time({RANK_EXCEPTION_INFO}{selector(t)}[{t.lookback}]))",
             t.rank_failed_for,
             "critical",
             "Rank {{ $labels.rank }} of run {{ $labels.run }} raised {{ $labels.type }} first",
@@ -169,7 +179,6 @@ def rank_alerts(t: Thresholds) -> list[Alert]:
 DEAD_RUN = "run:flare_run:dead"
 FIRST_FAILURE = "run_rank:flare_rank_primary_exception:timestamp_seconds"
 SILENT = "run_rank:flare_rank_gone:silent"
-FLIGHT_INFO = "flare_collective_in_flight_info"
 LAST_OP = "run_rank_group:flare_collective_in_flight:last_op"
 ODD_OP = "run_rank_group:flare_collective_in_flight:odd_op"
 
@@ -184,20 +193,20 @@ def dead_run_recordings(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             DEAD_RUN,
-            f"max by (run) (last_over_time(flare_rank_info{s}[{w}]))\n"
-            f"unless on (run) max by (run) (flare_rank_info{s})",
+            f"max by (run) (last_over_time({RANK_INFO}{s}[{w}]))\n"
+            f"unless on (run) max by (run) ({RANK_INFO}{s})",
         ),
         Recording(
             FIRST_FAILURE,
-            f"max by (run, rank) (last_over_time(flare_rank_exception_timestamp_seconds{s}[{w}]))\n"
+            f"max by (run, rank) (last_over_time({RANK_EXCEPTION_TIMESTAMP_SECONDS}{s}[{w}]))\n"
             f"* on (run, rank) group_left (type, cause)\n"
-            f"  max by (run, rank, type, cause) (last_over_time(flare_rank_exception_info{own}[{w}]))",
+            f"  max by (run, rank, type, cause) (last_over_time({RANK_EXCEPTION_INFO}{own}[{w}]))",
         ),
         Recording(
             SILENT,
-            f"max by (run, rank, host) (last_over_time(flare_rank_info{s}[{w}]))\n"
-            f"unless on (run, rank) last_over_time(flare_rank_exception_info{s}[{w}])\n"
-            f"unless on (run, rank) last_over_time(flare_rank_terminated_timestamp_seconds{s}[{w}])",
+            f"max by (run, rank, host) (last_over_time({RANK_INFO}{s}[{w}]))\n"
+            f"unless on (run, rank) last_over_time({RANK_EXCEPTION_INFO}{s}[{w}])\n"
+            f"unless on (run, rank) last_over_time({RANK_TERMINATED_TIMESTAMP_SECONDS}{s}[{w}])",
         ),
         *_last_op_recordings(t),
     ]
@@ -206,13 +215,13 @@ def dead_run_recordings(t: Thresholds) -> list[Recording]:
 def _last_op_recordings(t: Thresholds) -> list[Recording]:
     """Each rank's last collective in flight in each group (the newest op series), and the ranks whose op
     a strict majority of the group's did not share (rule 3: a mismatch the run died of)."""
-    flights = selector(t, f'group!="{label_values.NATIVE_GROUP}"')
+    flights = selector(t)
     ops = f"count by (run, group, op) ({LAST_OP})"
     return [
         Recording(
             LAST_OP,
             "topk by (run, rank, group) (1, max by (run, rank, group, op) "
-            f"(max_over_time(timestamp({FLIGHT_INFO}{flights})[{t.dead_run_window}:5s])))",
+            f"(max_over_time(timestamp({COLLECTIVE_IN_FLIGHT_INFO}{flights})[{t.dead_run_window}:5s])))",
         ),
         Recording(
             ODD_OP,
@@ -228,15 +237,15 @@ def dead_run_alerts(t: Thresholds) -> list[Alert]:
     from the majority's (a run that ended normally leaves no word, and pages not)."""
     s, w = selector(t), t.dead_run_window
     spoke = (
-        f"count by (run) (last_over_time(flare_rank_exception_info{s}[{w}]))\n"
-        f"  or count by (run) (last_over_time(flare_rank_terminated_timestamp_seconds{s}[{w}]))"
+        f"count by (run) (last_over_time({RANK_EXCEPTION_INFO}{s}[{w}]))\n"
+        f"  or count by (run) (last_over_time({RANK_TERMINATED_TIMESTAMP_SECONDS}{s}[{w}]))"
     )
     first = f"bottomk by (run) (1, {FIRST_FAILURE}) and on (run) {DEAD_RUN}"
     silent = (
         f'label_replace({SILENT}, "cause", "node_failure", "", "")\n'
         f"  and on (run) {DEAD_RUN}\n  and on (run) ({spoke})\n  unless on (run) {FIRST_FAILURE}"
     )
-    failed = f"count by (run) (last_over_time(flare_rank_exception_info{s}[{w}]))"
+    failed = f"count by (run) (last_over_time({RANK_EXCEPTION_INFO}{s}[{w}]))"
     mismatched = (
         f'label_replace({ODD_OP}, "cause", "collective_mismatch", "", "")\n'
         f"  and on (run) {DEAD_RUN}\n  and on (run) {failed}\n"
@@ -267,7 +276,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
     return [
         Alert(
             "FlareExporterErrors",
-            f"sum by (run, rank, component) (increase(flare_exporter_errors_total{selector(t)}"
+            f"sum by (run, rank, component) (increase({EXPORTER_ERRORS_TOTAL}{selector(t)}"
             f"[{t.exporter_window}]) > 0)",
             t.exporter_for,
             "warning",
@@ -280,7 +289,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareExporterDroppingEvents",
-            f"sum by (run, rank, queue) (increase(flare_exporter_dropped_events_total"
+            f"sum by (run, rank, queue) (increase({EXPORTER_DROPPED_EVENTS_TOTAL}"
             f"{not_failed}[{t.exporter_window}]) > 0)",
             t.exporter_for,
             "warning",
@@ -293,7 +302,7 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareExporterCollectorFailing",
-            f"max by (run, rank, collector) (flare_exporter_collector_success{selector(t)} == 0)",
+            f"max by (run, rank, collector) ({EXPORTER_COLLECTOR_SUCCESS}{selector(t)} == 0)",
             t.exporter_for,
             "warning",
             "The {{ $labels.collector }} collector of rank {{ $labels.rank }} fails",
@@ -306,11 +315,11 @@ def exporter_alerts(t: Thresholds) -> list[Alert]:
             "FlareRankScrapesLate",
             _with_host(
                 f"{duration_seconds(t.exporter_window, 'exporter_window'):g}\n"
-                f"/ max by (run, rank) (count_over_time(flare_rank_info{selector(t)}[{t.exporter_window}]))\n"
+                f"/ max by (run, rank) (count_over_time({RANK_INFO}{selector(t)}[{t.exporter_window}]))\n"
                 f"> {SCRAPES_LATE_FACTOR * t.scrape_interval_seconds:g}\n"
                 # a rank seen a whole window ago: one that started within it has fewer samples anyway
                 "and on (run, rank)\n"
-                f"  max by (run, rank) (flare_rank_info{selector(t)} offset {t.exporter_window})"
+                f"  max by (run, rank) ({RANK_INFO}{selector(t)} offset {t.exporter_window})"
             ),
             t.exporter_for,
             "warning",

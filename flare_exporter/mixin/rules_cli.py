@@ -39,8 +39,6 @@ from .label_matchers import check_selector
 from .rule_model import GRAFANA_URL, RUNBOOK_URL, Thresholds
 from .rules_render import ResourceMeta, render
 
-HANG_KEY = "hang_seconds"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--for", dest="for_", default=None, help="set every alert's for: (e.g. 0s in tests)")
@@ -84,7 +82,9 @@ def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
     slow = duration_seconds(args.slow_interval, "flag --slow-interval")
     t = Thresholds(
         selector=check_selector(args.selector),
-        hang_seconds=config.hang_seconds if config_module.told_by(HANG_KEY, args.hang_seconds) else None,
+        hang_seconds=config.hang_seconds
+        if config_module.told_by(config_module.HANG_KEY, args.hang_seconds)
+        else None,
         ild=IldPolicy(op_shift_seconds=config.ild_op_shift_seconds),
         scrape_interval_seconds=duration_seconds(args.scrape_interval, "flag --scrape-interval"),
         slow_interval=args.slow_interval if slow else "",

@@ -7,6 +7,7 @@ the rules file as part of the group flare.slow_signals of RULE_GROUPS (rules.py)
 
 from __future__ import annotations
 
+from .. import spec
 from ..record_names import (
     BEST_STEP_RANKS,
     LAST_WINDOW,
@@ -21,6 +22,13 @@ from .host_load_rules import BUSY_EVERYWHERE
 from .rule_model import Alert, Recording, Thresholds, link, selector
 from .rule_model import with_host as _with_host
 
+GPU_CLOCK_EVENT_ACTIVE = spec.series("flare_gpu_clock_event_active")
+STRAGGLER_BEST_STEP_SECONDS = spec.series("flare_straggler_best_step_seconds")
+STRAGGLER_LAST_WINDOW = spec.series("flare_straggler_last_window")
+STRAGGLER_SLOWDOWN_RATIO = spec.series("flare_straggler_slowdown_ratio")
+STRAGGLER_WINDOW_STEP_SECONDS = spec.series("flare_straggler_window_step_seconds")
+STRAGGLER_WINDOW_WAIT_SECONDS = spec.series("flare_straggler_window_wait_seconds")
+
 
 def straggler_recording_rules(t: Thresholds) -> list[Recording]:
     held = selector(t, f'ago=~"{_held_windows(t)}"')
@@ -31,8 +39,8 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
         # those windows, its lowest z and mean gap.
         Recording(
             "run_rank_ago:flare_straggler_wait_share:ratio",
-            f"max by (run, rank, ago) (flare_straggler_window_wait_seconds{held} / "
-            f"flare_straggler_window_step_seconds{held})",
+            f"max by (run, rank, ago) ({STRAGGLER_WINDOW_WAIT_SECONDS}{held} / "
+            f"{STRAGGLER_WINDOW_STEP_SECONDS}{held})",
         ),
         Recording(
             f"{WINDOW_SHARE}:median",
@@ -71,7 +79,7 @@ def straggler_recording_rules(t: Thresholds) -> list[Recording]:
 
 def straggler_summary_rules(t: Thresholds) -> list[Recording]:
     """What `flare diagnose` reads of a run's straggler windows at thousands of ranks in place of every
-    rank's (diagnosis.WindowSummary): each rank's wait share over the last hold_windows together, their
+    rank's (rule_types.WindowSummary): each rank's wait share over the last hold_windows together, their
     median and MAD; how many ranks have each window, and a best step time; the lowest and the highest last
     window of a rank; and the lowest of the ranks' step times over their own best. All at one evaluation:
     the last rule's timestamp is theirs."""
@@ -85,8 +93,8 @@ def straggler_summary_rules(t: Thresholds) -> list[Recording]:
     return [
         Recording(
             SUMMARY_POOLED,
-            f"sum by (run, rank) ({per_window('flare_straggler_window_wait_seconds')})\n"
-            f"/ sum by (run, rank) ({per_window('flare_straggler_window_step_seconds')})",
+            f"sum by (run, rank) ({per_window(STRAGGLER_WINDOW_WAIT_SECONDS)})\n"
+            f"/ sum by (run, rank) ({per_window(STRAGGLER_WINDOW_STEP_SECONDS)})",
         ),
         Recording(pooled_median, f"quantile by (run) (0.5, {SUMMARY_POOLED})"),
         Recording(
@@ -99,15 +107,15 @@ def straggler_summary_rules(t: Thresholds) -> list[Recording]:
         ),
         Recording(
             BEST_STEP_RANKS,
-            f"count by (run) (max by (run, rank) (flare_straggler_best_step_seconds{s}) > 0)",
+            f"count by (run) (max by (run, rank) ({STRAGGLER_BEST_STEP_SECONDS}{s}) > 0)",
         ),
-        Recording(f"{LAST_WINDOW}:min", f"min by (run) (flare_straggler_last_window{s})"),
-        Recording(f"{LAST_WINDOW}:max", f"max by (run) (flare_straggler_last_window{s})"),
+        Recording(f"{LAST_WINDOW}:min", f"min by (run) ({STRAGGLER_LAST_WINDOW}{s})"),
+        Recording(f"{LAST_WINDOW}:max", f"max by (run) ({STRAGGLER_LAST_WINDOW}{s})"),
         Recording(
             SUMMARY_AT,
             "min by (run) (\n"
-            f"  min by (run, rank) ({per_window('flare_straggler_window_step_seconds')})\n"
-            f"  / on (run, rank) max by (run, rank) (flare_straggler_best_step_seconds{s})\n)",
+            f"  min by (run, rank) ({per_window(STRAGGLER_WINDOW_STEP_SECONDS)})\n"
+            f"  / on (run, rank) max by (run, rank) ({STRAGGLER_BEST_STEP_SECONDS}{s})\n)",
         ),
     ]
 
@@ -121,7 +129,7 @@ def _held_windows(t: Thresholds) -> str:
 
 
 _GPU_REASONS = (
-    '{{ with printf "flare_gpu_clock_event_active{run=%q, rank=%q, reason=~\\"'
+    f'{{{{ with printf "{GPU_CLOCK_EVENT_ACTIVE}{{run=%q, rank=%q, reason=~\\"'
     + GPU_SLOWDOWN
     + '\\"} == 1" $labels.run $labels.rank | query }} Its GPU reports:{{ range . }} {{ .Labels.reason }}'
     "{{ end }}.{{ end }}"
@@ -154,7 +162,7 @@ def straggler_alerts(t: Thresholds) -> list[Alert]:
         ),
         Alert(
             "FlareJobSlowdown",
-            f"min by (run) (flare_straggler_slowdown_ratio{selector(t)}) >= {1 + policy.job_slowdown:g}\n"
+            f"min by (run) ({STRAGGLER_SLOWDOWN_RATIO}{selector(t)}) >= {1 + policy.job_slowdown:g}\n"
             f"unless on (run) ({named})\n"
             f"unless on (run) ({BUSY_EVERYWHERE})",  # the busy hosts' then: FlareHostBusy
             t.straggler_for,

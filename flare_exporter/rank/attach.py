@@ -30,6 +30,7 @@ from .collectors.in_flight import InFlightCollector
 from .collectors.perf import PerfCollector
 from .collectors.profile import ProfileCollector
 from .collectors.progress import ProgressCollector
+from .collectors.shim import ShimCollector
 from .collectors.stragglers import StragglersCollector
 from .exposition import FlareCollector, MetricsServer, serve
 from .groups import WORLD
@@ -76,6 +77,11 @@ class Attachment:
 _attachment: Attachment | None = None
 
 
+def attached() -> Attachment | None:
+    """This process's running exporter, if attach() started one."""
+    return _attachment
+
+
 @lru_cache(maxsize=1)  # the same str objects at every scrape, as the text format's kept labels want
 def rank_labels(rank: int, run: str) -> tuple[str, str]:
     """The values of the labels every flare series carries: rank and run."""
@@ -101,6 +107,8 @@ def build_registry(state: FlareState) -> CollectorRegistry:
         collectors.insert(-1, CanaryCollector(state))
     if state.config.profile:  # the profiler on: its captures (off, a scrape collects nothing of it)
         collectors.insert(-1, ProfileCollector(state))
+    if state.shim_feed is not None:  # the shim loaded: the NCCL calls it sampled
+        collectors.insert(-1, ShimCollector(state))
     # Each scrape first drains the timing manager, once: collectives completed up to the scrape are counted
     # and leave the in-flight state, resolved device events and closed ILD windows count, straggler windows
     # close. The collectors read what the drain left. Before it, the scrape waits for the rank's next

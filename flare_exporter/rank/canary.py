@@ -14,7 +14,7 @@ its results, one group per host (ranks sharing a host) and, on several hosts, on
 
 The verdict (canary_verdict.judge) is computed on every rank from the same gathered results, so every rank
 agrees: `warn` logs it and exports flare_canary_*; `enforce` also ends every rank with exit status 75
-(label_values.CANARY_EXIT_CODE), after one line naming the rank, its host and the measurement.
+(CANARY_EXIT_CODE), after one line naming the rank, its host and the measurement.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ from .identity import RankIdentity
 log = logging.getLogger("flare_exporter")
 
 PREFLIGHT, IN_FLIGHT = label_values.CANARY_PHASES
+# A failed preflight under canary=enforce ends every rank with this status (sysexits' EX_TEMPFAIL: the job
+# may succeed elsewhere; a scheduler reschedules it without the named host).
+CANARY_EXIT_CODE = 75
 IN_FLIGHT_COMPUTE_SHARE = 0.1  # of canary_compute_seconds
 IN_FLIGHT_ITERATIONS = 2
 
@@ -335,7 +338,7 @@ class Canary:
                 print(
                     f"flare canary: preflight failed: {describe(primary)}; "
                     f"{confirmed(failures, self.confirm_runs)}{self._alone_text(primary)}; "
-                    f"exiting with status {label_values.CANARY_EXIT_CODE}",
+                    f"exiting with status {CANARY_EXIT_CODE}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -343,7 +346,7 @@ class Canary:
             # (SIGABRT, "terminate called without an active exception") instead of exiting 75
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(label_values.CANARY_EXIT_CODE)
+            os._exit(CANARY_EXIT_CODE)
         if speaks:
             log.warning(
                 "flare canary: preflight failed: %s; %s (canary=warn: training goes on)",

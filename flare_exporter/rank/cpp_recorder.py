@@ -8,8 +8,7 @@ costs microseconds, and the per-op shift of its samples from their baseline (csr
 the recording backend (csrc/collectives.cpp), which records every collective of a
 gloo group in C++ (process_group.py); the optimizer step hook as a C function (csrc/steps.cpp,
 progress.py); and the text format a scrape serves (csrc/text_format.cpp, exposition.py). Built into a
-directory named after the sources, torch and Python versions, under `FLARE_CPP_RECORDER_DIR` (or the older
-`FLARE_OP_TIMER_DIR`; default:
+directory named after the sources, torch and Python versions, under `FLARE_CPP_RECORDER_DIR` (default:
 ~/.cache/flare-exporter), so a new torch needs a new build and never loads a stale one. Without a build the
 exporter uses the dispatch mode, Python hooks and the Python text format.
 
@@ -50,7 +49,7 @@ SOURCES = [
     )
 ]
 MODULE_NAME = "flare_cpp_recorder"
-DIRECTORY_ENV = ("FLARE_CPP_RECORDER_DIR", "FLARE_OP_TIMER_DIR")  # the second: its name before the rename
+DIRECTORY_ENV = "FLARE_CPP_RECORDER_DIR"
 COMPILER_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-Wall"]
 
 _loaded: ModuleType | None = None
@@ -62,10 +61,7 @@ class BuildError(RuntimeError):
 
 
 def build_directory() -> Path:
-    root = (
-        next(filter(None, map(os.environ.get, DIRECTORY_ENV)), None)
-        or Path.home() / ".cache" / "flare-exporter"
-    )
+    root = os.environ.get(DIRECTORY_ENV) or Path.home() / ".cache" / "flare-exporter"
     sources = sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
     code = b"".join(path.read_bytes() for path in sources)
     identity = code + f"{torch.__version__} {sys.version} {sys.platform}".encode()

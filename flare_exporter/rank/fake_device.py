@@ -14,21 +14,27 @@ machine) does not distort the timestamps. Issue latency = when the stream reache
 host launched it: a host that runs ahead builds a queue and sees long latencies; a stalling host lets the
 queue drain and sees them collapse toward zero, as on a GPU.
 
-A launch hook (`set_launch_hook`), installed by the exporter as the native shim is on GPUs, sees every
-launch before the kernel is queued; it may record an event on the stream, which then marks the kernel's
-start.
+A launch hook (`set_launch_hook`) sees every launch before the kernel is queued; it may record an event on
+the stream, which then marks the kernel's start. `sample_launches` makes it the ILD's kernel sampler, as the
+shim samples a GPU's launches: a FakeDevice does so itself in a process with an exporter attached (a script
+run by flare-run knows nothing of the exporter), tests with the state they built. A real rank never loads
+this module.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .device_events import EventBackend
 from .exporter_health import ExporterHealth
+
+if TYPE_CHECKING:
+    from .ild import IldState
 
 Kernel = float | Callable[[], Any]
 LaunchHook = Callable[["FakeStream"], None]
@@ -116,10 +122,12 @@ class FakeStream:
 
 
 class FakeDevice:
-    """A device with one default stream (what `current_stream()` gives on a GPU)."""
+    """A device with one default stream (what `current_stream()` gives on a GPU); its launches are sampled
+    by the exporter attached to this process, if any."""
 
     def __init__(self, name: str = "fake0") -> None:
         self.stream = FakeStream(name)
+        self.sampled = _sample_into_the_attached_exporter()
 
     def launch(self, kernel: Kernel) -> None:
         self.stream.launch(kernel)
@@ -128,7 +136,27 @@ class FakeDevice:
         return self.stream.synchronize(timeout)
 
     def close(self) -> None:
+        if self.sampled:
+            set_launch_hook(None)
         self.stream.close()
+
+
+def _sample_into_the_attached_exporter() -> bool:
+    """Sample launches into this process's exporter's ILD, unless none is attached or a hook is set."""
+    attach = sys.modules.get(f"{__package__}.attach")  # not loaded: no exporter attached
+    attachment = attach.attached() if attach is not None else None
+    if attachment is None or attachment.state.ild is None or _launch_hook is not None:
+        return False
+    sample_launches(attachment.state.ild, attachment.state.config.ild_events)
+    return True
+
+
+def sample_launches(ild: IldState, pool_size: int) -> FakeDeviceEvents:
+    """Sample every fake-device launch into `ild`'s kernel sampler, on events of a pool of `pool_size`;
+    set_launch_hook(None) stops it."""
+    events = FakeDeviceEvents(ild.health, pool_size)
+    set_launch_hook(lambda stream: ild.kernels.on_launch(events, stream))
+    return events
 
 
 class FakeDeviceEvents(EventBackend):

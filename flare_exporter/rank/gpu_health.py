@@ -17,7 +17,7 @@ ends when the wait returns.
 
 The rank's device: entry LOCAL_RANK of CUDA_VISIBLE_DEVICES when it has that many entries (all GPUs
 visible, torch.cuda.set_device(local_rank)), else its only/first entry (one GPU per process); an entry is
-an index or a GPU UUID. Without CUDA_VISIBLE_DEVICES, NVML index LOCAL_RANK. On NCCL jobs the agent passes
+an index or a GPU UUID. Without CUDA_VISIBLE_DEVICES, NVML index LOCAL_RANK. On NCCL jobs attach.py passes
 the UUID of torch's current device when the world group is created, and the monitor follows it.
 """
 
@@ -229,7 +229,7 @@ class GpuHealthMonitor:
         self.last_xid: int | None = None
         self.uuid = ""
         self.pci_bus_id = ""
-        self.preferred_uuid = ""  # set by the agent from torch's current device; followed on the next read
+        self.preferred_uuid = ""  # set by attach.py from torch's current device; followed on the next read
         self._handle: Any = None
         self._events: Any = None
         self._initialized = False

@@ -42,7 +42,6 @@ from typing import Any
 
 from .. import label_values
 from ..config import Config
-from . import fake_device
 from .device_events import EventBackend
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
@@ -254,7 +253,6 @@ class IldState:
         self.kernels = KernelSampler(
             self.kernel_issue, manager, steps, config.ild_launch_sample_every, health
         )
-        self.fake_events = fake_device.FakeDeviceEvents(health, config.ild_events)
         self.dispatch = DispatchSampler(
             self.host_dispatch,
             self.kernels,
@@ -277,15 +275,10 @@ class IldState:
         for latency in self.distributions:
             latency.drift.refresh()
 
-    def on_fake_launch(self, stream: fake_device.FakeStream) -> None:
-        self.kernels.on_launch(self.fake_events, stream)
-
     def install(self) -> None:
-        """Watch fake-device launches and open host-dispatch windows from the optimizer step hook."""
-        fake_device.set_launch_hook(self.on_fake_launch)
+        """Open host-dispatch windows from the optimizer step hook."""
         self.steps.set_listener(self.dispatch.on_step, self.dispatch.every)
 
     def remove(self) -> None:
-        fake_device.set_launch_hook(None)
         self.steps.set_listener(None, 0)
         self.dispatch.close()

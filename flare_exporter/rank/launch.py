@@ -27,8 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
     config_module.add_flags(parser)
     parser.add_argument(
         "--shim",
-        "--native",  # its name before the rename
-        dest="shim",
         action="store_true",
         help="re-run this command with the launch shim (cuda_hooks/, docs/shim.md) in LD_PRELOAD",
     )

@@ -38,7 +38,9 @@ from .timing import CudaEventTiming, FutureTiming, NativeTiming, TimingBackend, 
 log = logging.getLogger("flare_exporter")
 
 # ProcessGroup method -> index of the argument holding the tensors it sends (None: no payload).
-# scatter and the receives count what they receive.
+# scatter and the receives count what they receive. One method per op of label_values.COLLECTIVE_OPS, in
+# its order, the op its name less a leading _ (tests/rank/test_recording_backend.py checks them, and the C++
+# recorder's).
 WRAPPED_METHODS: dict[str, int | None] = {
     "allreduce": 0,
     "allreduce_coalesced": 0,
@@ -65,7 +67,7 @@ WRAPPED_METHODS: dict[str, int | None] = {
 # all_to_all_single and their coalesced forms call these, whose base implementation goes to the registered
 # backend, past the Python method of the old name. Each is recorded as the method it renames (the op label
 # the C++ recorder, a c10d Backend with only the old names, gives it) and delegated to it.
-# tests/test_entry_points.py checks that each communication entry point torch offers is wrapped here or
+# tests/rank/test_entry_points.py checks that each communication entry point torch offers is wrapped here or
 # deliberately left alone.
 RENAMED_METHODS: dict[str, str] = {
     "all_gather_single": "_allgather_base",

@@ -15,7 +15,8 @@ from . import cpp_recorder
 from .exporter_health import ExporterHealth
 from .histogram import Histogram
 
-# Step boundaries kept for the straggler windows (stragglers.py), which consume them within a drain or two.
+# Step boundaries kept for the straggler windows (straggler_windows.py), which consume them within a
+# drain or two.
 STEP_BOUNDARIES_KEPT = 4096
 
 

@@ -8,7 +8,8 @@ docs/shim.md). Here:
 - `RingReader`: the thin I/O edge (an mmap of the ring file) that remembers its position, counts records
   lost to overwrite and passes on the shim's own drop and error counts;
 - `ShimFeed`: after every timing-manager drain, kernel records go into the ILD `kernel_issue` distribution
-  and NCCL records into the per-(group, op) collective statistics, under the fixed group `native`.
+  and NCCL records into per-op statistics of their own (`collectives`, exported as flare_shim_collective_*:
+  NCCL calls carry no group name, and they repeat what the wrapped process groups report).
 
 Nothing here runs on the training thread; without the shim, `attach` does nothing.
 """
@@ -27,7 +28,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..label_values import NATIVE_GROUP
 from .exporter_health import ExporterHealth
 from .timing import CollectiveStats, TimingManager
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # ild and progress import torch; parsing a ring must not need
 
 LIBRARY_NAME = "libflare_hooks.so"
 LIBRARY_ENV = "FLARE_SHIM_LIB"
-OLD_LIBRARY_ENV = "FLARE_NATIVE_LIB"  # its name before the rename, still read
 RING_DIR_ENV = "FLARE_SHIM_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm"
 DROPPED_QUEUE = "native_ring"  # sampled calls the shim could not time (pool or queue full, errors)
@@ -199,9 +198,9 @@ def step_at(steps: Sequence[int], times: Sequence[float], seconds: float, curren
 
 
 def library_path(environ: Mapping[str, str] | None = None) -> Path:
-    """The shim's library: $FLARE_SHIM_LIB (or $FLARE_NATIVE_LIB), else cuda_hooks/build/ in the checkout."""
+    """The shim's library: $FLARE_SHIM_LIB, else cuda_hooks/build/ in the checkout."""
     environ = os.environ if environ is None else environ
-    configured = environ.get(LIBRARY_ENV) or environ.get(OLD_LIBRARY_ENV)
+    configured = environ.get(LIBRARY_ENV)
     if configured:
         return Path(configured)
     return Path(__file__).resolve().parents[2] / "cuda_hooks" / "build" / LIBRARY_NAME
@@ -295,15 +294,10 @@ class ShimFeed:
     """Runs after every timing-manager drain: the ring's new records into the rank's histograms."""
 
     def __init__(
-        self,
-        reader: RingReader,
-        kernel_issue: IssueLatency,
-        manager: TimingManager,
-        steps: StepTracker | None = None,
+        self, reader: RingReader, kernel_issue: IssueLatency, steps: StepTracker | None = None
     ) -> None:
         self.reader = reader
         self.kernel_issue = kernel_issue
-        self.manager = manager
         self.steps = steps
         # the step boundaries the records are tagged by, read from the tracker from the last one on
         self._boundaries: deque[tuple[int, float]] = deque()
@@ -312,6 +306,7 @@ class ShimFeed:
 
             self._boundaries = deque(maxlen=STEP_BOUNDARIES_KEPT)
         self.failed_calls = 0  # records of calls that returned an error: their timing means nothing
+        self.collectives: dict[str, CollectiveStats] = {}  # NCCL calls by op
         # step tags need the shim's clock to be perf_counter's (both CLOCK_MONOTONIC on Linux)
         self._same_clock = "CLOCK_MONOTONIC" in time.get_clock_info("perf_counter").implementation
 
@@ -326,7 +321,6 @@ class ShimFeed:
             current_step = self.steps.steps
         steps = [step for step, _ in self._boundaries]
         times = [at for _, at in self._boundaries]
-        stats = self.manager.stats
         for record in records:
             if record.result != 0:
                 self.failed_calls += 1
@@ -340,10 +334,10 @@ class ShimFeed:
                 self.kernel_issue.active = True
                 self.kernel_issue.add(step, record.issue_latency_seconds)
                 continue
-            key = (NATIVE_GROUP, NCCL_OPS[record.api])
-            collective = stats.get(key)
+            op = NCCL_OPS[record.api]
+            collective = self.collectives.get(op)
             if collective is None:
-                collective = stats[key] = CollectiveStats()
+                collective = self.collectives[op] = CollectiveStats()
             collective.durations.observe(record.duration_seconds)
             collective.bytes_total += record.nbytes
 
@@ -359,8 +353,9 @@ def attach(
     """If the shim is loaded in this process, read its ring at every drain (before the ILD drift refresh)."""
     if not (shim_loaded() if loaded is None else loaded):
         return None
-    feed = ShimFeed(RingReader(ring_path(environ=environ), health), ild.kernel_issue, manager, steps)
+    feed = ShimFeed(RingReader(ring_path(environ=environ), health), ild.kernel_issue, steps)
     hooks = manager.after_drain
     hooks.insert(hooks.index(ild.refresh) if ild.refresh in hooks else len(hooks), feed)
-    ild.dispatch.launches_from_shim = True  # kernel launches come from here: windows may use the op timer
+    # kernel launches come from here: windows may use the C++ recorder's timer
+    ild.dispatch.launches_from_shim = True
     return feed

@@ -38,6 +38,7 @@ class FlareState:
     terminated: Termination | None = None  # the signal ending the rank (incident.IncidentWriter)
     scrapes: ScrapeTimes = field(default_factory=ScrapeTimes)  # when /metrics was scraped (exposition)
     ild: IldState | None = None  # issue-latency distributions and their samplers
+    shim_feed: shim.ShimFeed | None = None  # the launch shim's ring reader (None: the shim is not loaded)
     canary: Canary | None = None  # the hardware canary (None: canary off)
     perf: PerfMonitor | None = None  # where the step time goes, MFU (None: perf off)
     profiler: Profiler | None = None  # captures of a few steps (None: profile off)
@@ -54,7 +55,7 @@ class FlareState:
         )
         manager.add_group(windows)  # its forget_finished() runs at the end of every drain
         ild = IldState(config, health, manager, steps)
-        shim.attach(ild, manager, steps, health)  # reads the native shim's ring if it is preloaded
+        shim_feed = shim.attach(ild, manager, steps, health)  # reads the shim's ring if it is preloaded
         return cls(
             config=config,
             identity=identity,
@@ -64,4 +65,5 @@ class FlareState:
             windows=windows,
             groups=groups,
             ild=ild,
+            shim_feed=shim_feed,
         )

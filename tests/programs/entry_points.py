@@ -2,7 +2,7 @@
 beyond the plain c10d calls: the functional collectives (torch.ops._c10d_functional, as DTensor and
 torch.compile emit them, and their autograd forms), c10d's tensor collectives that reach ProcessGroup's
 torchcomms-named methods (all_gather_into_tensor -> all_gather_single, ...), the coalescing manager, and
-all_to_all_single with uneven input and output splits. gloo, CPU, 2 ranks (tests/test_entry_points.py).
+all_to_all_single with uneven input and output splits. gloo, CPU, 2 ranks (tests/rank/test_entry_points.py).
 
     entry_points.py --steps N [--stuck-rank R --stuck-step S] [--wait-for FILE]
 

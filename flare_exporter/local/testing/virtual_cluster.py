@@ -1,6 +1,6 @@
 """A virtual cluster: many ranks' /metrics, rendered by flare's own collectors, served by one process.
 
-Each virtual rank's exposition comes from `agent.build_registry` over a FlareState set up as the hooks, the
+Each virtual rank's exposition comes from `attach.build_registry` over a FlareState set up as the hooks, the
 timing manager, the stall watcher and the GPU health reader would leave it after `STEPS` steps of a job with
 every signal on at its defaults: rank N on host node-<N//8>, in three process groups (world, a data-parallel
 group of the ranks with its local rank, a tensor-parallel group of its host's 8 ranks), with collective and
@@ -17,8 +17,8 @@ Faults, each on one rank:
 
 `ClusterServer` serves every virtual rank on its own loopback port at /metrics (asyncio, HTTP/1.1 keep-alive,
 one thread), as a real rank does, so that Prometheus's file_sd targets and `flare diagnose --targets` see
-one endpoint per rank. Used by benchmarks/attribution.py, benchmarks/scale.py, benchmarks/footprint.py and
-tests/test_footprint.py.
+one endpoint per rank. Used by benchmarks/scale.py, benchmarks/post_mortem.py, benchmarks/direct_scrape.py,
+benchmarks/rule_cost.py, benchmarks/footprint.py and tests/rank/test_footprint.py.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ class StepReport:
             "step_cpu": self.step_cpu,
             "process_cpu": self.process_cpu,
             "step_ends": self.step_ends,
-            "cpus": sorted(os.sched_getaffinity(0)),  # where it may run (overhead.py --pin)
+            "cpus": sorted(os.sched_getaffinity(0)),  # where it may run
             "threads_cpu": {
                 name: threads_after[name] - self.threads_before.get(name, 0.0) for name in threads_after
             },

@@ -12,11 +12,11 @@ import re
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from ... import config
 from .metrics import (
     ALERTS,
     COLLECTIVE_BYTES,
     COLLECTIVE_DURATION,
-    DEFAULT_HANG_SECONDS,
     GROUP_INFO,
     IN_FLIGHT_INFO,
     IN_FLIGHT_STARTED,
@@ -170,7 +170,7 @@ LAST_WINDOW = sel('ago="0"')  # the last closed straggler window
 THE_RANK_LAST_WINDOW = sel('ago="0"', rank=ONE_RANK)
 FIRING_ALERTS = ALERTS + sel('alertstate="firing"', rank="", scoped=False)
 
-HANG = DEFAULT_HANG_SECONDS
+HANG = config.Config.hang_seconds  # the hang colours' scale: a run's threshold where its ranks export none
 LIVENESS_WINDOW = THRESHOLDS.lookback  # how long a rank that stopped reporting shows as down, as in the rules
 
 

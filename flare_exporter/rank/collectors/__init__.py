@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache, lru_cache
 from typing import Any, Protocol
 
@@ -33,13 +33,10 @@ class Families:
         self.common_values = common_values
 
     def new(self, name: str) -> Any:
-        """An empty family of the spec's metric `name`: a copy of one built once (prometheus_client's
-        constructors validate the name, unit and labels every time; a scrape makes fifty)."""
-        prototype = _prototype(name)
-        family = object.__new__(prototype.__class__)
-        family.__dict__.update(prototype.__dict__)
-        family.series = []  # the prototype's is shared; every prototype is a SeriesFamily
-        return family
+        """An empty family of the spec's metric `name`, like the one prometheus_client built and checked
+        once (its constructors check the name, unit and labels every time; a scrape makes fifty)."""
+        family_class, checked, label_names = _checked(name)
+        return family_class(checked, label_names)
 
     def labels(self, *values: str) -> list[str]:
         return [*self.common_values, *values]
@@ -73,25 +70,27 @@ class SeriesFamily(Metric):
     each line's kept prefix and its value, with no sample object built; `samples` builds
     prometheus_client's samples from them for any other reader."""
 
-    series: list[tuple[Lines, list[float]]]
+    def __init__(self, checked: Metric, label_names: tuple[str, ...]) -> None:
+        """Empty, with the public attributes of `checked`, a family prometheus_client built of the same
+        metric: Metric's constructor, which checks them again, is not run."""
+        self.name = checked.name
+        self.documentation = checked.documentation
+        self.unit = checked.unit
+        self.type = checked.type
+        self.label_names = label_names
+        self.series: list[tuple[Lines, list[float]]] = []
 
-    @property  # type: ignore[override]
-    def samples(self) -> list[Sample]:
+    @property
+    def samples(self) -> list[Sample]:  # type: ignore[override]
         return [
             Sample(name, labels, value)
             for lines, values in self.series
             for name, labels, value in zip(lines.names, lines.labels, values, strict=True)
         ]
 
-    @samples.setter
-    def samples(self, samples: list[Sample]) -> None:
-        if samples:
-            raise TypeError(f"{self.name}: a flare family's series are added by add_metric or add_histogram")
-        self.series = []
-
     def _add_line(self, sample_name: str, labels: Sequence[str], value: float) -> None:
         """One sample line of the series `labels` (values, in the family's label order)."""
-        lines = _sample_lines(sample_name, self._labelnames, tuple(labels))  # type: ignore[attr-defined]
+        lines = _sample_lines(sample_name, self.label_names, tuple(labels))
         self.series.append((lines, [value]))
 
 
@@ -124,16 +123,23 @@ class HistogramFamily(SeriesFamily, HistogramMetricFamily):
         raise TypeError(f"{self.name}: a histogram's series are added by Families.add_histogram")
 
 
+# spec type -> (flare's family, prometheus_client's, which checks the name, unit and labels)
+FAMILY_CLASSES: dict[str, tuple[type[SeriesFamily], Callable[..., Metric]]] = {
+    spec.COUNTER: (CounterFamily, CounterMetricFamily),
+    spec.GAUGE: (GaugeFamily, GaugeMetricFamily),
+    spec.INFO: (GaugeFamily, GaugeMetricFamily),
+    spec.HISTOGRAM: (HistogramFamily, HistogramMetricFamily),
+}
+
+
 @cache  # one entry per metric of the spec
-def _prototype(name: str) -> SeriesFamily:
+def _checked(name: str) -> tuple[type[SeriesFamily], Metric, tuple[str, ...]]:
+    """The spec's metric `name`: flare's family class, prometheus_client's family of it, its label names."""
     metric = spec.BY_NAME[name]
-    family_class = {
-        spec.COUNTER: CounterFamily,
-        spec.GAUGE: GaugeFamily,
-        spec.INFO: GaugeFamily,
-        spec.HISTOGRAM: HistogramFamily,
-    }[metric.type]
-    return family_class(metric.name, metric.help, labels=_label_names(name), unit=metric.unit)
+    family_class, checking_class = FAMILY_CLASSES[metric.type]
+    label_names = _label_names(name)
+    checked = checking_class(metric.name, metric.help, labels=label_names, unit=metric.unit)
+    return family_class, checked, label_names
 
 
 # Per series, its lines. Shared by every scrape's families, which nothing modifies; bounded like the series

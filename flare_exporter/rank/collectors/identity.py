@@ -1,6 +1,5 @@
-"""flare_rank_info, flare_world_size, flare_process_group_info, flare_exporter_build_info and
-flare_hang_threshold_seconds: who this rank is, how many ranks its job has, which groups it is in, what it
-runs, and the hang threshold it was started with."""
+"""flare_rank_info, flare_world_size, flare_process_group_info and flare_exporter_build_info: who this rank
+is, how many ranks its job has, which groups it is in, and what it runs."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ class IdentityCollector:
         "flare_world_size",
         "flare_process_group_info",
         "flare_exporter_build_info",
-        "flare_hang_threshold_seconds",
     )
 
     def __init__(self, state: FlareState) -> None:
@@ -43,9 +41,7 @@ class IdentityCollector:
         build_info = families.new("flare_exporter_build_info")
         torch_version = getattr(sys.modules.get("torch"), "__version__", "")
         build_info.add_metric(families.labels(*build_values(str(torch_version), cpp_recorder_loaded())), 1)
-        threshold = families.new("flare_hang_threshold_seconds")
-        threshold.add_metric(families.labels(), self.state.config.hang_seconds)
-        return [rank_info, world_size, group_info, build_info, threshold]
+        return [rank_info, world_size, group_info, build_info]
 
 
 @lru_cache(maxsize=1)  # the same str objects at every scrape until the identity changes (collectors/__init__)

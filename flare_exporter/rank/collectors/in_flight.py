@@ -1,5 +1,6 @@
-"""What is in flight: each group's oldest unfinished collective, a stalled training thread, and what is
-ending the rank (an exception, a termination signal)."""
+"""What is in flight: each group's oldest unfinished collective and the hang threshold it is judged against
+(flare_hang_threshold_seconds, the rank's hang_seconds), a stalled training thread, and what is ending the
+rank (an exception, a termination signal)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class InFlightCollector:
         "flare_collective_in_flight_seq",
         "flare_collective_in_flight_bytes",
         "flare_collective_in_flight_started_timestamp_seconds",
+        "flare_hang_threshold_seconds",
         "flare_rank_stack_info",
         "flare_rank_exception_info",
         "flare_rank_exception_timestamp_seconds",
@@ -42,6 +44,8 @@ class InFlightCollector:
             seq.add_metric(families.labels(group.name), record.seq)
             nbytes.add_metric(families.labels(group.name), record.nbytes)
             started.add_metric(families.labels(group.name), progress.wall_time(record.issued_at))
+        threshold = families.new("flare_hang_threshold_seconds")
+        threshold.add_metric(families.labels(), self.state.config.hang_seconds)
         stack = families.new("flare_rank_stack_info")
         sample = self.state.stack
         if sample is not None:
@@ -58,4 +62,4 @@ class InFlightCollector:
             terminated.add_metric(
                 families.labels(termination.signal, termination.sender), termination.timestamp_seconds
             )
-        return [info, seq, nbytes, started, stack, exception_info, exception_time, terminated]
+        return [info, seq, nbytes, started, threshold, stack, exception_info, exception_time, terminated]
