@@ -23,6 +23,7 @@ from conftest import torch_extension
 from flare_exporter.config import Config
 from flare_exporter.label_values import COLLECTIVE_DURATION_BUCKETS, COLLECTIVE_OPS
 from flare_exporter.local.prometheus import wait_for
+from flare_exporter.rank import process_group
 from flare_exporter.rank.attach import build_registry
 from flare_exporter.rank.exporter_health import ExporterHealth
 from flare_exporter.rank.groups import GroupTracker, payload_bytes
@@ -32,7 +33,7 @@ from flare_exporter.rank.process_group import WRAPPED_METHODS, FlareProcessGroup
 from flare_exporter.rank.state import FlareState
 from flare_exporter.rank.timing import FutureTiming, NativeTiming, TimingManager
 
-COLLECTIVES_CPP = Path(__file__).parent.parent / "flare_exporter" / "rank" / "csrc" / "collectives.cpp"
+COLLECTIVES_CPP = Path(process_group.__file__).parent / "csrc" / "collectives.cpp"
 
 
 def on_both(call: Callable[[int], Any]) -> list[Any]:
