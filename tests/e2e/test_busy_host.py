@@ -46,11 +46,17 @@ def start(tmp_path: Path, run: str, *fault: str, steps: int = 100_000, linger: i
     return ObservedJob(str(tmp_path), train_ddp.__file__, args, RANKS, run, env=env, rank_env=hosts)
 
 
-def verdicts(job: ObservedJob, run: str) -> tuple[int, list[dict]]:
+def diagnosed(job: ObservedJob, run: str) -> tuple[int, list[dict]]:
+    """`flare diagnose`'s exit code and every verdict, from the ranks directly."""
     code, report = flare_json(
         "diagnose", "--targets", job.file_sd_dir, "--run", run, "--timeout", "5", "--hang-seconds", "3"
     )
-    return code, without_stragglers(report.get("verdicts", []))
+    return code, report.get("verdicts", [])
+
+
+def verdicts(job: ObservedJob, run: str) -> tuple[int, list[dict]]:
+    code, found = diagnosed(job, run)
+    return code, without_stragglers(found)
 
 
 def first_verdict(job: ObservedJob, run: str, kind: str, ranks: list[int], budget: float = 120) -> dict:
@@ -114,8 +120,11 @@ def test_a_rank_that_raises_is_named_with_its_cause_with_every_core_busy(tmp_pat
 def test_a_healthy_job_has_no_verdict_with_every_core_busy(tmp_path, busy_host):
     with start(tmp_path, "busy-healthy", steps=50) as job:
         stepped(job, 40)
-        code, found = verdicts(job, "busy-healthy")
-        assert (code, found) == (cli.EXIT_OK, []), found
+        code, found = diagnosed(job, "busy-healthy")
+        # a rank the spinners starve can be slower than the others for a while, a straggler (its page: exit
+        # 1); nothing else is named
+        assert without_stragglers(found) == [], found
+        assert code == (cli.EXIT_ANOMALY if found else cli.EXIT_OK), found
         job.release()
         assert job.wait(120) == [0] * RANKS
 
