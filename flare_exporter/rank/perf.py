@@ -7,7 +7,9 @@ Two halves, like the rest of the rank side:
   totals, and the host gaps' running total (dispatch.py's host_gaps(): the training thread's time outside
   top-level ops in the host dispatch windows, and the windows measured whole), read at the same hooks so
   that the gaps inside the data loader and the optimizer step stay theirs; at every step's end it appends a
-  StepMark to a bounded deque. On one
+  StepMark to a bounded queue. With flare's extension built the step counter keeps the clock in C
+  (csrc/steps.cpp: the pre hook is a C function too, the marks are its own), so a step runs no Python
+  for it; without, the hooks below. On one
   sampled step (`perf_flops_step`) it counts the model's FLOPs with torch.utils.flop_counter, from the end
   of the step before to the end of that step: forward, backward and optimizer, every op through one
   Python dispatch mode for that step only.
@@ -121,6 +123,7 @@ class PhaseClock:
         self._optimizer_gaps = 0.0
         self._gaps = (0.0, 0 if self.host_gaps is not None else -1)  # the last reading
         self.marks: deque[tuple[int, float, float, float, float, int]] = deque(maxlen=STEP_MARKS_KEPT)
+        self.counter: Any = None  # the step counter's C phase clock (csrc/steps.cpp), where it keeps it
         self.counted_flops: float | None = None  # FLOPs of the sampled step, once counted
         self._flop_counter: Any = None
         self._optimizer: weakref.ref[Any] | None = None
@@ -138,10 +141,18 @@ class PhaseClock:
         from torch.utils.data import dataloader
 
         self._training_thread = threading.get_ident()
-        self._handles = [
-            register_optimizer_step_pre_hook(self.before_optimizer_step),
-            register_optimizer_step_post_hook(self.after_optimizer_step),
-        ]
+        counter = getattr(self.steps, "counter", None)  # the step counter's C hook, where it is built
+        if counter is not None:
+            self.counter = counter
+            counter.set_phases(True, self.host_gaps is not None)
+            if self.flops_step:
+                counter.set_phase_listener(self.on_flops_step, self.flops_step - 1)
+            self._handles = [register_optimizer_step_pre_hook(counter.start_hook)]
+        else:
+            self._handles = [
+                register_optimizer_step_pre_hook(self.before_optimizer_step),
+                register_optimizer_step_post_hook(self.after_optimizer_step),
+            ]
         iterator_class = dataloader._BaseDataLoaderIter
         original = self._original_next = iterator_class.__next__
         clock = self
@@ -150,14 +161,12 @@ class PhaseClock:
             if threading.get_ident() != clock._training_thread:
                 return original(iterator)
             started = perf_counter()
-            windowed = clock.windowed
-            gaps = clock.gap_seconds() if windowed else 0.0
+            gaps = clock.gap_seconds() if clock.in_window() else None
             try:
                 return original(iterator)
             finally:
-                clock.data_seconds += perf_counter() - started
-                if windowed:
-                    clock.phase_gap_seconds += clock.gap_seconds() - gaps
+                gap_seconds = clock.gap_seconds() - gaps if gaps is not None else 0.0
+                clock.add_data(perf_counter() - started, gap_seconds)
 
         timed_next.__wrapped__ = original  # type: ignore[attr-defined]
         iterator_class.__next__ = timed_next  # type: ignore[method-assign,assignment]
@@ -166,6 +175,10 @@ class PhaseClock:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.counter is not None:
+            self.counter.set_phases(False, False)
+            self.counter.set_phase_listener(None, 0)
+            self.counter = None
         if self._original_next is not None:
             from torch.utils.data import dataloader
 
@@ -179,6 +192,38 @@ class PhaseClock:
             self._optimizer = weakref.ref(optimizer)
             return True
         return counted is optimizer
+
+    def in_window(self) -> bool:
+        """The step running now is in a host dispatch window whose gaps the clock reads."""
+        if self.counter is not None:
+            return self.counter.window_open and self.counter.phase_gaps  # type: ignore[no-any-return]
+        return self.windowed
+
+    def add_data(self, seconds: float, gap_seconds: float) -> None:
+        """The data loader's next took `seconds`, of which `gap_seconds` host gaps (the training thread)."""
+        if self.counter is not None:
+            self.counter.add_data(seconds, gap_seconds)
+        else:
+            self.data_seconds += seconds
+            self.phase_gap_seconds += gap_seconds
+
+    def take_marks(self) -> list[tuple[int, float, float, float, float, int]]:
+        """The marks since the last take, oldest first (the timing manager's thread)."""
+        if self.counter is not None:
+            return self.counter.take_marks()  # type: ignore[no-any-return]
+        marks = self.marks
+        return [marks.popleft() for _ in range(len(marks))]
+
+    @property
+    def measures_gaps(self) -> bool:
+        return self.host_gaps is not None
+
+    def stop_gaps(self) -> None:
+        """Read the host gaps no more (a GPU process: module docstring); any thread."""
+        self.host_gaps = None
+        self._gaps = (0.0, -1)
+        if self.counter is not None:
+            self.counter.set_phases(True, False)
 
     def gap_seconds(self) -> float:
         """The host gaps so far (0 where not measured); never raises."""
@@ -196,11 +241,9 @@ class PhaseClock:
 
     def _read_gaps(self) -> None:
         """Read the host gaps where a window closes or opens (they move only inside windows): `_gaps`."""
-        if torch_cuda_initialized():
-            self.host_gaps = None  # a GPU process: the phases say nothing of host gaps (module docstring)
-            self._gaps = (0.0, -1)
-        else:
-            self._gaps = self._host_gaps()
+        reading = self._host_gaps()
+        if self.host_gaps is not None:  # not stopped meanwhile
+            self._gaps = reading
 
     def before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._optimizer_started = perf_counter()
@@ -229,12 +272,22 @@ class PhaseClock:
             self.marks.append(
                 (step, self.data_seconds, self.optimizer_seconds, gaps, self.phase_gap_seconds, windows)
             )
-            if self._flop_counter is not None:
-                self._stop_counting()
-            elif self.flops_step and step == self.flops_step - 1:
-                self._start_counting()
+            if self._flop_counter is not None or (self.flops_step and step == self.flops_step - 1):
+                self.on_flops_step(step)
         except Exception as error:  # never into training
             self.health.error("perf_hook", error)
+
+    def on_flops_step(self, step: int) -> bool:
+        """Start counting FLOPs at the end of step `perf_flops_step` - 1, stop at the next step's end: whether
+        to be called at the next step too (the C counter's phase listener; never raises)."""
+        try:
+            if self._flop_counter is None:
+                self._start_counting()
+                return True
+            return not self._stop_counting()
+        except Exception as error:  # never into training
+            self.health.error("perf_hook", error)
+            return False
 
     def _start_counting(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
@@ -243,15 +296,17 @@ class PhaseClock:
         counter.__enter__()
         self._flop_counter = counter
 
-    def _stop_counting(self) -> None:
+    def _stop_counting(self) -> bool:
+        """Stop counting, unless a mode pushed after ours is still active (then: again at the next step)."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         counter = self._flop_counter
         if _get_current_dispatch_mode() is not counter.mode:
-            return  # a mode pushed after ours is still active: try again at the next step
+            return False
         self._flop_counter = None
         counter.__exit__(None, None, None)
         self.counted_flops = float(counter.get_total_flops())
+        return True
 
 
 class PerfMonitor:
@@ -278,6 +333,7 @@ class PerfMonitor:
         self._newest_mark = 0
         self._peak: float | None = None
         self._peak_checked = False
+        self._gaps_measured = clock is not None and clock.measures_gaps  # not in a GPU process: _take_marks
 
     @property
     def flops_per_step(self) -> float | None:
@@ -327,9 +383,11 @@ class PerfMonitor:
     def _take_marks(self) -> None:
         if self.clock is None:
             return
-        marks = self.clock.marks
-        while marks:
-            mark = StepMark(*marks.popleft())
+        if self._gaps_measured and torch_cuda_initialized():  # a GPU process: no host phase (docstring)
+            self._gaps_measured = False
+            self.clock.stop_gaps()
+        for taken in self.clock.take_marks():
+            mark = StepMark(*taken)
             self._marks[mark.step] = mark
             self._newest_mark = max(self._newest_mark, mark.step)
         for old in [step for step in self._marks if step < self._newest_mark - STEP_MARKS_KEPT]:
@@ -347,7 +405,7 @@ class PerfMonitor:
         waits = min(exposed + bubble, max(0.0, step_seconds - data - optimizer))
         collective = waits * exposed / (exposed + bubble) if exposed + bubble > 0 else 0.0
         rest = max(0.0, step_seconds - data - optimizer - waits)
-        host = self._host(gaps, rest, measuring=end is not None and end.windows >= 0)
+        host = self._host(gaps, rest, measuring=self._gaps_measured and end is not None and end.windows >= 0)
         seconds = dict(self.phase_seconds)
         seconds["data"] += data
         seconds["optimizer"] += optimizer

@@ -107,12 +107,14 @@ def test_other_threads_ops_make_no_gaps_and_a_gap_with_a_completion_is_a_wait():
 class Rank:
     """A rank's state with its step hooks, ILD windows and step breakdown installed, and a small model."""
 
-    def __init__(self, **overrides) -> None:
+    def __init__(self, flops_step: int = 0, **overrides) -> None:
         self.state = ild_state("gaps", **{"ild_launch_sample_every": 10**6, **overrides})  # no kernel samples
         self.state.steps.install()
         self.state.ild.install()
         sampler = self.state.ild.dispatch
-        self.clock = PhaseClock(self.state.steps, self.state.health, 0, sampler.host_gaps, sampler.every)
+        self.clock = PhaseClock(
+            self.state.steps, self.state.health, flops_step, sampler.host_gaps, sampler.every
+        )
         self.clock.install()
         self.monitor = PerfMonitor(self.clock, self.state.config)
         self.state.windows.step_listeners.append(self.monitor.on_step)
@@ -202,6 +204,29 @@ def test_windows_on_one_step_in_three_give_every_step_its_host_phase(dispatch_ti
     assert created.state.health.errors == {}
 
 
+def test_the_step_hook_keeps_the_phase_clock_in_c_where_it_is_built_and_counts_the_flops(dispatch_timer):
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    created = Rank(flops_step=5, ild_dispatch_every_steps=3)  # counted from step 4's end to 5's: no window
+    matrix = torch.ones(8, 8)
+    try:
+        for _ in range(8):
+            (created.weight @ matrix).sum().backward()  # FlopCounterMode counts matrix products only
+            created.optimizer.step()
+        hooks = [*_global_optimizer_pre_hooks.values(), *_global_optimizer_post_hooks.values()]
+        python_hooks = [hook for hook in hooks if hasattr(hook, "__code__")]
+        if dispatch_timer == "native":  # the clock's pre hook and the counter's post hook: C functions
+            assert created.clock.counter is not None and len(hooks) == 2 and python_hooks == []
+        else:
+            assert created.clock.counter is None and len(python_hooks) == 3
+        created.state.manager.drain()
+        assert created.monitor.flops_per_step == 2 * 8 * 8 * 2  # the product forward, and its weight's grad
+        assert created.monitor.steps >= 6 and created.monitor.phase_seconds["optimizer"] > 0.0
+    finally:
+        created.close()
+    assert created.state.health.errors == {}
+
+
 def test_gaps_that_grow_shift_the_host_gap_distribution(rank):
     for _ in range(14):  # warm-up and baseline: ops back to back
         rank.step(ops=8)
@@ -226,7 +251,9 @@ def mark(step: int, gaps: float, phase_gaps: float, windows: int, data=0.0, opti
 
 
 def monitor_with(*marks: tuple) -> PerfMonitor:
-    clock = SimpleNamespace(marks=deque(marks), counted_flops=None)
+    kept = deque(marks)
+    taken = lambda: [kept.popleft() for _ in range(len(kept))]  # noqa: E731
+    clock = SimpleNamespace(take_marks=taken, counted_flops=None, measures_gaps=True)
     return PerfMonitor(clock, Config())  # type: ignore[arg-type]
 
 

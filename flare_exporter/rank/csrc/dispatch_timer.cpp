@@ -196,6 +196,18 @@ void close_window() {
   }
 }
 
+// (seconds, windows): every window's gaps so far - with the current gap, when called between ops on the
+// thread of an open window (the phase hooks: rank/perf.py) - and the windows measured whole.
+std::tuple<double, int64_t> host_gaps() {
+  int64_t total = gap_total_ns.load(std::memory_order_relaxed);
+  const ThreadStack& s = stack;
+  if (timer_handle != at::INVALID_CALLBACK_HANDLE && s.window == window_id.load(std::memory_order_relaxed) &&
+      s.gap_from_ns != 0 && s.depth == 0) {
+    total += now_ns() - s.gap_from_ns;
+  }
+  return {static_cast<double>(total) * 1e-9, gap_windows.load(std::memory_order_relaxed)};
+}
+
 }  // namespace flare
 
 namespace {
@@ -244,18 +256,6 @@ std::vector<StepCounts> take(const std::vector<double>& bounds) {
 }
 
 uint64_t dropped_samples() { return dropped.load(std::memory_order_relaxed); }
-
-// (seconds, windows): every window's gaps so far - with the current gap, when called between ops on the
-// thread of an open window (the phase hooks: rank/perf.py) - and the windows measured whole.
-std::tuple<double, int64_t> host_gaps() {
-  int64_t total = gap_total_ns.load(std::memory_order_relaxed);
-  const ThreadStack& s = stack;
-  if (timer_handle != at::INVALID_CALLBACK_HANDLE && s.window == window_id.load(std::memory_order_relaxed) &&
-      s.gap_from_ns != 0 && s.depth == 0) {
-    total += now_ns() - s.gap_from_ns;
-  }
-  return {static_cast<double>(total) * 1e-9, gap_windows.load(std::memory_order_relaxed)};
-}
 
 // Busy-wait `seconds` at the end of every aten op from now on. 0 keeps the injector's observer registered
 // without waiting (so that a benchmark's healthy and delayed steps differ by the wait alone); a negative
@@ -318,7 +318,7 @@ void flare::add_dispatch_timer(pybind11::module_& m) {
         "it are waits");
   m.def("last_completion", []() { return static_cast<double>(last_completion_ns.load()) * 1e-9; },
         "perf_counter time at which a collective last completed (0: none yet)");
-  m.def("host_gaps", &host_gaps,
+  m.def("host_gaps", &flare::host_gaps,
         "(seconds, windows): the window thread's time outside top-level ops in every window so far (with the "
         "current gap, called on that thread between ops), and the windows measured whole");
   m.def("inject_delay", &inject_delay,

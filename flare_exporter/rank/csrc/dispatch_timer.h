@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -17,6 +18,10 @@ void open_window(int64_t step);
 
 // Stop timing ops (the observer is removed).
 void close_window();
+
+// (seconds, windows): the window thread's host gaps in every window so far - with the current gap, called
+// on that thread between ops - and the windows measured whole. Training thread or any reader.
+std::tuple<double, int64_t> host_gaps();
 
 // One step's samples since the last take, counted into histogram buckets, and each op's fastest time; and
 // the window thread's host gaps, apart.
