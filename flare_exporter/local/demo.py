@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 from .. import spec
@@ -143,11 +145,7 @@ def fault_demo(args: argparse.Namespace) -> int:
                 )
                 _signal(job, args.fault, args.fault_rank)
                 base = [*source, "--run", "demo", "--hang-seconds", FAULT_ENV["FLARE_HANG_SECONDS"]]
-                wait_for(
-                    lambda: _quiet(cli.main, ["diagnose", *base]) == cli.EXIT_ANOMALY,
-                    120,
-                    "flare diagnose to find the fault",
-                )
+                wait_for(SettledVerdicts(base), 120, "flare diagnose to find the fault")
                 print(f"\n$ flare ranks {' '.join(base)}")
                 cli.main(["ranks", *base])
                 print(f"\n$ flare diagnose {' '.join(base)}")
@@ -201,9 +199,33 @@ def _signal(job: ObservedJob, fault: str, rank: int) -> None:
         os.kill(job.processes[victim].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
 
 
-def _quiet(function: Callable[[list[str]], int], args: list[str]) -> int:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return function(args)
+class SettledVerdicts:
+    """A condition for wait_for: true once `flare diagnose <args>` has named the same verdicts (kind and
+    ranks) for `seconds`. One scrape that times out on a loaded machine reads as a rank down until the next
+    scrape; the demo prints the verdict that stays, not the first blip."""
+
+    def __init__(self, args: list[str], seconds: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.args, self.seconds, self.clock = ["diagnose", *args, "--json"], seconds, clock
+        self.verdicts: list[tuple[str, tuple[int, ...]]] = []
+        self.since = 0.0
+
+    def __call__(self) -> bool:
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main(self.args)
+        verdicts = _verdict_names(output.getvalue()) if code == cli.EXIT_ANOMALY else []
+        now = self.clock()
+        if verdicts != self.verdicts:
+            self.verdicts, self.since = verdicts, now
+        return bool(verdicts) and now - self.since >= self.seconds
+
+
+def _verdict_names(answer: str) -> list[tuple[str, tuple[int, ...]]]:
+    try:
+        verdicts = json.loads(answer).get("verdicts", [])
+        return [(verdict["kind"], tuple(verdict["ranks"])) for verdict in verdicts]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return []
 
 
 def summary_from_prometheus(prometheus: PrometheusProcess, ranks: int, steps: int) -> str:
