@@ -59,6 +59,7 @@ L1_MISSES = ("I1mr", "D1mr", "D1mw")
 MISPREDICTIONS = ("Bcm", "Bim")
 SIDES = ("without", "loaded", "with")  # what runs the script: python, benchmarks/loaded.py, the launcher
 READY_TIMEOUT_S = 600.0
+COLLECTOR = re.compile(rb"^\s*([\d,]+) .*gcmodule\.c:gc_collect_main \[", re.MULTILINE)
 
 
 class RunError(RuntimeError):
@@ -80,6 +81,19 @@ def thread_events(out_dir: Path, pid: int) -> dict[int, dict[str, int]]:
         part = dict(zip(names, values, strict=True))
         counts[thread] = {name: counts.get(thread, {}).get(name, 0) + value for name, value in part.items()}
     return counts
+
+
+def collector_instructions(out_dir: Path, pid: int) -> int | None:
+    """The training thread's instructions in CPython's collector (gc_collect_main's, inclusive); None without
+    callgrind_annotate. Collections are due after every thread's allocations: the exporter's, which wake on
+    the clock (~100 times more often per step under valgrind), bring some forward, run to run."""
+    paths = [*out_dir.glob(f"cg.{pid}.1-01"), *out_dir.glob(f"cg.{pid}-01")]
+    if not paths or shutil.which("callgrind_annotate") is None:
+        return None
+    annotate = ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(paths[0])]
+    annotated = subprocess.run(annotate, capture_output=True, timeout=600)
+    found = COLLECTOR.search(annotated.stdout)
+    return int(found.group(1).replace(b",", b"")) if found else 0
 
 
 def cycle_estimate(events: dict[str, float]) -> float:
@@ -168,6 +182,8 @@ def run(
     counts = thread_events(workdir, proc.pid)
     if 1 not in counts:
         raise RunError(f"{label}: callgrind wrote no count for the main thread; log: {_tail(log)}")
+    if (collector := collector_instructions(workdir, proc.pid)) is not None:
+        counts[1]["GC"] = collector
     return counts
 
 
@@ -371,8 +387,11 @@ def run_sides(
             training[side] = training_events_per_step(short, long, steps)
             main_thread, others = per_step(*runs[side], steps)
             results[side] = {"training_thread": main_thread, "other_threads": others}
+            if "GC" in training[side]:
+                results[side]["training_thread_collector"] = training[side]["GC"]
+            collector = f" (collector {training[side]['GC']:,.0f})" if "GC" in training[side] else ""
             print(
-                f"  {side:8} training thread {main_thread:12,.0f} instructions per step, "
+                f"  {side:8} training thread {main_thread:12,.0f} instructions per step{collector}, "
                 f"other threads {others:10,.0f} ({len(long)} threads)"
             )
     return results, runs, training

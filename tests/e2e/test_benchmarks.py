@@ -222,6 +222,20 @@ def test_the_training_thread_is_counted_up_to_the_interpreters_exit_and_the_othe
     assert instructions_of(thread_events(tmp_path, 42)) == {1: 8000, 2: 1000, 3: 70}
 
 
+@pytest.mark.skipif(shutil.which("callgrind_annotate") is None, reason="valgrind not installed")
+def test_the_training_threads_collector_is_its_instructions_inside_gc_collect_main(tmp_path):
+    from instructions import collector_instructions
+
+    (tmp_path / "cg.42.1-01").write_text(
+        "version: 1\ncreator: callgrind-3.19.0\npid: 42\nevents: Ir\nob=/lib/libpython3.11.so\n"
+        "fl=/b/Modules/gcmodule.c\nfn=gc_collect_main\n0 700\ncfl=/b/Modules/gcmodule.c\n"
+        "cfn=visit_reachable\ncalls=3 0\n0 300\nfn=visit_reachable\n0 300\n"
+        "fl=/b/Python/ceval.c\nfn=_PyEval_EvalFrameDefault\n0 9000\ntotals: 10000\n"
+    )
+    assert collector_instructions(tmp_path, 42) == 1000  # its own 700 and the 300 of what it called
+    assert collector_instructions(tmp_path, 43) is None  # no file of that process
+
+
 def test_the_training_threads_simulated_events_per_step_weigh_l1_misses_and_mispredictions():
     from instructions import training_events_per_step
 
