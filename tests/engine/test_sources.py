@@ -116,6 +116,21 @@ def culprits(snapshot: rule_types.Snapshot) -> set[int]:
     return {rank for verdict in diagnosis.diagnose(snapshot, HANG_SECONDS) for rank in verdict.ranks}
 
 
+def rounds_and_all_at_once(
+    fake_prometheus: dict,
+) -> tuple[rule_types.Snapshot, rule_types.Snapshot, list[dict]]:
+    """The fake job read all at once, then in rounds (fake_prometheus["asked"] holds the rounds' queries
+    alone): both snapshots, and the rounds' verdicts, asserted to be all at once's."""
+    everything = prometheus_source.from_prometheus("http://x", "r")
+    fake_prometheus["asked"].clear()
+    snapshot = prometheus_source.from_prometheus(
+        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
+    )
+    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
+    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    return everything, snapshot, verdicts
+
+
 def in_rounds(url: str, run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[rule_types.Snapshot, list[str]]:
     """from_prometheus with the rules naming the detailed ranks, and every query it sent (to Prometheus)."""
     with queries_sent(monkeypatch) as sent:
@@ -527,13 +542,7 @@ def test_the_rounds_build_the_same_records_as_all_at_once_where_the_verdicts_rea
     fake_prometheus, fault, ild_shifted
 ):
     fake_prometheus["job"] = job(fault, ild_shifted)
-    everything = prometheus_source.from_prometheus("http://x", "r")
-    fake_prometheus["asked"].clear()
-    snapshot = prometheus_source.from_prometheus(
-        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
-    )
-    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    everything, snapshot, verdicts = rounds_and_all_at_once(fake_prometheus)
     named = {rank for verdict in verdicts for rank in verdict["ranks"]}
     # rank 3 restarted: its heartbeat, read in the progress round of the ranks that raised, says so
     assert not snapshot.ranks[3].gone and snapshot.ranks[3].heartbeat == NOW - 4
@@ -654,13 +663,7 @@ def test_older_straggler_windows_are_read_only_where_the_rules_would_weigh_them(
     fake_prometheus, changes, older_read
 ):
     fake_prometheus["job"] = with_windows(job("straggler", ild_shifted=False), **changes)
-    everything = prometheus_source.from_prometheus("http://x", "r")
-    fake_prometheus["asked"].clear()
-    snapshot = prometheus_source.from_prometheus(
-        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
-    )
-    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    everything, snapshot, verdicts = rounds_and_all_at_once(fake_prometheus)
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("straggler", [5])]
     windows = set(pace_queries.recent_windows(policies.StragglerPolicy())[1])
     asked = [names for names, _, _ in fake_prometheus["asked"]]
@@ -707,13 +710,7 @@ def chained_job() -> dict[str, list]:
 
 def test_a_hang_reads_the_groups_its_chain_leads_to_and_no_other(fake_prometheus):
     fake_prometheus["job"] = chained_job()
-    everything = prometheus_source.from_prometheus("http://x", "r")
-    fake_prometheus["asked"].clear()
-    snapshot = prometheus_source.from_prometheus(
-        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
-    )
-    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    everything, snapshot, verdicts = rounds_and_all_at_once(fake_prometheus)
     # both groups are hung (in flight for 400 s); rank 3 is behind in the world and waits in pair-a, where
     # rank 2 is behind and waits in the world: a deadlock, both ranks suspects
     kinds = [(v["kind"], v["ranks"], v["group"], v["evidence"].get("deadlock")) for v in verdicts]
@@ -732,13 +729,7 @@ def test_a_chain_to_a_group_that_is_not_hung_reads_it_in_a_round_of_its_own(fake
     # rank 3 waits in pair-a for a second only: that group is not hung, the world is
     job[started] = [(labels, NOW - 1 if labels["group"] == "pair-a" else at) for labels, at in job[started]]
     fake_prometheus["job"] = job
-    everything = prometheus_source.from_prometheus("http://x", "r")
-    fake_prometheus["asked"].clear()
-    snapshot = prometheus_source.from_prometheus(
-        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
-    )
-    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    everything, snapshot, verdicts = rounds_and_all_at_once(fake_prometheus)
     assert [(v["kind"], v["group"]) for v in verdicts] == [("hang", "world")]
     chain = verdicts[0]["evidence"]["chain"]
     assert [(hop["group"], hop["rank"], hop["waits_in"]) for hop in chain][:2] == [
@@ -788,13 +779,7 @@ def test_which_collective_is_in_flight_is_read_only_where_the_hang_verdict_weigh
     number, bytes, state) is read in a round of its own, of the hung groups whose verdict weighs it: where
     no rank is behind, or most are. At a hang of thousands of ranks, most of what the ranks hold."""
     fake_prometheus["job"] = front_job(issued, nbytes, states)
-    everything = prometheus_source.from_prometheus("http://x", "r")
-    fake_prometheus["asked"].clear()
-    snapshot = prometheus_source.from_prometheus(
-        "http://x", "r", detail_for=culprits, hang_seconds=HANG_SECONDS
-    )
-    verdicts = [v.to_json() for v in diagnosis.diagnose(snapshot, HANG_SECONDS)]
-    assert verdicts == [v.to_json() for v in diagnosis.diagnose(everything, HANG_SECONDS)]
+    everything, snapshot, verdicts = rounds_and_all_at_once(fake_prometheus)
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [verdict]
     asked = fake_prometheus["asked"]
     world = (
