@@ -77,20 +77,25 @@ def test_a_scripts_tensorboard_and_wandb_run_get_the_perf_summary_and_the_captur
         code, report = flare_json("profile", "--targets", job.file_sd_dir, "--ranks", "0", "--steps", "2")
         assert code == 0, report
 
-        def verdict_written() -> EventAccumulator | None:
-            runs = list(logs.glob("rank0/flare-rank0"))
+        def tags_of(rank: int) -> tuple[EventAccumulator | None, dict]:
+            runs = list(logs.glob(f"rank{rank}/flare-rank{rank}"))
             if not runs:
-                return None
+                return None, {"tensors": [], "scalars": []}
             events = EventAccumulator(str(runs[0]), size_guidance={"tensors": 0, "scalars": 0})
             events.Reload()
-            tags = events.Tags()
+            return events, events.Tags()
+
+        def verdict_written() -> EventAccumulator | None:
+            # rank 1's perf summary too: its trackers log it to W&B just before TensorBoard
+            events, tags = tags_of(0)
             both = (
                 "flare/profile/verdict/text_summary" in tags["tensors"]
                 and "flare/step_seconds" in tags["scalars"]
+                and "flare/step_seconds" in tags_of(1)[1]["scalars"]
             )
             return events if both else None
 
-        events = wait_for(verdict_written, 60, "the perf summary and the capture's verdict in rank 0's run")
+        events = wait_for(verdict_written, 60, "the perf summary in both ranks' runs and rank 0's verdict")
         job.release()
         assert job.wait(120) == [0, 0]
     scalars = set(events.Tags()["scalars"])
