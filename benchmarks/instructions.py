@@ -84,16 +84,16 @@ def thread_events(out_dir: Path, pid: int) -> dict[int, dict[str, int]]:
 
 
 def collector_instructions(out_dir: Path, pid: int) -> int | None:
-    """The training thread's instructions in CPython's collector (gc_collect_main's, inclusive); None without
-    callgrind_annotate. Collections are due after every thread's allocations: the exporter's, which wake on
-    the clock (~100 times more often per step under valgrind), bring some forward, run to run."""
+    """The training thread's instructions in CPython's collector (gc_collect_main's, inclusive); None where
+    callgrind_annotate is missing or fails. Collections fall due after every thread's allocations: the
+    exporter's, which wake on the clock (~100 times more per step under valgrind), bring some forward."""
     paths = [*out_dir.glob(f"cg.{pid}.1-01"), *out_dir.glob(f"cg.{pid}-01")]
     if not paths or shutil.which("callgrind_annotate") is None:
         return None
     annotate = ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(paths[0])]
     annotated = subprocess.run(annotate, capture_output=True, timeout=600)
     found = COLLECTOR.search(annotated.stdout)
-    return int(found.group(1).replace(b",", b"")) if found else 0
+    return int(found.group(1).replace(b",", b"")) if found else (None if annotated.returncode else 0)
 
 
 def cycle_estimate(events: dict[str, float]) -> float:
@@ -387,11 +387,11 @@ def run_sides(
             training[side] = training_events_per_step(short, long, steps)
             main_thread, others = per_step(*runs[side], steps)
             results[side] = {"training_thread": main_thread, "other_threads": others}
-            if "GC" in training[side]:
-                results[side]["training_thread_collector"] = training[side]["GC"]
-            collector = f" (collector {training[side]['GC']:,.0f})" if "GC" in training[side] else ""
+            if (collector := training[side].get("GC")) is not None:
+                results[side]["training_thread_collector"] = collector
+            gc = f" (collector {collector:,.0f})" if collector is not None else ""
             print(
-                f"  {side:8} training thread {main_thread:12,.0f} instructions per step{collector}, "
+                f"  {side:8} training thread {main_thread:12,.0f} instructions per step{gc}, "
                 f"other threads {others:10,.0f} ({len(long)} threads)"
             )
     return results, runs, training

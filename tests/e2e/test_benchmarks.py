@@ -234,6 +234,8 @@ def test_the_training_threads_collector_is_its_instructions_inside_gc_collect_ma
     )
     assert collector_instructions(tmp_path, 42) == 1000  # its own 700 and the 300 of what it called
     assert collector_instructions(tmp_path, 43) is None  # no file of that process
+    (tmp_path / "cg.44.1-01").write_text("not a callgrind file\n")
+    assert collector_instructions(tmp_path, 44) is None  # unreadable: no number, not 0
 
 
 def test_the_training_threads_simulated_events_per_step_weigh_l1_misses_and_mispredictions():
